@@ -1,0 +1,45 @@
+# antdt: `make demo` sets up .venv and runs the main job; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# CPU stack by default. A CUDA machine: make setup TORCH="torch==2.13.0 --index-url \
+#   https://download.pytorch.org/whl/cu128" FBGEMM=fbgemm-gpu==1.8.0
+TORCH  ?= torch==2.13.0
+FBGEMM ?= fbgemm-gpu-cpu==1.8.0
+PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+STAMP  := $(VENV)/.antdt-installed
+
+.PHONY: setup demo test test-fast bench typecheck clean constraints
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) $(TORCH)
+	$(PIP) $(FBGEMM)
+	$(PIP) --no-deps torchrec==1.8.0
+	$(PIP) -c constraints.txt -e '.[dev,airflow]'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/antdt demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: setup
+	$(BIN)/antdt bench data --json
+	$(BIN)/antdt bench train --json
+
+typecheck: setup
+	$(BIN)/python -m mypy antdt
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+constraints: setup
+	(head -2 constraints.txt; $(BIN)/pip freeze --exclude-editable \
+	  | grep -v -i -E '^(torch==|torchrec|fbgemm|antdt)') > constraints.txt.new
+	mv constraints.txt.new constraints.txt

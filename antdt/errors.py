@@ -1,0 +1,19 @@
+"""Domain errors: user mistakes, each message says what was expected and what was found."""
+
+from __future__ import annotations
+
+
+class AntdtError(Exception):
+    """Base class of every error antdt raises for bad input or bad use."""
+
+
+class ConfigError(AntdtError):
+    """A job config, schema or dask-config value is malformed (names the key and the value)."""
+
+
+class DataError(AntdtError):
+    """A data file does not match its schema or cannot be read (names file, row group, column)."""
+
+
+class LedgerError(AntdtError):
+    """A sharding-service call is invalid: unknown job, wrong token, offset out of range."""
