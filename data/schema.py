@@ -42,6 +42,18 @@ class SparseFeature:
     multi_valued: bool = False
 
 
+def read_yaml(path: str | Path, what: str) -> Any:
+    """The parsed YAML at ``path`` (a local path or fsspec URL); a missing file or bad YAML raises
+    :class:`ConfigError` naming ``what`` and the path."""
+    try:
+        with fsspec.open(str(path), "r") as fh:
+            return yaml.safe_load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{what} {path} does not exist") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path} is not valid YAML: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class Schema:
     """Label, dense and sparse columns of a ranking dataset (see the module docstring)."""
@@ -77,14 +89,7 @@ class Schema:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Schema:
-        try:
-            with fsspec.open(str(path), "r") as fh:
-                raw = yaml.safe_load(fh)
-        except FileNotFoundError as exc:
-            raise ConfigError(f"schema file {path} does not exist") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"schema file {path} is not valid YAML: {exc}") from exc
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_yaml(path, "schema file"), source=str(path))
 
     @classmethod
     def from_dict(cls, raw: Any, source: str = "<schema>") -> Schema:
@@ -94,7 +99,7 @@ class Schema:
                               f"found {type(raw).__name__}")
         unknown = set(raw) - _SCHEMA_KEYS
         if unknown:
-            raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)}; "
+            raise ConfigError(f"{source}: unknown key(s) {sorted(unknown, key=str)}; "
                               f"expected only {sorted(_SCHEMA_KEYS)}")
         for key in ("label", "sparse"):
             if key not in raw:
@@ -125,7 +130,7 @@ def _sparse_feature(entry: Any, where: str) -> SparseFeature:
                           f"[, type, multi_valued], found {entry!r}")
     unknown = set(entry) - _SPARSE_KEYS
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; expected only "
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown, key=str)}; expected only "
                           f"{sorted(_SPARSE_KEYS)}")
     name = entry.get("name")
     if not isinstance(name, str) or not name:
