@@ -1,0 +1,141 @@
+"""The one training step every mode uses (local, async distributed, sync): model + optimisers.
+
+A :class:`TrainStep` owns a ranking model (:func:`models.ranking.build_model`), whose embedding
+tables are updated by the fused FBGEMM optimiser during backward, and a torch optimiser for the
+dense parameters. One call of :meth:`TrainStep.step` is: forward, BCE-with-logits loss, backward
+(embedding rows updated here), dense optimiser step. It syncs with the device once, to return the
+loss as a float.
+
+    >>> from data.schema import Schema
+    >>> from torchrec.datasets.utils import Batch
+    >>> from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    >>> schema = Schema.from_dict({"label": "y", "dense": ["x"],
+    ...                            "sparse": [{"name": "c", "num_embeddings": 10}]})
+    >>> ts = TrainStep(schema, ModelConfig(embedding_dim=4, dense_arch=(8, 4)), OptimConfig(),
+    ...                device=torch.device("cpu"))
+    >>> batch = Batch(dense_features=torch.zeros(2, 1),
+    ...               sparse_features=KeyedJaggedTensor.from_lengths_sync(
+    ...                   keys=["c"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1])),
+    ...               labels=torch.tensor([0.0, 1.0]))
+    >>> loss = ts.step(batch)
+    >>> ts.rows_trained, ts.predict(batch).shape
+    (2, torch.Size([2]))
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torchrec.datasets.utils import Batch
+
+from antdt.device import pick_device
+from data.schema import Schema
+from models.config import ModelConfig, OptimConfig
+from models.ranking import build_model, dense_parameters, fused_embeddings, sparse_optimizer
+
+logger = logging.getLogger(__name__)
+
+def _dense_optimizer(params: list[nn.Parameter], cfg: OptimConfig,
+                     device: torch.device) -> torch.optim.Optimizer:
+    """The torch optimiser of the dense part; ``fused`` kernels (one pass over all parameters)
+    keep its cost per step small next to forward/backward on CPU and GPU alike."""
+    fused = device.type in ("cpu", "cuda")
+    if cfg.dense_optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.dense_lr, eps=cfg.eps,
+                                weight_decay=cfg.weight_decay, fused=fused)
+    if cfg.dense_optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=cfg.dense_lr, eps=cfg.eps,
+                                   weight_decay=cfg.weight_decay, fused=fused)
+    return torch.optim.SGD(params, lr=cfg.dense_lr, weight_decay=cfg.weight_decay, fused=fused)
+
+
+def _clone(obj: Any) -> Any:
+    """Deep copy of a (nested) state dict that clones every tensor: a snapshot that training
+    does not change afterwards (state dicts are otherwise views of the live tensors)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, Mapping):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(v) for v in obj)
+    return obj
+
+
+class TrainStep:
+    """Model + dense optimiser (+ the fused sparse optimiser inside the model) on one device.
+
+    Deterministic: the same ``seed`` and the same batches give the same weights (the seed only
+    drives initialisation, in a forked RNG, so the caller's RNG stream is left alone).
+    ``rows_trained`` counts the rows of every batch passed to :meth:`step`.
+    """
+
+    def __init__(self, schema: Schema, model_cfg: ModelConfig, optim_cfg: OptimConfig, *,
+                 device: torch.device | None = None, seed: int = 0) -> None:
+        self.schema = schema
+        self.model_cfg = model_cfg
+        self.optim_cfg = optim_cfg
+        self.device = device if device is not None else pick_device()
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(seed)
+            self.model = build_model(schema, model_cfg, optim_cfg, self.device)
+        self.dense_optimizer = _dense_optimizer(
+            [p for _, p in dense_parameters(self.model)], optim_cfg, self.device)
+        self.rows_trained = 0
+        self.model.train()
+        logger.info("train step on %s (seed %d): %s sparse + %s dense optimiser",
+                    self.device, seed, optim_cfg.sparse_optimizer, optim_cfg.dense_optimizer)
+
+    def _on_device(self, batch: Batch) -> Batch:
+        if batch.labels.device == self.device:
+            return batch
+        return batch.to(self.device, non_blocking=True)
+
+    def step(self, batch: Batch) -> float:
+        """Train on one batch; return its mean BCE loss (before the update)."""
+        batch = self._on_device(batch)
+        if not self.model.training:
+            self.model.train()
+        logits = self.model(batch.dense_features, batch.sparse_features)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # the fused optimiser updates the touched embedding rows here
+        self.dense_optimizer.step()
+        self.rows_trained += batch.labels.shape[0]
+        return loss.item()
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> torch.Tensor:
+        """Click probabilities ``(B,)`` float32 on this step's device (eval mode, no gradient,
+        no update)."""
+        batch = self._on_device(batch)
+        if self.model.training:
+            self.model.eval()
+        return torch.sigmoid(self.model(batch.dense_features, batch.sparse_features))
+
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot (cloned tensors) to resume from exactly: model weights, the dense optimiser's
+        state, the fused sparse optimiser's state (e.g. row-wise Adagrad momentum per row) and
+        ``rows_trained``."""
+        tables = fused_embeddings(self.model)
+        return _clone({
+            "model": self.model.state_dict(),
+            "dense_optimizer": self.dense_optimizer.state_dict(),
+            "sparse_optimizer": sparse_optimizer(self.model).state_dict(),
+            # FBGEMM's step counter (Adam's bias correction); not part of the keyed state.
+            "sparse_iter": [m._emb_module.iter for m in tables._emb_modules],
+            "rows_trained": self.rows_trained,
+        })
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` snapshot in place (the tables' storage does not move)."""
+        self.model.load_state_dict(state["model"])
+        self.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        sparse_optimizer(self.model).load_state_dict(state["sparse_optimizer"])
+        for module, it in zip(fused_embeddings(self.model)._emb_modules, state["sparse_iter"]):
+            module._emb_module.iter.copy_(it)
+            module._emb_module.iter_cpu.zero_()  # re-read from `iter` on the next forward
+        self.rows_trained = int(state["rows_trained"])
