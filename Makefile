@@ -20,8 +20,13 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PIP) -c constraints.txt -e '.[dev,airflow]'
 	touch $(STAMP)
 
-demo: setup
-	$(BIN)/antdt demo
+DEMO_DATA := demo-data/synthetic
+
+demo: setup $(DEMO_DATA)/oracle.json
+	$(BIN)/antdt train jobs/synthetic.yaml
+
+$(DEMO_DATA)/oracle.json: | $(STAMP)
+	$(BIN)/antdt data synth $(DEMO_DATA) --rows 2800000 --days 7 --seed 0
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -1,18 +1,40 @@
 """`antdt bench ...`: benchmarks that measure their baseline in the same run.
 
-Each module here adds one sub-command to :data:`bench` and prints JSON with ``--json``.
+Each sub-command lives in its own module here, defines one click command named ``command``,
+prints JSON with ``--json``, and is listed in :data:`COMMANDS` (imported only when run).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import statistics
-from typing import Any, Callable
+from typing import Any, Sequence
 
 import click
 
+COMMANDS = {
+    "data": "pipeline.bench.data",
+    "sharding": "pipeline.bench.sharding",
+    "train": "pipeline.bench.train",
+}
 
-@click.group()
+
+class _LazyGroup(click.Group):
+    """A group whose sub-commands are imported on first use (torch is slow to import)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        command = importlib.import_module(COMMANDS[cmd_name]).command
+        assert isinstance(command, click.Command)
+        return command
+
+
+@click.group(cls=_LazyGroup)
 def bench() -> None:
     """Benchmarks; each measures its baseline in the same run and reports ratios and medians."""
 
@@ -26,6 +48,6 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
         click.echo(f"{key}: {value}")
 
 
-def median_of(repeats: int, measure: Callable[[], float]) -> float:
-    """Median of ``repeats`` calls of ``measure`` (the machines are noisy: never trust one run)."""
-    return statistics.median(measure() for _ in range(repeats))
+def median_of(samples: Sequence[float]) -> float:
+    """The median of repeated measurements (the machines are noisy: never trust one run)."""
+    return float(statistics.median(samples))

@@ -1,0 +1,160 @@
+"""The ``antdt`` command line: data tools, training, benchmarks.
+
+Long work shows a progress bar on stderr; ``--json`` prints one machine-readable object on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+import click
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+
+from antdt.errors import AntdtError
+from pipeline.bench import bench
+
+stderr = Console(stderr=True)
+
+
+class _Bar:
+    """One task of a rich progress display, as the :class:`ProgressSink` jobs report to."""
+
+    def __init__(self, progress: Progress, task: TaskID) -> None:
+        self._progress, self._task = progress, task
+
+    def total(self, n: int) -> None:
+        self._progress.update(self._task, total=n)
+
+    def advance(self, n: int) -> None:
+        self._progress.advance(self._task, n)
+
+
+@contextmanager
+def progress_bar(description: str, total: int | None = None, *, enabled: bool = True
+                 ) -> Iterator[_Bar]:
+    """A rich progress bar on stderr. Hidden when not ``enabled`` (``--json``)."""
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=stderr, disable=not enabled) as progress:
+        yield _Bar(progress, progress.add_task(description, total=total))
+
+
+class _Main(click.Group):
+    """Turns domain errors into one clear line and exit code 2, never a traceback."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except AntdtError as exc:
+            stderr.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Main)
+@click.option("-v", "--verbose", count=True, help="-v: info logs, -vv: debug logs.")
+def cli(verbose: int) -> None:
+    """antdt: straggler-tolerant training of ranking models on Dask."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(name)s: %(message)s", datefmt="[%X]",
+                        handlers=[RichHandler(console=stderr, show_path=False)])
+
+
+@cli.group()
+def data() -> None:
+    """Generate and validate Parquet datasets."""
+
+
+@data.command("synth")
+@click.argument("out")
+@click.option("--rows", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+              help="Rows in all, over all days.")
+@click.option("--days", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--row-group-rows", type=click.IntRange(min=1), default=65536, show_default=True)
+@click.option("--files-per-day", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+def data_synth(out: str, rows: int, days: int, seed: int, row_group_rows: int,
+               files_per_day: int, as_json: bool) -> None:
+    """Write Criteo-like synthetic data with a hidden true model to OUT (plus schema and oracle)."""
+    from data.synth import generate
+
+    with progress_bar("synthesising rows", rows, enabled=not as_json) as bar:
+        result = generate(out, rows=rows, days=days, seed=seed, row_group_rows=row_group_rows,
+                          files_per_day=files_per_day, progress=bar.advance)
+    summary = {"out": out, "rows": result.rows, "files": len(result.files),
+               "oracle_auc": {d: v["auc"] for d, v in result.oracle["per_day"].items()}}
+    if as_json:
+        click.echo(json.dumps(summary, sort_keys=True))
+    else:
+        click.echo(f"wrote {result.rows:,} rows in {len(result.files)} files to {out}")
+        for day, auc in summary["oracle_auc"].items():
+            click.echo(f"  {day}: oracle AUC {auc:.4f}")
+
+
+@data.command("validate")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--schema", "schema_path", required=True, help="The schema YAML.")
+@click.option("--json", "as_json", is_flag=True, help="Print the problems as JSON.")
+def data_validate(paths: tuple[str, ...], schema_path: str, as_json: bool) -> None:
+    """Check every file's schema, readability and label values; exit 1 when any is bad."""
+    from data.files import expand
+    from data.schema import Schema
+    from data.validate import validate
+
+    schema = Schema.from_yaml(schema_path)
+    files = expand(list(paths))
+    report = validate(files, schema)
+    if as_json:
+        click.echo(json.dumps({"ok": report.ok, "files": len(files),
+                               "good_rows": report.good_rows, "bad_rows": report.bad_rows,
+                               "problems": [p._asdict() for p in report.problems]},
+                              sort_keys=True))
+    else:
+        for problem in report.problems:
+            click.echo(str(problem), err=True)
+        verdict = "ok" if report.ok else f"{len(report.problems)} problem(s)"
+        click.echo(f"{len(files)} file(s), {report.good_rows:,} good rows, "
+                   f"{report.bad_rows:,} bad rows: {verdict}")
+    sys.exit(0 if report.ok else 1)
+
+
+@cli.command()
+@click.argument("job_path", metavar="JOB.yaml")
+@click.option("--local", "mode", flag_value="local", default=True,
+              help="Train in this process (the reference path).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config value, e.g. --set train.epochs=2 (repeatable).")
+@click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: the job's, "
+              "else MLflow's default store).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def train(job_path: str, mode: str, overrides: tuple[str, ...], tracking_uri: str | None,
+          as_json: bool) -> None:
+    """Train the model of JOB.yaml, evaluate it and track the run in MLflow."""
+    from pipeline.config import load_job
+    from pipeline.local import train_local
+
+    if tracking_uri:
+        overrides = (*overrides, f"mlflow.tracking_uri={tracking_uri}")
+    job = load_job(job_path, overrides)
+    with progress_bar(f"training ({mode})", enabled=not as_json) as bar:
+        summary = train_local(job, progress=bar)
+    if as_json:
+        click.echo(summary.to_json())
+    else:
+        for line in summary.lines():
+            click.echo(line)
+
+
+cli.add_command(bench)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli()

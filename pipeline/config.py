@@ -1,0 +1,198 @@
+"""The job config: one YAML file in, one validated, typed :class:`JobConfig` out.
+
+::
+
+    data:
+      train: demo-data/synthetic/date=2026-11-0[1-6]   # paths, globs or fsspec URLs (str or list)
+      validation: demo-data/synthetic/date=2026-11-07
+      schema: demo-data/synthetic/schema.yaml
+      on_bad_data: fail            # or quarantine: skip bad row groups, report their rows
+    model: {arch: dlrm, embedding_dim: 16}
+    train: {batch_size: 4096, epochs: 1, seed: 0, sparse_lr: 0.05, dense_lr: 0.001}
+    mlflow: {experiment: antdt, tracking_uri: null}
+
+Relative local paths are read from the current working directory. Unknown keys are rejected
+with the key's full name, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import yaml
+
+from antdt.errors import ConfigError
+from data.schema import read_yaml
+from models.config import ModelConfig, OptimConfig
+
+OnBadData = Literal["fail", "quarantine"]
+_OPTIM_KEYS = {f.name for f in dataclasses.fields(OptimConfig)}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: tuple[str, ...]
+    validation: tuple[str, ...]
+    schema: str
+    on_bad_data: OnBadData = "fail"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_size: int = 4096
+    epochs: int = 1
+    seed: int = 0
+    threads: int = 1
+    log_every: int = 50
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    experiment: str = "antdt"
+    tracking_uri: str | None = None
+    registered_model: str | None = None
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    name: str
+    data: DataConfig
+    model: ModelConfig
+    train: TrainConfig
+    mlflow: MlflowConfig
+    source: str = "<job>"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain data (what is logged to MLflow and written back as YAML)."""
+        train = {k: v for k, v in dataclasses.asdict(self.train).items() if k != "optim"}
+        train.update(self.train.optim.to_dict())
+        return {
+            "name": self.name,
+            "data": {"train": list(self.data.train), "validation": list(self.data.validation),
+                     "schema": self.data.schema, "on_bad_data": self.data.on_bad_data},
+            "model": self.model.to_dict(),
+            "train": train,
+            "mlflow": dataclasses.asdict(self.mlflow),
+        }
+
+
+def load_job(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
+    """Read a job YAML, apply ``key.sub=value`` overrides (values parsed as YAML), validate."""
+    raw = read_yaml(path, "job file")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, found {type(raw).__name__}")
+    for item in overrides:
+        apply_override(raw, item)
+    default_name = Path(str(path)).stem
+    return job_from_dict(raw, source=str(path), default_name=default_name)
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set ``a.b.c=value`` in a nested dict in place; the value is parsed as YAML."""
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set expects key.path=value, found {item!r}")
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a section (it holds {child!r})")
+        node = child
+    node[parts[-1]] = yaml.safe_load(text)
+
+
+def job_from_dict(raw: Mapping[str, Any], source: str = "<job>",
+                  default_name: str = "job") -> JobConfig:
+    _reject_unknown(raw, {"name", "data", "model", "train", "mlflow"}, source)
+    if "data" not in raw:
+        raise ConfigError(f"{source}: missing section 'data' (train, validation, schema)")
+    name = raw.get("name", default_name)
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{source}: 'name' must be a non-empty string, found {name!r}")
+    return JobConfig(
+        name=name,
+        data=_data(_section(raw, "data", source), f"{source}: data"),
+        model=ModelConfig.from_dict(_section(raw, "model", source), where=f"{source}: model"),
+        train=_train(_section(raw, "train", source), f"{source}: train"),
+        mlflow=_mlflow(_section(raw, "mlflow", source), f"{source}: mlflow"),
+        source=source,
+    )
+
+
+def _section(raw: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
+    value = raw.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: section {key!r} must be a mapping, found {value!r}")
+    return value
+
+
+def _reject_unknown(raw: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    unknown = set(raw) - allowed
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; expected only {sorted(allowed)}")
+
+
+def _paths(value: Any, where: str) -> tuple[str, ...]:
+    if isinstance(value, str) and value:
+        return (value,)
+    if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
+        return tuple(value)
+    raise ConfigError(f"{where}: expected a path, glob or URL (or a list of them), found {value!r}")
+
+
+def _data(raw: Mapping[str, Any], where: str) -> DataConfig:
+    _reject_unknown(raw, {"train", "validation", "schema", "on_bad_data"}, where)
+    for key in ("train", "validation", "schema"):
+        if key not in raw:
+            raise ConfigError(f"{where}: missing key {key!r}")
+    schema = raw["schema"]
+    if not isinstance(schema, str) or not schema:
+        raise ConfigError(f"{where}.schema: expected the path of a schema YAML, found {schema!r}")
+    on_bad = raw.get("on_bad_data", "fail")
+    if on_bad not in ("fail", "quarantine"):
+        raise ConfigError(f"{where}.on_bad_data: expected 'fail' or 'quarantine', found {on_bad!r}")
+    return DataConfig(train=_paths(raw["train"], f"{where}.train"),
+                      validation=_paths(raw["validation"], f"{where}.validation"),
+                      schema=schema, on_bad_data=on_bad)
+
+
+def _positive_int(raw: Mapping[str, Any], key: str, default: int, where: str,
+                  minimum: int = 1) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{where}.{key}: expected an integer >= {minimum}, found {value!r}")
+    return value
+
+
+def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
+    own = {"batch_size", "epochs", "seed", "threads", "log_every"}
+    _reject_unknown(raw, own | _OPTIM_KEYS, where)
+    defaults = TrainConfig()
+    optim = OptimConfig.from_dict({k: v for k, v in raw.items() if k in _OPTIM_KEYS}, where=where)
+    return TrainConfig(
+        batch_size=_positive_int(raw, "batch_size", defaults.batch_size, where),
+        epochs=_positive_int(raw, "epochs", defaults.epochs, where),
+        seed=_positive_int(raw, "seed", defaults.seed, where, minimum=0),
+        threads=_positive_int(raw, "threads", defaults.threads, where),
+        log_every=_positive_int(raw, "log_every", defaults.log_every, where),
+        optim=optim,
+    )
+
+
+def _mlflow(raw: Mapping[str, Any], where: str) -> MlflowConfig:
+    _reject_unknown(raw, {"experiment", "tracking_uri", "registered_model"}, where)
+
+    def text(key: str, default: str | None, optional: bool) -> str | None:
+        value = raw.get(key, default)
+        if (value is None and optional) or (isinstance(value, str) and value):
+            return value
+        raise ConfigError(f"{where}.{key}: expected a non-empty string, found {value!r}")
+
+    return MlflowConfig(experiment=text("experiment", "antdt", optional=False) or "antdt",
+                        tracking_uri=text("tracking_uri", None, optional=True),
+                        registered_model=text("registered_model", None, optional=True))

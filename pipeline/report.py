@@ -1,0 +1,83 @@
+"""What a finished job reports: the summary printed by the CLI, logged to MLflow, read by DAGs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import posixpath
+import re
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import fsspec
+
+_DATE = re.compile(r"date=(\d{4}-\d{2}-\d{2})")
+
+
+class ProgressSink(Protocol):
+    """Where a job reports its progress in rows (the CLI's progress bar, or nothing)."""
+
+    def total(self, n: int) -> None: ...
+
+    def advance(self, n: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """The outcome of one training job (``--json`` prints exactly these keys)."""
+
+    run_id: str
+    mode: str
+    workers: int
+    auc: float
+    logloss: float
+    oracle_auc: float | None
+    rows_trained: int
+    rows_lost: int
+    rows_duplicated: int
+    rows_quarantined: int
+    wall_s: float
+    samples_per_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def metrics(self) -> dict[str, float]:
+        """The numeric fields, as final MLflow metrics."""
+        return {k: float(v) for k, v in self.to_dict().items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    def lines(self) -> list[str]:
+        """A human-readable summary, AUC next to the best any model can reach."""
+        best = f"   (oracle {self.oracle_auc:.4f}, gap {self.oracle_auc - self.auc:.4f})" \
+            if self.oracle_auc is not None else ""
+        return [
+            f"run {self.run_id} ({self.mode}, {self.workers} worker{'s' * (self.workers != 1)})",
+            f"AUC      {self.auc:.4f}{best}",
+            f"logloss  {self.logloss:.4f}",
+            f"rows     trained {self.rows_trained:,}  lost {self.rows_lost:,}  "
+            f"duplicated {self.rows_duplicated:,}  quarantined {self.rows_quarantined:,}",
+            f"speed    {self.samples_per_s:,.0f} samples/s, {self.wall_s:.1f} s wall",
+        ]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def oracle_auc(schema_path: str, files: Sequence[str]) -> float | None:
+    """The oracle AUC of ``files`` from ``oracle.json`` beside the schema (synthetic data only).
+
+    The oracle stores one AUC per day (``date=YYYY-MM-DD`` partitions); files spanning several
+    days get the row-weighted mean. ``None`` when there is no oracle or a day is not in it.
+    """
+    oracle_path = posixpath.join(posixpath.dirname(schema_path), "oracle.json")
+    try:
+        with fsspec.open(oracle_path, "r") as fh:
+            per_day = json.load(fh)["per_day"]
+    except FileNotFoundError:
+        return None
+    days = {m.group(1) for f in files if (m := _DATE.search(f))}
+    if not days or not days <= set(per_day):
+        return None
+    weights = [per_day[d]["rows"] for d in sorted(days)]
+    return sum(per_day[d]["auc"] * w for d, w in zip(sorted(days), weights)) / sum(weights)

@@ -1,0 +1,36 @@
+"""Fixtures for the pipeline tests: a small synthetic dataset and a job over it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from data.synth import SynthResult, generate
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> SynthResult:
+    """Three days of synthetic data, small row groups so every path has several."""
+    out = tmp_path_factory.mktemp("synthetic")
+    return generate(str(out), rows=60_000, days=3, seed=7, row_group_rows=4096, files_per_day=2)
+
+
+@pytest.fixture
+def job_file(tmp_path: Path, tiny_data: SynthResult) -> Path:
+    """A job over ``tiny_data`` (two days to train, one to validate) tracked in a temp store."""
+    out = Path(tiny_data.out)
+    job = {
+        "name": "tiny",
+        "data": {"train": [str(out / "date=2026-11-01"), str(out / "date=2026-11-02")],
+                 "validation": str(out / "date=2026-11-03"),
+                 "schema": str(out / "schema.yaml")},
+        "model": {"arch": "dlrm", "embedding_dim": 8, "dense_arch": [16, 8],
+                  "over_arch": [16, 1]},
+        "train": {"batch_size": 512, "epochs": 1, "seed": 0, "log_every": 10},
+        "mlflow": {"experiment": "tests", "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
