@@ -1,0 +1,48 @@
+"""Framework defaults: ``antdt/antdt.yaml`` merged into ``dask.config`` on import.
+
+Read values with ``dask.config.get("antdt.sharding.commit-interval")``; override them like any
+Dask setting (``DASK_ANTDT__SHARDING__COMMIT_INTERVAL=2s``, a YAML file in ``~/.config/dask``, or
+``dask.config.set``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import dask.config
+import dask.utils
+import yaml
+
+from antdt.errors import ConfigError
+
+_PATH = os.path.join(os.path.dirname(__file__), "antdt.yaml")
+
+with open(_PATH) as _file:
+    defaults = yaml.safe_load(_file)
+
+dask.config.update_defaults(defaults)
+
+
+def seconds(key: str) -> float:
+    """A duration setting (``"1s"``, ``"250ms"`` or a number of seconds) as float seconds."""
+    value = dask.config.get(key, default=None)
+    if value is None:  # a config reset after import (e.g. Dask's test harness) drops our keys
+        value = _default(key)
+    try:
+        parsed = dask.utils.parse_timedelta(value, default="seconds")
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"dask config {key}: expected a duration like '1s', found {value!r}") \
+            from e
+    if parsed is None:
+        raise ConfigError(f"dask config {key}: expected a duration like '1s', found None")
+    return float(parsed)
+
+
+def _default(key: str) -> object:
+    """The package default of a dotted ``key``, or None."""
+    value: object = defaults
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value

@@ -1,0 +1,424 @@
+"""The sharding service on the Dask scheduler: one :class:`~antdt.sharding.ShardLedger` per job,
+reached through named RPC handlers.
+
+```
+ driver:  antdt_register_job / antdt_job_state / antdt_checkpoint / antdt_restore / antdt_stop_job
+ agents:  antdt_lease (+ piggybacked commits) / antdt_commit / antdt_release / antdt_quarantine
+ control: antdt_revoke / antdt_split
+                 │
+                 ▼
+ ShardingService (SchedulerPlugin) ── jobs: {name: ShardLedger} ── remove_worker / restart
+```
+
+Every handler validates its arguments (types, sizes, known job, token) and answers a plain dict:
+``{"status": "OK", ...}`` or ``{"status": "error", "message": ...}``; a malformed call changes
+nothing and leaves other jobs alone. Jobs are isolated: each has its own ledger, and a worker that
+leaves the cluster loses its leases in every job.
+
+Wire form of the ledger's replies (``kind`` first)::
+
+    lease:  {"kind": "lease", "lease_id", "token", "worker", "epoch", "path", "row_group",
+             "start", "stop", "claim_stop"} | {"kind": "wait"} | {"kind": "stop", "reason"}
+    commit: {"kind": "claim", "lease_id", "stop"} | {"kind": "revoked" | "finished", "lease_id",
+             "stop", "retired"} | {"kind": "stop", "reason"} | {"kind": "error", "message"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, ParamSpec
+
+import fsspec
+from distributed import Client, Scheduler
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.metrics import time
+
+from antdt import config
+from antdt.errors import LedgerError
+from antdt.sharding import (Claim, CommitEvent, CommitReply, Finished, Lease, LeaseReply,
+                            QuarantineSpec, Revoked, RowGroup, ShardLedger, Wait,
+                            write_atomic)
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "antdt-sharding"
+"""``scheduler.plugins[PLUGIN_NAME]``."""
+
+MAX_NAME = 256
+MAX_ROW_GROUPS = 10_000_000
+MAX_COMMITS = 1024
+MAX_STATS = 32
+MAX_REASON = 2000
+
+Reply = dict[str, Any]
+P = ParamSpec("P")
+
+
+def _handler(fn: Callable[P, Awaitable[Reply]]) -> Callable[P, Awaitable[Reply]]:
+    """Turn a :class:`LedgerError` raised by a handler into an error reply (the caller sees
+    ``{"status": "error", "message": ...}``); anything else is a bug and propagates."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> Reply:
+        try:
+            return await fn(*args, **kwargs)
+        except LedgerError as e:
+            logger.info("%s refused: %s", fn.__name__, e)
+            return {"status": "error", "message": str(e)}
+
+    return wrapper
+
+
+def _name(what: str, value: object) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME:
+        raise LedgerError(f"{what} must be a str of 1 to {MAX_NAME} characters, found "
+                          f"{str(value)[:80]!r} ({type(value).__name__})")
+    return value
+
+
+def _optional_int(what: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LedgerError(f"{what} must be an int or None, found {value!r}")
+    return value
+
+
+def _seconds(what: str, value: object, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 <= value <= high:
+        raise LedgerError(f"{what} must be a number of seconds in [0, {high}], found {value!r}")
+    return float(value)
+
+
+def _stats(value: object) -> dict[str, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or len(value) > MAX_STATS:
+        raise LedgerError(f"stats must be a mapping of at most {MAX_STATS} entries, found "
+                          f"{str(value)[:80]!r}")
+    for key, number in value.items():
+        if not isinstance(key, str) or len(key) > MAX_NAME or isinstance(number, bool) \
+                or not isinstance(number, (int, float)) or not math.isfinite(number):
+            raise LedgerError(f"stats entries must be str -> finite number, found "
+                              f"{key!r}: {number!r}")
+    return dict(value)
+
+
+def lease_msg(reply: LeaseReply) -> Reply:
+    """A ledger lease reply in wire form (see the module docstring)."""
+    if isinstance(reply, Lease):
+        return {"kind": "lease", "lease_id": reply.lease_id, "token": reply.token,
+                "worker": reply.worker, "epoch": reply.epoch, "path": reply.path,
+                "row_group": reply.row_group, "start": reply.start, "stop": reply.stop,
+                "claim_stop": reply.claim_stop}
+    if isinstance(reply, Wait):
+        return {"kind": "wait"}
+    return {"kind": "stop", "reason": reply.reason}
+
+
+def commit_msg(reply: CommitReply) -> Reply:
+    """A ledger commit reply in wire form (see the module docstring)."""
+    if isinstance(reply, Claim):
+        return {"kind": "claim", "lease_id": reply.lease_id, "stop": reply.stop}
+    if isinstance(reply, (Revoked, Finished)):
+        kind = "revoked" if isinstance(reply, Revoked) else "finished"
+        return {"kind": kind, "lease_id": reply.lease_id, "stop": reply.stop,
+                "retired": reply.retired}
+    return {"kind": "stop", "reason": reply.reason}
+
+
+class ShardingService(SchedulerPlugin):
+    """Owns one ledger per job and serves the ``antdt_*`` sharding handlers.
+
+    ``antdt_lease`` first applies the commits it carries (so an agent finishing a lease and taking
+    the next one sends one RPC), then leases; when nothing is leasable yet but the job is not over
+    it waits up to ``wait_s`` (default ``antdt.sharding.lease-wait``) for rows to be requeued.
+    Subscribe with :meth:`subscribe` to get every job's :class:`~antdt.sharding.CommitEvent`.
+    """
+
+    name = PLUGIN_NAME
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, ShardLedger] = {}
+        self._changed: dict[str, asyncio.Event] = {}
+        self._listeners: list[Callable[[str, CommitEvent], None]] = []
+        self.scheduler: Scheduler | None = None
+
+    async def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers.update({
+            "antdt_register_job": self.register_job,
+            "antdt_lease": self.lease,
+            "antdt_commit": self.commit,
+            "antdt_release": self.release,
+            "antdt_quarantine": self.quarantine,
+            "antdt_revoke": self.revoke,
+            "antdt_split": self.split,
+            "antdt_job_state": self.job_state,
+            "antdt_checkpoint": self.checkpoint,
+            "antdt_restore": self.restore,
+            "antdt_stop_job": self.stop_job,
+            "antdt_forget_job": self.forget_job,
+        })
+
+    def subscribe(self, listener: Callable[[str, CommitEvent], None]) -> None:
+        """Call ``listener(job, event)`` after every commit of every job (present and future)."""
+        self._listeners.append(listener)
+        for job, ledger in self.jobs.items():
+            ledger.subscribe(functools.partial(listener, job))
+
+    # ---- driver -------------------------------------------------------------------------------
+
+    @_handler
+    async def register_job(self, job: str, row_groups: Sequence[RowGroup], shard_rows: int,
+                           batch_rows: int, epochs: int = 1, seed: int = 0,
+                           quarantine: Sequence[QuarantineSpec] | None = None,
+                           max_claim_rows: int | None = None) -> Reply:
+        """Create ``job``'s ledger (see :class:`~antdt.sharding.ShardLedger` for the fields)."""
+        job = _name("job", job)
+        if job in self.jobs:
+            raise LedgerError(f"job {job!r} is already registered; forget it first")
+        if not isinstance(row_groups, (list, tuple)) or len(row_groups) > MAX_ROW_GROUPS:
+            raise LedgerError(f"job {job!r}: row_groups must be a list of at most "
+                              f"{MAX_ROW_GROUPS} (path, row_group, num_rows), found "
+                              f"{type(row_groups).__name__}")
+        if quarantine is not None and not isinstance(quarantine, (list, tuple)):
+            raise LedgerError(f"job {job!r}: quarantine must be a list of (path, row_group | None,"
+                              f" reason), found {type(quarantine).__name__}")
+        ledger = ShardLedger(row_groups, shard_rows=shard_rows, batch_rows=batch_rows,
+                             clock=time, epochs=epochs, seed=seed, quarantine=quarantine or (),
+                             max_claim_rows=max_claim_rows, job=job)
+        self._add(job, ledger)
+        logger.info("job %s registered: %d shards, %d rows x %d epochs, %d quarantined", job,
+                    ledger.num_shards, ledger.total_rows, ledger.epochs, ledger.rows_quarantined)
+        return {"status": "OK", **ledger.summary()}
+
+    @_handler
+    async def job_state(self, job: str, leases: bool = False) -> Reply:
+        """Counters of ``job``; with ``leases`` also its live leases."""
+        ledger = self._ledger(job)
+        reply: Reply = {"status": "OK", **ledger.summary()}
+        if leases:
+            reply["live"] = [status._asdict() for status in ledger.leases()]
+        return reply
+
+    @_handler
+    async def checkpoint(self, job: str, path: str) -> Reply:
+        """Save ``job``'s ledger to the fsspec ``path`` (atomic on local disks)."""
+        data = self._ledger(job).to_bytes()
+        path = _name("path", path)
+        await asyncio.to_thread(write_atomic, path, data)
+        return {"status": "OK", "bytes": len(data), "path": path}
+
+    @_handler
+    async def restore(self, job: str, path: str) -> Reply:
+        """Create ``job`` from a checkpoint; leases live at the checkpoint are queued again."""
+        job = _name("job", job)
+        path = _name("path", path)
+        if job in self.jobs:
+            raise LedgerError(f"job {job!r} is already registered; forget it before restoring")
+        try:
+            data = await asyncio.to_thread(_read, path)
+        except FileNotFoundError as e:
+            raise LedgerError(f"job {job!r}: checkpoint {path} does not exist") from e
+        ledger = ShardLedger.from_bytes(data, clock=time)
+        ledger.job = job
+        self._add(job, ledger)
+        logger.info("job %s restored from %s: %s", job, path, ledger.summary())
+        return {"status": "OK", **ledger.summary()}
+
+    @_handler
+    async def stop_job(self, job: str, reason: str = "stopped by the driver") -> Reply:
+        """Stop ``job`` early (its rows not done count as lost); agents get ``stop``."""
+        ledger = self._ledger(job)
+        ledger.stop(_name("reason", reason))
+        self._notify(job)
+        return {"status": "OK", **ledger.summary()}
+
+    @_handler
+    async def forget_job(self, job: str) -> Reply:
+        """Drop ``job`` and return its final counters."""
+        ledger = self._ledger(job)
+        del self.jobs[job]
+        self._notify(job)
+        self._changed.pop(job, None)
+        return {"status": "OK", **ledger.summary()}
+
+    # ---- agents -------------------------------------------------------------------------------
+
+    @_handler
+    async def lease(self, job: str, worker: str, claim_rows: int | None = None,
+                    commits: Sequence[Mapping[str, Any]] | None = None,
+                    wait_s: float | None = None) -> Reply:
+        """Apply ``commits`` (see :meth:`commit`), then lease the next rows for ``worker``."""
+        ledger = self._ledger(job)
+        worker = _name("worker", worker)
+        claim_rows = _optional_int("claim_rows", claim_rows)
+        wait = config.seconds("antdt.sharding.lease-wait") if wait_s is None else \
+            _seconds("wait_s", wait_s, 300.0)
+        assert self.scheduler is not None
+        if worker not in self.scheduler.workers:
+            raise LedgerError(f"job {job!r}: {worker!r} is not a worker of this cluster")
+        replies = self._commits(ledger, commits)
+        deadline = time() + wait
+        while True:
+            reply = ledger.lease(worker, claim_rows)
+            left = deadline - time()
+            if not isinstance(reply, Wait) or left <= 0:
+                break
+            event = self._changed[job]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), left)
+            ledger = self._ledger(job)
+        return {"status": "OK", "replies": replies, "lease": lease_msg(reply)}
+
+    @_handler
+    async def commit(self, job: str, commits: Sequence[Mapping[str, Any]]) -> Reply:
+        """Apply each commit ``{"lease_id", "token", "offset", "synced_offset", "stats"?,
+        "claim_rows"?}``; ``replies[i]`` answers ``commits[i]`` (an error for one commit changes
+        nothing for that lease and does not stop the others)."""
+        return {"status": "OK", "replies": self._commits(self._ledger(job), commits)}
+
+    @_handler
+    async def release(self, job: str, lease_id: int, token: str) -> Reply:
+        """The holder gives its lease up; rows from its synced offset are queued again."""
+        rows = self._ledger(job).release(lease_id, token)
+        self._notify(job)
+        return {"status": "OK", "rows": rows}
+
+    @_handler
+    async def quarantine(self, job: str, lease_id: int, token: str, stop: int,
+                         reason: str) -> Reply:
+        """The holder could not read rows ``[offset, stop)`` of its lease."""
+        if not isinstance(reason, str) or len(reason) > MAX_REASON:
+            raise LedgerError(f"reason must be a str of at most {MAX_REASON} characters")
+        reply = self._ledger(job).quarantine(lease_id, token, stop, reason)
+        self._notify(job)
+        return {"status": "OK", "reply": commit_msg(reply)}
+
+    # ---- controller ---------------------------------------------------------------------------
+
+    @_handler
+    async def revoke(self, job: str, lease_id: int) -> Reply:
+        piece = self._ledger(job).revoke(lease_id)
+        self._notify(job)
+        return {"status": "OK", "pieces": [list(piece)] if piece else []}
+
+    @_handler
+    async def split(self, job: str, lease_id: int, parts: int) -> Reply:
+        pieces = self._ledger(job).split(lease_id, parts)
+        self._notify(job)
+        return {"status": "OK", "pieces": [list(piece) for piece in pieces]}
+
+    # ---- cluster events -----------------------------------------------------------------------
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str,
+                      **kwargs: Any) -> None:
+        for job, ledger in self.jobs.items():
+            if ledger.remove_worker(worker):
+                self._notify(job)
+
+    def restart(self, scheduler: Scheduler) -> None:
+        """Every task is forgotten, so every agent is gone: queue all leases again."""
+        for job, ledger in self.jobs.items():
+            for worker in ledger.workers():
+                ledger.remove_worker(worker)
+            self._notify(job)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _add(self, job: str, ledger: ShardLedger) -> None:
+        for listener in self._listeners:
+            ledger.subscribe(functools.partial(listener, job))
+        self.jobs[job] = ledger
+        self._changed[job] = asyncio.Event()
+
+    def _ledger(self, job: object) -> ShardLedger:
+        ledger = self.jobs.get(_name("job", job))
+        if ledger is None:
+            raise LedgerError(f"unknown job {job!r}; registered jobs: {sorted(self.jobs)[:20]}")
+        return ledger
+
+    def _notify(self, job: str) -> None:
+        """Wake the lease calls waiting on ``job`` (rows were queued, or its state changed)."""
+        event = self._changed.get(job)
+        if event is not None:
+            event.set()
+            self._changed[job] = asyncio.Event()
+
+    def _commits(self, ledger: ShardLedger,
+                 commits: Sequence[Mapping[str, Any]] | None) -> list[Reply]:
+        if commits is None:
+            return []
+        if not isinstance(commits, (list, tuple)) or len(commits) > MAX_COMMITS:
+            raise LedgerError(f"commits must be a list of at most {MAX_COMMITS} dicts, found "
+                              f"{type(commits).__name__}")
+        replies = []
+        for item in commits:
+            try:
+                if not isinstance(item, Mapping) or not {"lease_id", "token", "offset",
+                                                         "synced_offset"} <= item.keys():
+                    raise LedgerError(f"a commit must be a dict with lease_id, token, offset and"
+                                      f" synced_offset, found {str(item)[:120]!r}")
+                reply = ledger.commit(item["lease_id"], item["token"], item["offset"],
+                                      item["synced_offset"], _stats(item.get("stats")),
+                                      _optional_int("claim_rows", item.get("claim_rows")))
+                replies.append(commit_msg(reply))
+            except LedgerError as e:
+                replies.append({"kind": "error", "message": str(e)})
+        if replies:
+            self._notify(ledger.job)
+        return replies
+
+
+def _read(path: str) -> bytes:
+    with fsspec.open(path, "rb") as f:
+        data: bytes = f.read()
+    return data
+
+
+# ---- driver helpers ---------------------------------------------------------------------------
+
+
+def _ok(reply: Reply) -> Reply:
+    if reply.get("status") != "OK":
+        raise LedgerError(str(reply.get("message", reply)))
+    return reply
+
+
+def register_job(client: Client, job: str, row_groups: Sequence[RowGroup], *, shard_rows: int,
+                 batch_rows: int, epochs: int = 1, seed: int = 0,
+                 quarantine: Sequence[QuarantineSpec] = (),
+                 max_claim_rows: int | None = None) -> Reply:
+    """From the driver: register ``job`` (the plugin must be registered). Returns its counters."""
+    return _ok(client.sync(client.scheduler.antdt_register_job, job=job,
+                           row_groups=[list(rg) for rg in row_groups], shard_rows=shard_rows,
+                           batch_rows=batch_rows, epochs=epochs, seed=seed,
+                           quarantine=[list(q) for q in quarantine],
+                           max_claim_rows=max_claim_rows))
+
+
+def job_state(client: Client, job: str, *, leases: bool = False) -> Reply:
+    """From the driver: ``job``'s counters (and live leases)."""
+    return _ok(client.sync(client.scheduler.antdt_job_state, job=job, leases=leases))
+
+
+def checkpoint(client: Client, job: str, path: str) -> Reply:
+    """From the driver: save ``job``'s ledger to ``path`` (next to the model checkpoint)."""
+    return _ok(client.sync(client.scheduler.antdt_checkpoint, job=job, path=path))
+
+
+def restore(client: Client, job: str, path: str) -> Reply:
+    """From the driver: recreate ``job`` from a checkpoint (e.g. in a new scheduler)."""
+    return _ok(client.sync(client.scheduler.antdt_restore, job=job, path=path))
+
+
+def stop_job(client: Client, job: str, reason: str = "stopped by the driver") -> Reply:
+    """From the driver: stop ``job`` early."""
+    return _ok(client.sync(client.scheduler.antdt_stop_job, job=job, reason=reason))

@@ -1,0 +1,286 @@
+"""Worker-side client of the sharding service: a plain synchronous API for an agent.
+
+The agent's loop::
+
+    shards = ShardClient(job)                  # inside a Dask task on a worker
+    while (lease := shards.lease()) is not None:
+        offset, stop = lease.start, lease.claim_stop
+        while True:
+            ...train rows [offset, next batch end <= stop)...
+            reply = shards.commit(batch_end, synced_rows=replica_synced, stats={...})
+            if not isinstance(reply, Claim):
+                break                          # Finished / Revoked: lease again; Stop: quit
+            ...
+    shards.close(synced_rows=...)             # after the final sync round
+
+Batching. ``commit`` is called after every batch, but sends an RPC only when
+
+* a commit interval (``antdt.sharding.commit-interval``, 1 s) has passed since the last RPC, or
+* the claim is used up (the worker may not train a row it has not been granted).
+
+Each RPC asks for a claim of ``claim-intervals`` (2) intervals of training at the rate measured
+between RPCs, so at steady state the timed RPC renews the claim before it runs out: about one RPC
+per interval whatever the batch rate, and a revocation takes effect within about two intervals.
+The last commit of a lease is not sent on its own: it rides on the next ``lease`` call (one RPC
+per shard boundary), so choose ``shard_rows`` worth at least an interval of training. When the
+worker reaches the end of the lease as it knows it, the lease cannot have been cut shorter (a cut
+never takes claimed rows), so answering :class:`~antdt.sharding.Finished` locally is exact.
+
+Synced rows. ``synced_rows`` counts, over the worker's whole stream of trained rows (all leases,
+in order; :attr:`ShardClient.trained_rows`), how many are already in the shared model - the
+``rows_offset`` of :mod:`antdt.sync`. The client maps it back to each lease's synced offset, and
+keeps reporting for leases that are fully trained but not yet synced ("draining"). ``None`` means
+"everything trained is synced" (local and synchronous modes), unless the client was given a
+``synced_rows`` source to read. While ``lease`` waits for rows it re-reads that source, so a
+worker's own draining leases (which keep the job from finishing) complete as its sync advances.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from distributed import Client, Worker, get_worker
+from distributed.utils import sync
+
+from antdt import config
+from antdt.errors import LedgerError
+from antdt.sharding import Claim, CommitReply, Finished, Lease, Revoked, Stop
+
+logger = logging.getLogger(__name__)
+
+Call = Callable[..., dict[str, Any]]
+
+
+@dataclass
+class _Held:
+    """A lease this worker holds; its rows are trained rows ``[cum_start, cum_start + offset -
+    start)`` of the worker's stream."""
+
+    lease: Lease
+    cum_start: int
+    offset: int
+    synced: int
+    claim_stop: int
+    stop: int
+    sent_offset: int
+    sent_synced: int
+    revoked: bool = False
+
+
+class ShardClient:
+    """Synchronous access to ``job``'s shards for one worker (see the module docstring).
+
+    ``worker`` defaults to the worker running the calling task; with ``client`` the calls go
+    through that client instead (a driver or a benchmark acting for ``worker_address``).
+    ``synced_rows``, if given, returns the worker's current synced row count (e.g. the background
+    sync's ``synced_offset``); it is read whenever a call does not pass one, in particular while
+    ``lease`` waits, so that leases this worker is still draining can complete. ``clock`` is
+    monotonic seconds, injectable for tests.
+    """
+
+    def __init__(self, job: str, *, worker: Worker | None = None, client: Client | None = None,
+                 worker_address: str | None = None, commit_interval_s: float | None = None,
+                 claim_intervals: float | None = None, lease_wait_s: float | None = None,
+                 synced_rows: Callable[[], int] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.job = job
+        self._synced_source = synced_rows
+        if client is not None:
+            if worker_address is None:
+                raise LedgerError("ShardClient with a client needs the worker_address it acts for")
+            self.address = worker_address
+            self._call: Call = lambda op, **kw: client.sync(getattr(client.scheduler, op), **kw)
+        else:
+            dask_worker = worker if worker is not None else get_worker()
+            self.address = dask_worker.address
+            self._call = lambda op, **kw: sync(dask_worker.loop, getattr(dask_worker.scheduler,
+                                                                         op), **kw)
+        self.interval = (config.seconds("antdt.sharding.commit-interval")
+                         if commit_interval_s is None else commit_interval_s)
+        self.claim_intervals = (float(config.defaults["antdt"]["sharding"]["claim-intervals"])
+                                if claim_intervals is None else claim_intervals)
+        self.lease_wait_s = (config.seconds("antdt.sharding.lease-wait")
+                             if lease_wait_s is None else lease_wait_s)
+        self._clock = clock
+        self._held: dict[int, _Held] = {}
+        self._current: _Held | None = None
+        self._stats: dict[str, float] = {}
+        self._stopped: Stop | None = None
+        self._last_rpc = clock()
+        self._rows_since_rpc = 0
+        self._rate = 0.0
+        self.trained_rows = 0
+        """Rows trained by this worker so far, over all leases (pass to the model sync)."""
+        self.synced_rows = 0
+        self.rpcs = 0
+        """RPCs sent so far."""
+
+    def lease(self) -> Lease | None:
+        """The next lease, sending pending commits with the request; None when the job is over
+        (finished or stopped). Waits (server side, then again) while rows may still come back."""
+        if self._current is not None:
+            raise LedgerError(f"job {self.job!r}: lease {self._current.lease.lease_id} is not "
+                              f"finished; commit up to its end before leasing again")
+        while True:
+            self._sync_to(None)
+            reply = self._rpc("antdt_lease", worker=self.address, commits=self._pending(),
+                              claim_rows=self._claim_rows(), wait_s=self.lease_wait_s)
+            msg = reply["lease"]
+            if msg["kind"] == "stop":
+                logger.info("job %s: %s stops leasing (%s)", self.job, self.address,
+                            msg["reason"])
+                return None
+            if msg["kind"] == "lease":
+                lease = Lease(**{k: v for k, v in msg.items() if k != "kind"})
+                held = _Held(lease, self.trained_rows, lease.start, lease.start, lease.claim_stop,
+                             lease.stop, lease.start, lease.start)
+                self._held[lease.lease_id] = self._current = held
+                return lease
+
+    def commit(self, offset: int, synced_rows: int | None = None,
+               stats: Mapping[str, float] | None = None) -> CommitReply:
+        """Rows of the current lease up to ``offset`` are trained; ``synced_rows`` of the
+        worker's stream are synced. Returns the claim (possibly unchanged, without an RPC),
+        :class:`Finished`/:class:`Revoked` (lease again) or :class:`Stop`."""
+        held = self._current
+        if held is None:
+            raise LedgerError(f"job {self.job!r}: commit without a lease on {self.address}")
+        if not held.offset <= offset <= held.claim_stop:
+            raise LedgerError(f"job {self.job!r} lease {held.lease.lease_id}: offset {offset} "
+                              f"outside [{held.offset}, {held.claim_stop}] (committed offset, "
+                              f"claim end)")
+        self.trained_rows += offset - held.offset
+        self._rows_since_rpc += offset - held.offset
+        held.offset = offset
+        self._sync_to(synced_rows)
+        for key, value in (stats or {}).items():
+            self._stats[key] = self._stats.get(key, 0.0) + value
+        if offset == held.stop:
+            self._current = None
+            return Finished(held.lease.lease_id, held.stop, held.synced == held.stop)
+        if offset < held.claim_stop and self._clock() - self._last_rpc < self.interval:
+            return Claim(held.lease.lease_id, held.claim_stop)
+        self._rpc("antdt_commit", commits=self._pending())
+        if self._stopped is not None:
+            return self._stopped
+        return self._answer_for(held)
+
+    def flush(self, synced_rows: int | None = None) -> None:
+        """Send every pending commit now (e.g. the synced offsets after the final sync round)."""
+        self._sync_to(synced_rows)
+        if self._pending():
+            self._rpc("antdt_commit", commits=self._pending())
+
+    def close(self, synced_rows: int | None = None) -> None:
+        """Flush, then give back the leases still held (their unsynced rows are queued again)."""
+        self.flush(synced_rows)
+        for held in list(self._held.values()):
+            self._rpc("antdt_release", lease_id=held.lease.lease_id, token=held.lease.token)
+            del self._held[held.lease.lease_id]
+        self._current = None
+
+    @property
+    def current(self) -> Lease | None:
+        """The lease being trained (None between leases)."""
+        return self._current.lease if self._current is not None else None
+
+    @property
+    def draining(self) -> list[int]:
+        """Lease ids fully trained whose synced offset has not reached their end yet."""
+        return [i for i, h in self._held.items() if h is not self._current]
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _sync_to(self, synced_rows: int | None) -> None:
+        """Map the worker's synced row count (default: the source, else all trained rows) to
+        every held lease's synced offset."""
+        if synced_rows is not None:
+            synced = synced_rows
+        elif self._synced_source is not None:
+            synced = self._synced_source()
+        else:
+            synced = self.trained_rows
+        if not self.synced_rows <= synced <= self.trained_rows:
+            raise LedgerError(f"job {self.job!r}: synced_rows {synced} outside "
+                              f"[{self.synced_rows}, {self.trained_rows}] (previous, trained)")
+        self.synced_rows = synced
+        for held in self._held.values():
+            trained = held.offset - held.lease.start
+            held.synced = held.lease.start + max(0, min(synced - held.cum_start, trained))
+
+    def _pending(self) -> list[dict[str, Any]]:
+        pending = []
+        for held in self._held.values():
+            carries_stats = held is self._current or self._current is None
+            if (held.offset, held.synced) != (held.sent_offset, held.sent_synced) or \
+                    (carries_stats and self._stats):
+                item: dict[str, Any] = {"lease_id": held.lease.lease_id,
+                                        "token": held.lease.token, "offset": held.offset,
+                                        "synced_offset": held.synced,
+                                        "claim_rows": self._claim_rows()}
+                if carries_stats and self._stats:
+                    item["stats"] = self._stats
+                    self._stats = {}
+                pending.append(item)
+        return pending
+
+    def _claim_rows(self) -> int | None:
+        if self._rate <= 0:
+            return None
+        return max(1, int(self._rate * self.interval * self.claim_intervals))
+
+    def _rpc(self, op: str, **kwargs: Any) -> dict[str, Any]:
+        commits = kwargs.get("commits") or []
+        reply = self._call(op, job=self.job, **kwargs)
+        self.rpcs += 1
+        if reply.get("status") != "OK":
+            raise LedgerError(f"job {self.job!r}: {op} from {self.address} failed: "
+                              f"{reply.get('message', reply)}")
+        now = self._clock()
+        elapsed = now - self._last_rpc
+        if elapsed > 0 and self._rows_since_rpc:
+            rate = self._rows_since_rpc / elapsed
+            self._rate = rate if self._rate <= 0 else 0.5 * (self._rate + rate)
+        self._last_rpc = now
+        self._rows_since_rpc = 0
+        for item, answer in zip(commits, reply.get("replies", [])):
+            self._apply(item, answer)
+        return reply
+
+    def _apply(self, item: Mapping[str, Any], answer: Mapping[str, Any]) -> None:
+        """Record what the scheduler said about one commit."""
+        held = self._held.get(item["lease_id"])
+        if held is None:
+            return
+        kind = answer["kind"]
+        if kind == "error":
+            raise LedgerError(f"job {self.job!r} lease {held.lease.lease_id}: commit refused: "
+                              f"{answer['message']}")
+        held.sent_offset, held.sent_synced = item["offset"], item["synced_offset"]
+        if kind == "stop":
+            self._held.clear()
+            self._current = None
+            self._stopped = Stop(answer["reason"])
+            return
+        if kind == "claim":
+            held.claim_stop = answer["stop"]
+        else:
+            held.claim_stop = held.stop = answer["stop"]
+            held.revoked = kind == "revoked"
+            if answer["retired"]:
+                del self._held[held.lease.lease_id]
+
+    def _answer_for(self, held: _Held) -> CommitReply:
+        """The reply to the agent for the current lease after an RPC."""
+        retired = held.lease.lease_id not in self._held
+        if held.offset == held.stop:
+            self._current = None
+        if held.revoked:
+            return Revoked(held.lease.lease_id, held.stop, retired)
+        if held.offset == held.stop:
+            return Finished(held.lease.lease_id, held.stop, retired)
+        return Claim(held.lease.lease_id, held.claim_stop)

@@ -1,0 +1,834 @@
+"""Stateful dynamic data sharding (AntDT's SDDS): the shard ledger of one training job.
+
+A plain class with an injected clock and no Dask: :mod:`antdt.service` wraps it in a scheduler
+plugin, tests drive it directly, the simulator drives it at 10,000 workers.
+
+Shards and epochs
+-----------------
+A job registers row groups ``(path, row_group, num_rows)``. Each row group is cut into **shards**
+of ``shard_rows`` rows (the last one shorter); a shard never spans row groups. Row offsets are
+row-group relative: a shard, a lease and a claim are all ``[start, stop)`` rows of one row group.
+Every epoch visits every shard once, in an order shuffled reproducibly from ``(seed, epoch)``.
+Epoch ``e + 1``'s shards become leasable as soon as all of epoch ``e``'s shards were handed out,
+so a fast worker may start epoch ``e + 1`` while others finish epoch ``e``.
+
+Row states and the queue
+------------------------
+Every row of every epoch is in exactly one place::
+
+    TODO         a piece at the front of the queue (requeued rows, LIFO), or a shard of the
+                 current epoch's permutation not yet handed out, or a shard of a later epoch
+    LEASED       rows [synced, stop) of a live lease
+    DONE         rows whose effect reached the shared model (a lease's rows below its synced offset)
+    QUARANTINED  rows that could not be read (at registration or reported by a lease holder),
+                 each with a :class:`QuarantineRecord` naming file, row group and reason
+
+Leasing pops the queue front (a deque) or advances the epoch cursor: O(1). Nothing scans all
+shards or all workers: a commit, revoke or split touches one lease; removing a worker touches its
+own leases (a dict per worker). Starting an epoch draws its permutation, O(shards) once per epoch.
+Per-shard state is two int32 numpy arrays plus the current epoch's int32 permutation (12 bytes a
+shard); paths are interned (row groups store a file index).
+
+Leases, claims and commits
+--------------------------
+A lease holds rows ``[start, stop)`` of one shard, an unguessable token, and a **claim**: the rows
+``[offset, claim_stop)`` its holder may train next (at least one batch). The holder trains exactly
+the claimed rows and commits ``offset`` (end of what it trained, ``<= claim_stop``) and
+``synced_offset`` (``<= offset``: the rows whose effect is in the shared model; equal to ``offset``
+in the local and sync modes). A commit returns
+
+* :class:`Claim` - train on up to ``stop``; the claim grows by ``claim_rows`` (a multiple of
+  ``batch_rows``, capped by ``max_claim_rows``) beyond the committed offset;
+* :class:`Revoked` - the controller took the unclaimed rows; train up to ``stop`` (the end of the
+  claim), commit, then lease again;
+* :class:`Finished` - every row of the lease was trained; lease again;
+* :class:`Stop` - the job stopped.
+
+``Revoked`` and ``Finished`` say whether the lease is ``retired``: while ``synced < stop`` the lease
+lives on (it is *draining*) and its holder keeps reporting ``synced_offset`` for it in later
+commits. Commits are idempotent (the same offsets twice change nothing); an offset that goes
+backwards or beyond the claim, a synced offset beyond the offset, or a wrong token raises
+:class:`~antdt.errors.LedgerError` and changes nothing.
+
+Exactly-once
+------------
+``revoke`` and ``split`` move only rows beyond the claim, so the holder never trains a row that
+someone else may lease. ``remove_worker`` (worker death) and ``release`` move rows
+``[synced, stop)`` of each lease back to the queue front: the claim and the trained-but-unsynced
+rows, whose effect died with the worker. Hence every row of every epoch ends DONE or QUARANTINED
+exactly once (checked by the hypothesis state machine in ``tests/antdt/test_sharding.py``).
+
+Counters
+--------
+* ``rows_trained``: rows committed as trained (offset advances), repeats included.
+* ``rows_duplicated``: rows trained whose effect was discarded: ``[synced, offset)`` of a lease
+  when its worker is removed, it is released, the ledger is restored from a checkpoint, or the
+  job is stopped. They are trained again (unless the job was stopped), hence "duplicated".
+* ``rows_quarantined``: rows QUARANTINED (registration quarantine counts once per epoch).
+* ``rows_lost``: rows neither DONE nor QUARANTINED when the job was stopped early; 0 otherwise.
+
+At every moment ``rows_trained == rows_done + rows_duplicated + sum(offset - synced of live
+leases)`` and ``rows_todo + rows_leased + rows_done + rows_quarantined + rows_lost ==
+total_rows * epochs``; so when the job ends ``rows_trained == total_rows * epochs -
+rows_quarantined - rows_lost + rows_duplicated`` with ``rows_lost == 0`` unless it was stopped.
+
+Checkpoint format (version 1)
+-----------------------------
+``MAGIC`` (8 bytes), a little-endian uint32 header length, a UTF-8 JSON header (configuration,
+paths, counters, epoch cursor, quarantine records, array table), then the raw little-endian arrays
+it lists: the row-group table and the queue-front pieces. Live leases are written as queue-front
+pieces from their synced offset (the workers are gone when it is restored). Shards and the epoch
+permutation are recomputed from the row groups and the seed.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import secrets
+import struct
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeAlias
+
+import fsspec
+import numpy as np
+
+from antdt.errors import LedgerError
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MAGIC = b"ANTDTLG\x00"
+
+RowGroup: TypeAlias = tuple[str, int, int]
+"""``(path, row_group, num_rows)`` as the validator found them."""
+
+QuarantineSpec: TypeAlias = tuple[str, "int | None", str]
+"""``(path, row_group or None for the whole file, reason)``."""
+
+Piece: TypeAlias = tuple[int, int, int, int]
+"""Requeued rows: ``(epoch, shard, start, stop)``, row-group relative."""
+
+Clock: TypeAlias = Callable[[], float]
+
+
+class RowState(enum.Enum):
+    """Where a row of an epoch is; every row ends DONE or QUARANTINED exactly once."""
+
+    TODO = "todo"
+    LEASED = "leased"
+    DONE = "done"
+    QUARANTINED = "quarantined"
+
+
+class JobState(enum.Enum):
+    """``running`` until every row is DONE/QUARANTINED (``finished``) or :meth:`stop` is called."""
+
+    RUNNING = "running"
+    FINISHED = "finished"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A lease as handed to a worker: rows ``[start, stop)`` of ``row_group`` in ``path``; the
+    worker may train ``[start, claim_stop)`` before its first commit."""
+
+    lease_id: int
+    token: str
+    worker: str
+    epoch: int
+    path: str
+    row_group: int
+    start: int
+    stop: int
+    claim_stop: int
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Train on up to row ``stop`` of the lease, then commit."""
+
+    lease_id: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
+class Revoked:
+    """The lease was cut at ``stop`` (the end of the claim): train up to it, commit, lease again.
+    ``retired``: its synced offset reached ``stop``, the ledger forgot it."""
+
+    lease_id: int
+    stop: int
+    retired: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """Every row of the lease was trained; lease again (report ``synced`` until ``retired``)."""
+
+    lease_id: int
+    stop: int
+    retired: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """The job finished or was stopped: lease no more."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Nothing to lease now, but the job is not over (live leases may requeue rows): ask again."""
+
+
+CommitReply: TypeAlias = Claim | Revoked | Finished | Stop
+LeaseReply: TypeAlias = Lease | Wait | Stop
+
+
+class LeaseStatus(NamedTuple):
+    """A live lease as the monitor and the controller see it."""
+
+    lease_id: int
+    worker: str
+    epoch: int
+    path: str
+    row_group: int
+    start: int
+    stop: int
+    offset: int
+    synced: int
+    claim_stop: int
+    revoked: bool
+    leased_at: float
+    committed_at: float
+
+
+class CommitEvent(NamedTuple):
+    """Sent to every listener after a commit that trained rows or carried stats."""
+
+    worker: str
+    lease_id: int
+    epoch: int
+    rows: int
+    stats: Mapping[str, float]
+    time: float
+
+
+class QuarantineRecord(NamedTuple):
+    """Rows that could not be read. ``row_group`` None: the whole file; ``epoch`` None: every
+    epoch (registration quarantine); ``start``/``stop`` None: the whole row group. ``rows`` is what
+    this record added to ``rows_quarantined`` (0 for a file the validator could not even list)."""
+
+    path: str
+    row_group: int | None
+    epoch: int | None
+    start: int | None
+    stop: int | None
+    rows: int
+    reason: str
+
+
+@dataclass(slots=True)
+class _LiveLease:
+    """Mutable ledger-side state of a lease; ``start <= synced <= offset <= claim_stop <= stop``."""
+
+    lease_id: int
+    token: str
+    worker: str
+    epoch: int
+    shard: int
+    start: int
+    stop: int
+    offset: int
+    synced: int
+    claim_stop: int
+    revoked: bool
+    leased_at: float
+    committed_at: float
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    """``value`` as an int in ``[low, high]``; bools and floats are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise LedgerError(f"{name} must be an int, found {value!r} ({type(value).__name__})")
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise LedgerError(f"{name} must be in {bound}, found {value}")
+    return int(value)
+
+
+class ShardLedger:
+    """The shard ledger of one job (see the module docstring for the model and the counters).
+
+    ``clock`` gives the time stamps of leases and commits (seconds, any origin). Listeners
+    subscribed with :meth:`subscribe` receive a :class:`CommitEvent` per commit; they run inside
+    the commit, after the ledger changed, and must not raise.
+
+    >>> ledger = ShardLedger([("a.parquet", 0, 4)], shard_rows=4, batch_rows=2, clock=lambda: 0.0)
+    >>> lease = ledger.lease("w1")
+    >>> (lease.start, lease.stop, lease.claim_stop)
+    (0, 4, 2)
+    >>> ledger.commit(lease.lease_id, lease.token, offset=2, synced_offset=2)
+    Claim(lease_id=0, stop=4)
+    >>> ledger.commit(lease.lease_id, lease.token, offset=4, synced_offset=4)
+    Finished(lease_id=0, stop=4, retired=True)
+    """
+
+    def __init__(self, row_groups: Sequence[RowGroup], *, shard_rows: int, batch_rows: int,
+                 clock: Clock, epochs: int = 1, seed: int = 0,
+                 quarantine: Sequence[QuarantineSpec] = (), max_claim_rows: int | None = None,
+                 job: str = "job") -> None:
+        self.job = job
+        self.shard_rows = _check_int("shard_rows", shard_rows, 1, 2**31 - 1)
+        self.batch_rows = _check_int("batch_rows", batch_rows, 1, 2**31 - 1)
+        self.epochs = _check_int("epochs", epochs, 1, 1_000_000)
+        self.seed = _check_int("seed", seed, 0, 2**63 - 1)
+        if max_claim_rows is None:
+            max_claim_rows = max(self.shard_rows, self.batch_rows)
+        self.max_claim_rows = _check_int("max_claim_rows", max_claim_rows, self.batch_rows)
+        self._clock = clock
+        self._listeners: list[Callable[[CommitEvent], None]] = []
+
+        self._paths: list[str] = []
+        path_index: dict[str, int] = {}
+        seen: set[tuple[str, int]] = set()
+        files: list[int] = []
+        groups: list[int] = []
+        rows: list[int] = []
+        for i, item in enumerate(row_groups):
+            if not isinstance(item, (tuple, list)) or len(item) != 3:
+                raise LedgerError(f"job {job!r}: row_groups[{i}] must be (path, row_group, "
+                                  f"num_rows), found {item!r}")
+            path, raw_group, raw_rows = item
+            if not isinstance(path, str) or not path:
+                raise LedgerError(f"job {job!r}: row_groups[{i}] path must be a non-empty str, "
+                                  f"found {path!r}")
+            number = _check_int(f"row_groups[{i}] ({path}) row_group", raw_group, 0, 2**31 - 1)
+            num_rows = _check_int(f"row_groups[{i}] ({path}) num_rows", raw_rows, 0, 2**31 - 1)
+            if (path, number) in seen:
+                raise LedgerError(f"job {job!r}: row group {number} of {path} is listed twice")
+            seen.add((path, number))
+            files.append(path_index.setdefault(path, len(path_index)))
+            if files[-1] == len(self._paths):
+                self._paths.append(path)
+            groups.append(number)
+            rows.append(num_rows)
+        self._rg_file = np.asarray(files, dtype=np.int32)
+        self._rg_group = np.asarray(groups, dtype=np.int32)
+        self._rg_rows = np.asarray(rows, dtype=np.int64)
+        self.total_rows = int(self._rg_rows.sum())
+        """Rows of one epoch, quarantined ones included."""
+
+        self._records: list[QuarantineRecord] = []
+        quarantined = np.zeros(len(groups), dtype=bool)
+        group_index = {key: i for i, key in enumerate(zip(files, groups))}
+        for i, spec in enumerate(quarantine):
+            if not isinstance(spec, (tuple, list)) or len(spec) != 3:
+                raise LedgerError(f"job {job!r}: quarantine[{i}] must be (path, row_group | None, "
+                                  f"reason), found {spec!r}")
+            path, named_group, reason = spec
+            if not isinstance(path, str) or not isinstance(reason, str):
+                raise LedgerError(f"job {job!r}: quarantine[{i}] path and reason must be str, "
+                                  f"found {spec!r}")
+            file = path_index.get(path)
+            group = None
+            if named_group is None:
+                hit = (self._rg_file == file) if file is not None else np.zeros_like(quarantined)
+            else:
+                group = _check_int(f"quarantine[{i}] ({path}) row_group", named_group, 0,
+                                   2**31 - 1)
+                index = group_index.get((file, group)) if file is not None else None
+                if index is None:
+                    raise LedgerError(f"job {job!r}: quarantine[{i}] names row group {group} of "
+                                      f"{path}, which is not among the registered row groups")
+                hit = np.zeros(len(groups), dtype=bool)
+                hit[index] = True
+            hit &= ~quarantined
+            quarantined |= hit
+            spec_rows = int(self._rg_rows[hit].sum()) * self.epochs
+            self._records.append(QuarantineRecord(path, group, None, None, None, spec_rows,
+                                                  reason))
+        self._rg_quarantined = quarantined
+
+        counts = np.where(quarantined, 0, -(-self._rg_rows // self.shard_rows))
+        self._shard_rg = np.repeat(np.arange(len(groups), dtype=np.int32), counts)
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        self._shard_start = ((np.arange(len(self._shard_rg)) - first)
+                             * self.shard_rows).astype(np.int32)
+        self.num_shards = len(self._shard_rg)
+        """Shards of one epoch (quarantined row groups have none)."""
+
+        self._epoch = -1
+        self._perm: np.ndarray | None = None
+        self._pos = 0
+        self._front: deque[Piece] = deque()
+        self._leases: dict[int, _LiveLease] = {}
+        self._by_worker: dict[str, dict[int, None]] = {}
+        self._next_id = 0
+        self._stopped: str | None = None
+
+        self.rows_expected = self.total_rows * self.epochs
+        self.rows_quarantined = sum(r.rows for r in self._records)
+        self.rows_trained = 0
+        self.rows_done = 0
+        self.rows_duplicated = 0
+        self.rows_lost = 0
+        self.rows_leased = 0
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> JobState:
+        if self._stopped is not None:
+            return JobState.STOPPED
+        if self.rows_done + self.rows_quarantined == self.rows_expected:
+            return JobState.FINISHED
+        return JobState.RUNNING
+
+    @property
+    def rows_todo(self) -> int:
+        return (self.rows_expected - self.rows_done - self.rows_quarantined - self.rows_lost
+                - self.rows_leased)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch whose shards are being handed out (-1 before the first lease)."""
+        return self._epoch
+
+    @property
+    def quarantine_records(self) -> list[QuarantineRecord]:
+        return list(self._records)
+
+    def rows_by_state(self) -> dict[RowState, int]:
+        """Rows of all epochs per state (the lost rows of a stopped job are in none)."""
+        return {RowState.TODO: self.rows_todo, RowState.LEASED: self.rows_leased,
+                RowState.DONE: self.rows_done, RowState.QUARANTINED: self.rows_quarantined}
+
+    def summary(self) -> dict[str, Any]:
+        """Counters and state as a plain (msgpack-able) dict."""
+        return {
+            "job": self.job, "state": self.state.value, "epoch": self._epoch,
+            "epochs": self.epochs, "shards": self.num_shards, "total_rows": self.total_rows,
+            "rows_expected": self.rows_expected, "rows_todo": self.rows_todo,
+            "rows_leased": self.rows_leased, "rows_done": self.rows_done,
+            "rows_trained": self.rows_trained, "rows_duplicated": self.rows_duplicated,
+            "rows_lost": self.rows_lost, "rows_quarantined": self.rows_quarantined,
+            "leases": len(self._leases), "workers": len(self._by_worker),
+            "stopped_reason": self._stopped,
+        }
+
+    def leases(self, worker: str | None = None) -> list[LeaseStatus]:
+        """Live leases (of ``worker`` only, if given), oldest first."""
+        ids = self._by_worker.get(worker, {}) if worker is not None else self._leases
+        return [self._status(self._leases[i]) for i in sorted(ids)]
+
+    def lease_status(self, lease_id: int) -> LeaseStatus | None:
+        lease = self._leases.get(lease_id)
+        return self._status(lease) if lease is not None else None
+
+    def subscribe(self, listener: Callable[[CommitEvent], None]) -> None:
+        """Call ``listener`` with a :class:`CommitEvent` after every commit that trained rows."""
+        self._listeners.append(listener)
+
+    # ---- worker transitions -------------------------------------------------------------------
+
+    def lease(self, worker: str, claim_rows: int | None = None) -> LeaseReply:
+        """Hand ``worker`` the next rows: the queue front first, then the epoch permutation."""
+        if not isinstance(worker, str) or not worker:
+            raise LedgerError(f"job {self.job!r}: worker must be a non-empty str, found {worker!r}")
+        claim = self._claim_size(claim_rows)
+        if self._stopped is not None:
+            return Stop(self._stopped)
+        piece = self._next_piece()
+        if piece is None:
+            return Stop("finished") if self.state is JobState.FINISHED else Wait()
+        epoch, shard, start, stop = piece
+        now = self._clock()
+        lease_id = self._next_id
+        self._next_id += 1
+        token = secrets.token_hex(16)
+        claim_stop = min(start + claim, stop)
+        self._leases[lease_id] = _LiveLease(lease_id, token, worker, epoch, shard, start, stop,
+                                            start, start, claim_stop, False, now, now)
+        self._by_worker.setdefault(worker, {})[lease_id] = None
+        self.rows_leased += stop - start
+        rg = int(self._shard_rg[shard])
+        return Lease(lease_id, token, worker, epoch, self._paths[self._rg_file[rg]],
+                     int(self._rg_group[rg]), start, stop, claim_stop)
+
+    def commit(self, lease_id: int, token: str, offset: int, synced_offset: int,
+               stats: Mapping[str, float] | None = None,
+               claim_rows: int | None = None) -> CommitReply:
+        """Record that rows up to ``offset`` were trained and up to ``synced_offset`` synced;
+        returns the next claim or what to do instead (see the module docstring)."""
+        if self._stopped is not None:
+            return Stop(self._stopped)
+        lease = self._live(lease_id, token)
+        offset = _check_int(f"lease {lease_id}: offset", offset, 0)
+        synced_offset = _check_int(f"lease {lease_id}: synced_offset", synced_offset, 0)
+        claim = self._claim_size(claim_rows)
+        if offset < lease.offset:
+            raise LedgerError(f"job {self.job!r} lease {lease_id}: offset {offset} goes backwards "
+                              f"(committed offset is {lease.offset})")
+        if offset > lease.claim_stop:
+            raise LedgerError(f"job {self.job!r} lease {lease_id}: offset {offset} is beyond the "
+                              f"claim, which ends at {lease.claim_stop}")
+        if synced_offset < lease.synced:
+            raise LedgerError(f"job {self.job!r} lease {lease_id}: synced_offset {synced_offset} "
+                              f"goes backwards (committed synced offset is {lease.synced})")
+        if synced_offset > offset:
+            raise LedgerError(f"job {self.job!r} lease {lease_id}: synced_offset {synced_offset} "
+                              f"is beyond offset {offset}")
+        trained = offset - lease.offset
+        newly_synced = synced_offset - lease.synced
+        lease.offset = offset
+        lease.synced = synced_offset
+        self.rows_trained += trained
+        self.rows_done += newly_synced
+        self.rows_leased -= newly_synced
+        if trained or stats:
+            now = self._clock()
+            lease.committed_at = now
+            event = CommitEvent(lease.worker, lease_id, lease.epoch, trained, stats or {}, now)
+            for listener in self._listeners:
+                listener(event)
+        retired = self._retire_if_synced(lease)
+        if lease.revoked:
+            return Revoked(lease_id, lease.stop, retired)
+        if offset == lease.stop:
+            return Finished(lease_id, lease.stop, retired)
+        lease.claim_stop = max(lease.claim_stop, min(offset + claim, lease.stop))
+        return Claim(lease_id, lease.claim_stop)
+
+    def release(self, lease_id: int, token: str) -> int:
+        """The holder gives the lease up: rows ``[synced, stop)`` go back to the queue front.
+        Returns the number of rows requeued."""
+        if self._stopped is not None:
+            return 0
+        return self._requeue_lease(self._live(lease_id, token))
+
+    def quarantine(self, lease_id: int, token: str, stop: int, reason: str) -> Revoked | Stop:
+        """The holder could not read rows ``[offset, stop)`` of its lease: they become
+        QUARANTINED; the rows after ``stop`` go back to the queue front and the lease ends at its
+        committed offset (it still drains its synced offset)."""
+        if self._stopped is not None:
+            return Stop(self._stopped)
+        lease = self._live(lease_id, token)
+        stop = _check_int(f"lease {lease_id}: quarantine stop", stop, lease.offset + 1,
+                          lease.stop)
+        if not isinstance(reason, str) or not reason:
+            raise LedgerError(f"lease {lease_id}: quarantine reason must be a non-empty str, "
+                              f"found {reason!r}")
+        rg = int(self._shard_rg[lease.shard])
+        rows = stop - lease.offset
+        self._records.append(QuarantineRecord(self._paths[self._rg_file[rg]],
+                                              int(self._rg_group[rg]), lease.epoch, lease.offset,
+                                              stop, rows, reason))
+        self.rows_quarantined += rows
+        self.rows_leased -= rows
+        logger.warning("job %s: quarantined rows [%d, %d) of row group %d of %s (epoch %d): %s",
+                       self.job, lease.offset, stop, int(self._rg_group[rg]),
+                       self._paths[self._rg_file[rg]], lease.epoch, reason)
+        self._push_front([(lease.epoch, lease.shard, stop, lease.stop)])
+        self.rows_leased -= lease.stop - stop
+        lease.stop = lease.claim_stop = lease.offset
+        lease.revoked = True
+        return Revoked(lease_id, lease.stop, self._retire_if_synced(lease))
+
+    # ---- controller and cluster transitions ---------------------------------------------------
+
+    def revoke(self, lease_id: int) -> Piece | None:
+        """Move the lease's unclaimed rows to the queue front; its holder finishes its claim and
+        gets :class:`Revoked`. Returns the requeued piece (None: nothing unclaimed)."""
+        lease = self._known(lease_id)
+        lease.revoked = True
+        pieces = self._cut(lease, lease.claim_stop, 1)
+        return pieces[0] if pieces else None
+
+    def split(self, lease_id: int, parts: int) -> list[Piece]:
+        """Cut the lease's rows ``[offset, stop)`` into ``parts`` near-equal parts; the holder
+        keeps the first (never less than its claim), the others go to the queue front in order.
+        Returns the requeued pieces: fewer than ``parts - 1`` when the unclaimed rows do not
+        make that many whole batches."""
+        lease = self._known(lease_id)
+        parts = _check_int(f"lease {lease_id}: parts", parts, 2, 1_000_000)
+        keep = lease.offset + -(-(lease.stop - lease.offset) // parts)
+        at = max(lease.claim_stop, keep)
+        return self._cut(lease, at, min(parts - 1, max(1, (lease.stop - at) // self.batch_rows)))
+
+    def remove_worker(self, worker: str) -> int:
+        """The worker is gone: rows ``[synced, stop)`` of each of its leases go back to the queue
+        front (trained-but-unsynced rows count as duplicated). Returns the rows requeued."""
+        ids = self._by_worker.get(worker)
+        if not ids:
+            return 0
+        requeued = sum(self._requeue_lease(self._leases[i]) for i in sorted(ids, reverse=True))
+        logger.info("job %s: worker %s removed, %d rows requeued", self.job, worker, requeued)
+        return requeued
+
+    def workers(self) -> list[str]:
+        """Workers holding live leases."""
+        return list(self._by_worker)
+
+    def stop(self, reason: str) -> int:
+        """Stop the job early: live leases are dropped (their unsynced rows count as duplicated),
+        every row not DONE or QUARANTINED counts as lost. Returns ``rows_lost``."""
+        if self._stopped is not None:
+            return self.rows_lost
+        for lease in self._leases.values():
+            self.rows_duplicated += lease.offset - lease.synced
+        self._leases.clear()
+        self._by_worker.clear()
+        self._front.clear()
+        self._perm = None
+        self.rows_leased = 0
+        self.rows_lost = self.rows_expected - self.rows_done - self.rows_quarantined
+        self._stopped = reason
+        if self.rows_lost:
+            logger.warning("job %s stopped (%s): %d rows lost", self.job, reason, self.rows_lost)
+        return self.rows_lost
+
+    # ---- checkpoint ---------------------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        """The ledger as it would be if every worker were removed now (format: module docstring).
+        O(row groups + queued pieces + live leases)."""
+        pieces = [(lease.epoch, lease.shard, lease.synced, lease.stop)
+                  for lease in sorted(self._leases.values(), key=lambda lease: lease.lease_id)
+                  if lease.synced < lease.stop]
+        pieces.extend(self._front)
+        unsynced = sum(lease.offset - lease.synced for lease in self._leases.values())
+        arrays: dict[str, np.ndarray] = {
+            "rg_file": self._rg_file, "rg_group": self._rg_group, "rg_rows": self._rg_rows,
+            "front": np.asarray(pieces, dtype=np.int64).reshape(-1, 4),
+        }
+        table, offset = {}, 0
+        for name, array in arrays.items():
+            array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+            arrays[name] = array
+            table[name] = {"dtype": array.dtype.str, "shape": list(array.shape),
+                           "offset": offset, "nbytes": array.nbytes}
+            offset += array.nbytes
+        header = {
+            "version": FORMAT_VERSION, "job": self.job, "shard_rows": self.shard_rows,
+            "batch_rows": self.batch_rows, "epochs": self.epochs, "seed": self.seed,
+            "max_claim_rows": self.max_claim_rows, "paths": self._paths,
+            "epoch": self._epoch, "pos": self._pos, "next_lease_id": self._next_id,
+            "stopped": self._stopped,
+            "counters": {"rows_trained": self.rows_trained, "rows_done": self.rows_done,
+                         "rows_duplicated": self.rows_duplicated + unsynced,
+                         "rows_lost": self.rows_lost, "rows_quarantined": self.rows_quarantined},
+            "quarantine": [list(record) for record in self._records],
+            "arrays": table,
+        }
+        blob = json.dumps(header).encode()
+        return b"".join([MAGIC, struct.pack("<I", len(blob)), blob,
+                         *(array.tobytes() for array in arrays.values())])
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, clock: Clock) -> ShardLedger:
+        """Rebuild a ledger written by :meth:`to_bytes`: no live leases, rows of the leases that
+        were live at the checkpoint at the queue front."""
+        if data[:8] != MAGIC:
+            raise LedgerError(f"not an antdt ledger checkpoint: expected magic {MAGIC!r}, found "
+                              f"{bytes(data[:8])!r}")
+        (length,) = struct.unpack("<I", data[8:12])
+        header = json.loads(data[12:12 + length])
+        if header.get("version") != FORMAT_VERSION:
+            raise LedgerError(f"ledger checkpoint version {header.get('version')!r} is not "
+                              f"supported; expected {FORMAT_VERSION}")
+        body = memoryview(data)[12 + length:]
+        arrays = {}
+        for name, spec in header["arrays"].items():
+            raw = body[spec["offset"]:spec["offset"] + spec["nbytes"]]
+            arrays[name] = np.frombuffer(raw, dtype=np.dtype(spec["dtype"])).reshape(spec["shape"])
+        paths = header["paths"]
+        row_groups = [(paths[f], int(g), int(n)) for f, g, n in
+                      zip(arrays["rg_file"], arrays["rg_group"], arrays["rg_rows"])]
+        records = [QuarantineRecord(*record) for record in header["quarantine"]]
+        registration = [(r.path, r.row_group, r.reason) for r in records if r.epoch is None]
+        ledger = cls(row_groups, shard_rows=header["shard_rows"],
+                     batch_rows=header["batch_rows"], clock=clock, epochs=header["epochs"],
+                     seed=header["seed"], quarantine=registration,
+                     max_claim_rows=header["max_claim_rows"], job=header["job"])
+        ledger._records = records
+        for name, value in header["counters"].items():
+            setattr(ledger, name, int(value))
+        ledger._next_id = int(header["next_lease_id"])
+        ledger._stopped = header["stopped"]
+        if ledger._stopped is None:
+            ledger._start_epoch(int(header["epoch"]))
+            ledger._pos = int(header["pos"])
+            ledger._front.extend((int(e), int(s), int(a), int(b)) for e, s, a, b in
+                                 arrays["front"].tolist())
+        return ledger
+
+    def save(self, path: str) -> int:
+        """Write :meth:`to_bytes` to an fsspec ``path`` with :func:`write_atomic`; returns the
+        bytes written."""
+        data = self.to_bytes()
+        write_atomic(path, data)
+        return len(data)
+
+    @classmethod
+    def load(cls, path: str, *, clock: Clock) -> ShardLedger:
+        """Read a checkpoint written by :meth:`save` from an fsspec ``path``."""
+        try:
+            with fsspec.open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError as e:
+            raise LedgerError(f"ledger checkpoint {path} does not exist") from e
+        return cls.from_bytes(data, clock=clock)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Recount the TODO rows from the queue and the live leases and compare them with the
+        counters; O(shards): for tests and debugging only. Raises AssertionError."""
+        assert self.rows_todo + self.rows_leased + self.rows_done + self.rows_quarantined \
+            + self.rows_lost == self.rows_expected
+        leased = sum(lease.stop - lease.synced for lease in self._leases.values())
+        assert leased == self.rows_leased, (leased, self.rows_leased)
+        unsynced = sum(lease.offset - lease.synced for lease in self._leases.values())
+        assert self.rows_trained == self.rows_done + self.rows_duplicated + unsynced
+        for lease in self._leases.values():
+            assert lease.start <= lease.synced <= lease.offset <= lease.claim_stop <= lease.stop
+            assert lease.synced < lease.stop
+        if self._stopped is not None:
+            assert self.rows_todo == 0
+            return
+        todo = sum(stop - start for _, _, start, stop in self._front)
+        epoch_rows = self.total_rows - int(self._rg_rows[self._rg_quarantined].sum())
+        if self._perm is not None:
+            shards = self._perm[self._pos:]
+            rg = self._shard_rg[shards]
+            todo += int((np.minimum(self._shard_start[shards].astype(np.int64) + self.shard_rows,
+                                    self._rg_rows[rg]) - self._shard_start[shards]).sum())
+        todo += epoch_rows * (self.epochs - 1 - self._epoch)
+        assert todo == self.rows_todo, (todo, self.rows_todo)
+
+    def _status(self, lease: _LiveLease) -> LeaseStatus:
+        rg = int(self._shard_rg[lease.shard])
+        return LeaseStatus(lease.lease_id, lease.worker, lease.epoch,
+                           self._paths[self._rg_file[rg]], int(self._rg_group[rg]), lease.start,
+                           lease.stop, lease.offset, lease.synced, lease.claim_stop,
+                           lease.revoked, lease.leased_at, lease.committed_at)
+
+    def _claim_size(self, claim_rows: int | None) -> int:
+        """Requested claim rounded up to whole batches, within ``[batch_rows, max_claim_rows]``."""
+        if claim_rows is None:
+            return self.batch_rows
+        claim_rows = _check_int("claim_rows", claim_rows, 0, 2**31 - 1)
+        batches = max(1, -(-claim_rows // self.batch_rows))
+        return min(batches * self.batch_rows, self.max_claim_rows)
+
+    def _known(self, lease_id: int) -> _LiveLease:
+        if isinstance(lease_id, bool) or not isinstance(lease_id, int):
+            raise LedgerError(f"lease_id must be an int, found {lease_id!r}")
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            state = "was never issued" if not 0 <= lease_id < self._next_id else \
+                "is no longer live (done, released, or its worker was removed)"
+            raise LedgerError(f"job {self.job!r}: lease {lease_id} {state}")
+        return lease
+
+    def _live(self, lease_id: int, token: str) -> _LiveLease:
+        lease = self._known(lease_id)
+        if not isinstance(token, str) or not secrets.compare_digest(token, lease.token):
+            raise LedgerError(f"job {self.job!r}: wrong token for lease {lease_id}")
+        return lease
+
+    def _next_piece(self) -> Piece | None:
+        if self._front:
+            return self._front.popleft()
+        if self.num_shards == 0:
+            return None
+        while self._perm is None or self._pos == len(self._perm):
+            if self._epoch + 1 >= self.epochs:
+                return None
+            self._start_epoch(self._epoch + 1)
+        assert self._perm is not None
+        shard = int(self._perm[self._pos])
+        self._pos += 1
+        start = int(self._shard_start[shard])
+        stop = min(start + self.shard_rows, int(self._rg_rows[self._shard_rg[shard]]))
+        return self._epoch, shard, start, stop
+
+    def _start_epoch(self, epoch: int) -> None:
+        """Draw epoch ``epoch``'s shard order from ``(seed, epoch)``."""
+        self._epoch = epoch
+        self._pos = 0
+        if epoch < 0 or self.num_shards == 0:
+            self._perm = None
+            return
+        rng = np.random.default_rng([self.seed, epoch])
+        self._perm = rng.permutation(self.num_shards).astype(np.int32)
+
+    def _push_front(self, pieces: Sequence[Piece]) -> None:
+        """Put non-empty ``pieces`` at the queue front, keeping their order."""
+        for piece in reversed(pieces):
+            if piece[3] > piece[2]:
+                self._front.appendleft(piece)
+
+    def _cut(self, lease: _LiveLease, at: int, parts: int) -> list[Piece]:
+        """Requeue the lease's rows ``[at, stop)`` as up to ``parts`` pieces; the lease ends at
+        ``at`` (``at >= claim_stop``: claimed rows never move)."""
+        assert at >= lease.claim_stop
+        rows = lease.stop - at
+        if rows <= 0:
+            return []
+        parts = min(parts, rows)
+        bounds = [at + (rows * k) // parts for k in range(parts + 1)]
+        pieces = [(lease.epoch, lease.shard, a, b) for a, b in zip(bounds, bounds[1:])]
+        self._push_front(pieces)
+        self.rows_leased -= rows
+        lease.stop = at  # still > synced: a claim is never empty while rows are left
+        return pieces
+
+    def _requeue_lease(self, lease: _LiveLease) -> int:
+        rows = lease.stop - lease.synced
+        self._push_front([(lease.epoch, lease.shard, lease.synced, lease.stop)])
+        self.rows_duplicated += lease.offset - lease.synced
+        self.rows_leased -= rows
+        self._forget(lease)
+        return rows
+
+    def _retire_if_synced(self, lease: _LiveLease) -> bool:
+        if lease.synced < lease.stop:
+            return False
+        self._forget(lease)
+        return True
+
+    def _forget(self, lease: _LiveLease) -> None:
+        del self._leases[lease.lease_id]
+        ids = self._by_worker[lease.worker]
+        del ids[lease.lease_id]
+        if not ids:
+            del self._by_worker[lease.worker]
+
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to an fsspec ``path``: on a local file system a temporary file in the same
+    folder, fsync'ed and renamed over ``path`` (readers see the old or the new file, never half of
+    one); elsewhere a single put (object stores replace whole objects)."""
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if "file" not in protocols:
+        with fs.open(fs_path, "wb") as f:
+            f.write(data)
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(fs_path)), exist_ok=True)
+    tmp = f"{fs_path}.tmp-{secrets.token_hex(4)}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, fs_path)

@@ -1,0 +1,140 @@
+"""`antdt bench sharding`: the shard ledger at scale, and the same operations over Dask RPC.
+
+Ledger: ``--shards`` shards (1,000 files x row groups x 10 shards each), ``--workers``
+simulated workers taking turns; each turn is one operation - a lease when the worker holds none,
+else a commit of the next batch (synced at once), which returns the next claim. Every 16th
+operation is timed on its own for the p50/p99. Memory is traced (tracemalloc) while building the
+ledger and giving every worker a lease, and reported per shard.
+
+RPC: a LocalCluster (in-process workers) with the :class:`~antdt.service.ShardingService`; a
+client leases and commits batch by batch through the scheduler, one round trip per operation.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import click
+import numpy as np
+from distributed import Client, LocalCluster
+
+from antdt.service import ShardingService, register_job
+from antdt.sharding import Claim, Lease, RowGroup, ShardLedger
+from pipeline.bench import emit
+
+SHARDS_PER_GROUP = 10
+GROUPS_PER_FILE = 100
+
+
+def dataset(shards: int, shard_rows: int) -> list[RowGroup]:
+    """Row groups of ``SHARDS_PER_GROUP`` full shards each, ``GROUPS_PER_FILE`` per file."""
+    groups = -(-shards // SHARDS_PER_GROUP)
+    return [(f"s3://bench/part-{g // GROUPS_PER_FILE:05d}.parquet", g % GROUPS_PER_FILE,
+             SHARDS_PER_GROUP * shard_rows) for g in range(groups)]
+
+
+def ledger_memory(groups: list[RowGroup], shard_rows: int, batch_rows: int,
+                  workers: int) -> tuple[int, int]:
+    """(traced bytes, shards) of a fresh ledger with one live lease per worker."""
+    tracemalloc.start()
+    try:
+        ledger = ShardLedger(groups, shard_rows=shard_rows, batch_rows=batch_rows,
+                             clock=time.monotonic)
+        for w in range(workers):
+            ledger.lease(f"w{w}")
+        current, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return current, ledger.num_shards
+
+
+def ledger_throughput(groups: list[RowGroup], shard_rows: int, batch_rows: int, workers: int,
+                      ops: int) -> dict[str, float]:
+    """Ops/s and per-op latency of lease + commit with ``workers`` taking turns."""
+    ledger = ShardLedger(groups, shard_rows=shard_rows, batch_rows=batch_rows,
+                         clock=time.monotonic)
+    names = [f"w{w}" for w in range(workers)]
+    held: list[Lease | None] = [None] * workers
+    offsets = [0] * workers
+    claims = [0] * workers
+    samples = []
+    clock = time.perf_counter_ns
+    start = time.perf_counter()
+    for op in range(ops):
+        w = op % workers
+        timed = op % 16 == 0
+        t0 = clock() if timed else 0
+        lease = held[w]
+        if lease is None:
+            reply = ledger.lease(names[w])
+            assert isinstance(reply, Lease), reply
+            held[w], offsets[w], claims[w] = reply, reply.start, reply.claim_stop
+        else:
+            answer = ledger.commit(lease.lease_id, lease.token, claims[w], claims[w])
+            if isinstance(answer, Claim):
+                offsets[w], claims[w] = claims[w], answer.stop
+            else:
+                held[w] = None
+        if timed:
+            samples.append(clock() - t0)
+    elapsed = time.perf_counter() - start
+    micros = np.asarray(samples) / 1000
+    ledger.check_invariants()
+    return {"ops_per_s": ops / elapsed, "us_per_op_p50": float(np.percentile(micros, 50)),
+            "us_per_op_p99": float(np.percentile(micros, 99))}
+
+
+def rpc_throughput(ops: int, shard_rows: int, batch_rows: int) -> float:
+    """Lease + commit operations per second through a LocalCluster's scheduler."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        client.register_plugin(ShardingService())
+        groups = dataset(max(1, ops), shard_rows)
+        register_job(client, "bench", groups, shard_rows=shard_rows, batch_rows=batch_rows)
+        worker = next(iter(client.scheduler_info()["workers"]))
+        lease_op, commit_op = client.scheduler.antdt_lease, client.scheduler.antdt_commit
+        lease: dict | None = None
+        claim = 0
+        start = time.perf_counter()
+        for _ in range(ops):
+            if lease is None:
+                reply = client.sync(lease_op, job="bench", worker=worker, wait_s=0)
+                lease, claim = reply["lease"], reply["lease"]["claim_stop"]
+                continue
+            reply = client.sync(commit_op, job="bench", commits=[{
+                "lease_id": lease["lease_id"], "token": lease["token"], "offset": claim,
+                "synced_offset": claim}])
+            answer = reply["replies"][0]
+            if answer["kind"] == "claim":
+                claim = answer["stop"]
+            else:
+                lease = None
+        return ops / (time.perf_counter() - start)
+
+
+@click.command("sharding")
+@click.option("--workers", type=click.IntRange(min=1), default=10_000, show_default=True)
+@click.option("--shards", type=click.IntRange(min=1), default=1_000_000, show_default=True)
+@click.option("--ops", type=click.IntRange(min=16), default=1_000_000, show_default=True,
+              help="ledger operations (leases + commits) to time")
+@click.option("--rpc-ops", type=click.IntRange(min=1), default=3000, show_default=True)
+@click.option("--shard-rows", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--batch-rows", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def command(workers: int, shards: int, ops: int, rpc_ops: int, shard_rows: int, batch_rows: int,
+            as_json: bool) -> None:
+    """Shard ledger throughput, latency and memory at scale; lease/commit over Dask RPC."""
+    groups = dataset(shards, shard_rows)
+    traced, num_shards = ledger_memory(groups, shard_rows, batch_rows, workers)
+    start = time.perf_counter()
+    speed = ledger_throughput(groups, shard_rows, batch_rows, workers, ops)
+    ledger_s = time.perf_counter() - start
+    rpc_ops_per_s = rpc_throughput(rpc_ops, shard_rows, batch_rows)
+    emit({"workers": workers, "shards": num_shards, "ops": ops,
+          "ops_per_s": round(speed["ops_per_s"]),
+          "us_per_op_p50": round(speed["us_per_op_p50"], 2),
+          "us_per_op_p99": round(speed["us_per_op_p99"], 2),
+          "bytes_per_shard": round(traced / num_shards, 1),
+          "ledger_seconds": round(ledger_s, 2),
+          "rpc_ops": rpc_ops, "rpc_ops_per_s": round(rpc_ops_per_s)}, as_json)

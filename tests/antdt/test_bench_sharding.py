@@ -1,0 +1,22 @@
+"""`antdt bench sharding` at toy scale: it runs end to end and prints the promised keys."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from pipeline.bench.sharding import command
+
+
+def test_bench_sharding_prints_the_figures() -> None:
+    result = CliRunner().invoke(command, ["--workers", "10", "--shards", "1000", "--ops", "2000",
+                                          "--rpc-ops", "40", "--json"])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.output.strip().splitlines()[-1])
+    assert {"workers", "shards", "ops_per_s", "us_per_op_p50", "us_per_op_p99",
+            "bytes_per_shard", "rpc_ops_per_s"} <= figures.keys()
+    assert figures["workers"] == 10 and figures["shards"] == 1000
+    assert figures["ops_per_s"] > 0 and figures["rpc_ops_per_s"] > 0
+    assert 0 < figures["us_per_op_p50"] <= figures["us_per_op_p99"]
+    assert 0 < figures["bytes_per_shard"] < 300 * 10  # 10 live leases on only 1,000 shards

@@ -1,0 +1,270 @@
+"""The sharding service over real Dask RPC (gen_cluster: scheduler and workers in one loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import Counter
+from typing import Any
+
+import pytest
+from distributed import Client, Scheduler, Worker, get_worker
+from distributed.utils import sync
+from distributed.utils_test import gen_cluster
+
+from antdt.service import PLUGIN_NAME, ShardingService
+from antdt.sharding import CommitEvent
+
+GROUPS = [["a.parquet", 0, 10], ["a.parquet", 1, 7], ["b.parquet", 0, 5]]
+TOTAL = 22
+
+
+async def setup_job(c: Client, s: Scheduler, job: str = "j", **kwargs: Any) -> ShardingService:
+    if PLUGIN_NAME not in s.plugins:
+        await c.register_plugin(ShardingService())
+    options: dict[str, Any] = {"row_groups": GROUPS, "shard_rows": 4, "batch_rows": 2}
+    options.update(kwargs)
+    reply = await c.scheduler.antdt_register_job(job=job, **options)
+    assert reply["status"] == "OK", reply
+    plugin = s.plugins[PLUGIN_NAME]
+    assert isinstance(plugin, ShardingService)
+    return plugin
+
+
+async def train_all(c: Client, job: str, worker: str, rows: Counter) -> dict:
+    """Lease and commit batch by batch through the scheduler until the job says stop."""
+    commits: list[dict] = []
+    while True:
+        reply = await c.scheduler.antdt_lease(job=job, worker=worker, commits=commits, wait_s=0)
+        assert reply["status"] == "OK", reply
+        assert all(r["kind"] in ("finished", "revoked") for r in reply["replies"]), reply
+        lease = reply["lease"]
+        if lease["kind"] != "lease":
+            return lease
+        offset, stop = lease["start"], lease["claim_stop"]
+        while True:
+            rows.update((lease["epoch"], lease["path"], lease["row_group"], r)
+                        for r in range(offset, stop))
+            commit = {"lease_id": lease["lease_id"], "token": lease["token"], "offset": stop,
+                      "synced_offset": stop, "stats": {"rows": stop - offset}}
+            if stop == lease["stop"]:
+                commits = [commit]  # the last commit rides on the next lease call
+                break
+            answer = await c.scheduler.antdt_commit(job=job, commits=[commit])
+            (claim,) = answer["replies"]
+            if claim["kind"] != "claim":
+                commits = []
+                break
+            offset, stop = stop, claim["stop"]
+
+
+def worker_trains(job: str) -> int:
+    """Runs as a task: lease/commit from the worker's thread through ``worker.scheduler``."""
+    worker = get_worker()
+    trained = 0
+    while True:
+        reply = sync(worker.loop, worker.scheduler.antdt_lease, job=job, worker=worker.address,
+                     wait_s=0)
+        lease = reply["lease"]
+        if lease["kind"] != "lease":
+            return trained
+        offset = lease["start"]
+        stop = lease["claim_stop"]
+        while True:
+            trained += stop - offset
+            answer = sync(worker.loop, worker.scheduler.antdt_commit, job=job, commits=[{
+                "lease_id": lease["lease_id"], "token": lease["token"], "offset": stop,
+                "synced_offset": stop}])
+            claim = answer["replies"][0]
+            if claim["kind"] != "claim":
+                break
+            offset, stop = stop, claim["stop"]
+
+
+@gen_cluster(client=True)
+async def test_lease_and_commit_from_worker_tasks(c: Client, s: Scheduler, a: Worker,
+                                                  b: Worker) -> None:
+    plugin = await setup_job(c, s, epochs=2)
+    events: list[tuple[str, CommitEvent]] = []
+    plugin.subscribe(lambda job, event: events.append((job, event)))
+    futures = [c.submit(worker_trains, "j", workers=[w.address], pure=False) for w in (a, b)]
+    trained = await c.gather(futures)
+    assert sum(trained) == 2 * TOTAL
+    state = await c.scheduler.antdt_job_state(job="j")
+    assert state["state"] == "finished"
+    assert state["rows_trained"] == state["rows_done"] == 2 * TOTAL
+    assert state["rows_duplicated"] == state["rows_lost"] == 0
+    assert sum(event.rows for _, event in events) == 2 * TOTAL
+    assert {job for job, _ in events} == {"j"}
+    assert {event.worker for _, event in events} <= {a.address, b.address}
+
+
+@gen_cluster(client=True)
+async def test_removed_worker_rows_are_leased_again_and_trained_once(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    plugin = await setup_job(c, s, row_groups=[["f", 0, 8]], shard_rows=8)
+    reply = await c.scheduler.antdt_lease(job="j", worker=a.address, claim_rows=4)
+    lease = reply["lease"]
+    assert (lease["start"], lease["stop"], lease["claim_stop"]) == (0, 8, 4)
+    commit = {"lease_id": lease["lease_id"], "token": lease["token"], "offset": 4,
+              "synced_offset": 2}
+    answer = await c.scheduler.antdt_commit(job="j", commits=[commit])
+    assert answer["replies"][0]["kind"] == "claim"
+    await a.close()
+    assert a.address not in s.workers
+    assert plugin.jobs["j"].leases() == []
+    rows: Counter = Counter()
+    assert (await train_all(c, "j", b.address, rows))["reason"] == "finished"
+    assert sorted(r for *_, r in rows) == list(range(2, 8))
+    state = await c.scheduler.antdt_job_state(job="j")
+    assert state["rows_duplicated"] == 2 and state["rows_trained"] == 10
+    assert state["rows_done"] == 8 and state["rows_lost"] == 0
+    answer = await c.scheduler.antdt_commit(job="j", commits=[commit])
+    assert answer["replies"][0]["kind"] == "error"
+    assert "no longer live" in answer["replies"][0]["message"]
+
+
+@gen_cluster(client=True)
+async def test_two_jobs_side_by_side(c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    plugin = await setup_job(c, s, job="one", seed=1)
+    await setup_job(c, s, job="two", row_groups=[["z", 0, 30]], shard_rows=10, epochs=3)
+    held = (await c.scheduler.antdt_lease(job="one", worker=a.address))["lease"]
+    rows_two: Counter = Counter()
+    assert (await train_all(c, "two", b.address, rows_two))["reason"] == "finished"
+    assert sum(rows_two.values()) == 90 and len(rows_two) == 90
+    await a.close()  # a held a lease of job one only
+    assert plugin.jobs["one"].leases() == []
+    assert (await c.scheduler.antdt_job_state(job="two"))["rows_duplicated"] == 0
+    rows_one: Counter = Counter()
+    assert (await train_all(c, "one", b.address, rows_one))["reason"] == "finished"
+    assert len(rows_one) == TOTAL
+    assert held["path"] in {p for _, p, _, _ in rows_one}
+    one = await c.scheduler.antdt_job_state(job="one")
+    assert one["state"] == "finished" and one["rows_done"] == TOTAL
+
+
+@gen_cluster(client=True)
+async def test_restore_into_a_new_scheduler(c: Client, s: Scheduler, a: Worker,
+                                            b: Worker) -> None:
+    await setup_job(c, s, epochs=2, quarantine=[["b.parquet", 0, "bad label"]])
+    rows: Counter = Counter()
+    first = (await c.scheduler.antdt_lease(job="j", worker=a.address))["lease"]
+    done = {"lease_id": first["lease_id"], "token": first["token"],
+            "offset": first["claim_stop"], "synced_offset": first["claim_stop"]}
+    assert (await c.scheduler.antdt_commit(job="j", commits=[done]))["status"] == "OK"
+    rows.update((first["epoch"], first["path"], first["row_group"], r)
+                for r in range(first["start"], first["claim_stop"]))
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ledger-{os.getpid()}-{id(s)}.bin")
+    saved = await c.scheduler.antdt_checkpoint(job="j", path=path)
+    assert saved["status"] == "OK" and 0 < saved["bytes"] == os.path.getsize(path)
+    try:
+        async with Scheduler(dashboard_address=":0") as s2, \
+                Worker(s2.address) as w2, \
+                Client(s2.address, asynchronous=True) as c2:
+            await c2.register_plugin(ShardingService())
+            restored = await c2.scheduler.antdt_restore(job="j", path=path)
+            assert restored["status"] == "OK"
+            assert restored["rows_done"] == first["claim_stop"] - first["start"]
+            assert restored["rows_quarantined"] == 10
+            assert (await train_all(c2, "j", w2.address, rows))["reason"] == "finished"
+            state = await c2.scheduler.antdt_job_state(job="j")
+            assert state["rows_done"] == 2 * (TOTAL - 5) == len(rows)
+            assert state["rows_trained"] == sum(rows.values())
+    finally:
+        os.remove(path)
+    missing = await c.scheduler.antdt_restore(job="k", path=path)
+    assert missing["status"] == "error" and "does not exist" in missing["message"]
+
+
+@gen_cluster(client=True)
+async def test_malformed_calls_return_errors_and_the_scheduler_keeps_serving(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    plugin = await setup_job(c, s)
+    lease = (await c.scheduler.antdt_lease(job="j", worker=a.address))["lease"]
+    before = plugin.jobs["j"].summary()
+    bad_calls: list[tuple[str, dict[str, Any], str]] = [
+        ("antdt_lease", {"job": "nope", "worker": a.address}, "unknown job"),
+        ("antdt_lease", {"job": 5, "worker": a.address}, "job must be a str"),
+        ("antdt_lease", {"job": "j", "worker": "tcp://1.2.3.4:5"}, "not a worker"),
+        ("antdt_lease", {"job": "j", "worker": a.address, "wait_s": -1}, "wait_s"),
+        ("antdt_lease", {"job": "x" * 10_000, "worker": a.address}, "1 to 256"),
+        ("antdt_commit", {"job": "j", "commits": "all"}, "commits must be a list"),
+        ("antdt_commit", {"job": "j", "commits": [{}] * 5000}, "at most 1024"),
+        ("antdt_register_job", {"job": "j", "row_groups": GROUPS, "shard_rows": 4,
+                                "batch_rows": 2}, "already registered"),
+        ("antdt_register_job", {"job": "k", "row_groups": [["f", "zero", 3]], "shard_rows": 4,
+                                "batch_rows": 2}, "row_group must be an int"),
+        ("antdt_register_job", {"job": "k", "row_groups": "f.parquet", "shard_rows": 4,
+                                "batch_rows": 2}, "row_groups must be a list"),
+        ("antdt_register_job", {"job": "k", "row_groups": GROUPS, "shard_rows": -4,
+                                "batch_rows": 2}, "shard_rows"),
+        ("antdt_release", {"job": "j", "lease_id": lease["lease_id"], "token": "guess"},
+         "wrong token"),
+        ("antdt_split", {"job": "j", "lease_id": lease["lease_id"], "parts": "2"}, "parts"),
+        ("antdt_revoke", {"job": "j", "lease_id": 99}, "never issued"),
+        ("antdt_quarantine", {"job": "j", "lease_id": lease["lease_id"],
+                              "token": lease["token"], "stop": 10**9, "reason": "x"}, "stop"),
+    ]
+    for op, kwargs, message in bad_calls:
+        reply = await getattr(c.scheduler, op)(**kwargs)
+        assert reply["status"] == "error" and message in reply["message"], (op, reply)
+    bad_commits = [
+        {"lease_id": lease["lease_id"], "token": lease["token"], "offset": -1,
+         "synced_offset": 0},
+        {"lease_id": lease["lease_id"], "token": lease["token"], "offset": lease["claim_stop"],
+         "synced_offset": lease["start"], "stats": {"rows": "many"}},
+        {"lease_id": lease["lease_id"], "token": lease["token"]},
+        ["not", "a", "dict"],
+    ]
+    with pytest.raises(TypeError, match="bogus"):
+        await c.scheduler.antdt_lease(job="j", worker=a.address, bogus=1)
+    reply = await c.scheduler.antdt_commit(job="j", commits=bad_commits)
+    assert [r["kind"] for r in reply["replies"]] == ["error"] * 4
+    assert plugin.jobs["j"].summary() == before
+    assert "k" not in plugin.jobs
+    rows: Counter = Counter()
+    released = await c.scheduler.antdt_release(job="j", lease_id=lease["lease_id"],
+                                                token=lease["token"])
+    assert released == {"status": "OK", "rows": lease["stop"] - lease["start"]}
+    assert (await train_all(c, "j", b.address, rows))["reason"] == "finished"
+    assert len(rows) == TOTAL == sum(rows.values())
+
+
+@gen_cluster(client=True)
+async def test_revoke_split_and_restart_over_rpc(c: Client, s: Scheduler, a: Worker,
+                                                 b: Worker) -> None:
+    plugin = await setup_job(c, s, row_groups=[["f", 0, 40]], shard_rows=40)
+    lease = (await c.scheduler.antdt_lease(job="j", worker=a.address))["lease"]
+    split = await c.scheduler.antdt_split(job="j", lease_id=lease["lease_id"], parts=4)
+    assert split["status"] == "OK"
+    assert [list(p) for p in split["pieces"]] == [[0, 0, 10, 20], [0, 0, 20, 30], [0, 0, 30, 40]]
+    revoke = await c.scheduler.antdt_revoke(job="j", lease_id=lease["lease_id"])
+    assert [list(p) for p in revoke["pieces"]] == [[0, 0, 2, 10]]
+    commit = {"lease_id": lease["lease_id"], "token": lease["token"], "offset": 2,
+              "synced_offset": 2}
+    reply = await c.scheduler.antdt_commit(job="j", commits=[commit])
+    assert list(reply["replies"]) == [{"kind": "revoked", "lease_id": lease["lease_id"], "stop": 2,
+                                 "retired": True}]
+    other = (await c.scheduler.antdt_lease(job="j", worker=b.address))["lease"]
+    assert (other["start"], other["stop"]) == (2, 10)
+    plugin.restart(s)
+    state = await c.scheduler.antdt_job_state(job="j", leases=True)
+    assert len(state["live"]) == 0 and state["rows_todo"] == 38
+    stopped = await c.scheduler.antdt_stop_job(job="j", reason="user cancelled")
+    assert stopped["state"] == "stopped" and stopped["rows_lost"] == 38
+    reply = await c.scheduler.antdt_lease(job="j", worker=b.address)
+    assert reply["lease"] == {"kind": "stop", "reason": "user cancelled"}
+    forgotten = await c.scheduler.antdt_forget_job(job="j")
+    assert forgotten["rows_lost"] == 38 and "j" not in plugin.jobs
+
+
+@gen_cluster(client=True)
+async def test_a_waiting_lease_gets_rows_requeued_by_a_dying_worker(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    await setup_job(c, s, row_groups=[["f", 0, 4]], shard_rows=4)
+    held = (await c.scheduler.antdt_lease(job="j", worker=a.address))["lease"]
+    assert held["kind"] == "lease"
+    waiting = c.scheduler.antdt_lease(job="j", worker=b.address, wait_s=30)
+    closing = a.close()
+    reply, _ = await asyncio.gather(waiting, closing)
+    assert reply["lease"]["kind"] == "lease" and reply["lease"]["start"] == 0

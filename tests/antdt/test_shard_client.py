@@ -1,0 +1,139 @@
+"""ShardClient inside real Dask tasks: batching, synced offsets, revocation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distributed import Client, Scheduler, Worker, get_worker
+from distributed.utils import sync
+from distributed.utils_test import gen_cluster
+
+from antdt.service import PLUGIN_NAME, ShardingService
+from antdt.shard_client import ShardClient
+from antdt.sharding import Claim, Revoked
+
+
+class StepClock:
+    """Monotonic seconds that the simulated training moves forward."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class LaggingSync:
+    """A model sync that is ``lag`` rows behind training and catches up 35 rows per look while
+    training has stopped (as a background sync thread would)."""
+
+    def __init__(self, lag: int) -> None:
+        self.lag = lag
+        self.shards: ShardClient | None = None
+
+    def __call__(self) -> int:
+        assert self.shards is not None
+        synced = max(0, self.shards.trained_rows - self.lag)
+        if self.shards.current is None:
+            self.lag = max(0, self.lag - 35)
+        return synced
+
+
+def agent(job: str, batch_rows: int, batch_s: float, lag_rows: int = 0) -> dict[str, Any]:
+    """A minimal agent: train batches of ``batch_s`` simulated seconds while the model sync lags
+    ``lag_rows`` behind, then sync everything at the end."""
+    clock = StepClock()
+    source = LaggingSync(lag_rows)
+    shards = ShardClient(job, commit_interval_s=1.0, lease_wait_s=0.0, clock=clock,
+                         synced_rows=source)
+    source.shards = shards
+    commits = 0
+    most_draining = 0
+    replies: set[str] = set()
+    while (lease := shards.lease()) is not None:
+        offset, stop = lease.start, lease.claim_stop
+        while True:
+            end = min(offset + batch_rows, stop)
+            clock.now += batch_s * (end - offset) / batch_rows
+            reply = shards.commit(end, stats={"rows": end - offset})
+            commits += 1
+            replies.add(type(reply).__name__)
+            most_draining = max(most_draining, len(shards.draining))
+            if not isinstance(reply, Claim):
+                break
+            offset, stop = end, reply.stop
+    lag_left = source.lag
+    shards.close(synced_rows=shards.trained_rows)
+    return {"commits": commits, "rpcs": shards.rpcs, "trained": shards.trained_rows,
+            "most_draining": most_draining, "lag_left": lag_left, "replies": sorted(replies)}
+
+
+async def register(c: Client, s: Scheduler, **kwargs: Any) -> ShardingService:
+    await c.register_plugin(ShardingService())
+    reply = await c.scheduler.antdt_register_job(job="j", **kwargs)
+    assert reply["status"] == "OK", reply
+    plugin = s.plugins[PLUGIN_NAME]
+    assert isinstance(plugin, ShardingService)
+    return plugin
+
+
+@gen_cluster(client=True)
+async def test_commits_are_batched_to_about_one_rpc_per_second(c: Client, s: Scheduler,
+                                                               a: Worker, b: Worker) -> None:
+    await register(c, s, row_groups=[["f", g, 2000] for g in range(4)], shard_rows=1000,
+                   batch_rows=10, max_claim_rows=1000)
+    futures = [c.submit(agent, "j", 10, 0.01, workers=[w.address], pure=False)
+               for w in (a, b)]
+    results = await c.gather(futures)
+    trained = sum(r["trained"] for r in results)
+    assert trained == 8000
+    commits = sum(r["commits"] for r in results)
+    rpcs = sum(r["rpcs"] for r in results)
+    simulated_seconds = 8000 / 1000  # 10 rows per 0.01 s
+    assert commits == 800
+    assert rpcs <= 8 + 2 * simulated_seconds + 4, results  # a lease per shard + ~1 commit/s
+    state = await c.scheduler.antdt_job_state(job="j")
+    assert state["state"] == "finished" and state["rows_done"] == 8000
+    assert state["rows_trained"] == 8000 and state["rows_duplicated"] == 0
+
+
+@gen_cluster(client=True)
+async def test_lagging_synced_rows_keep_leases_draining_until_flushed(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    plugin = await register(c, s, row_groups=[["f", 0, 300]], shard_rows=50, batch_rows=10)
+    result = await c.submit(agent, "j", 10, 0.01, lag_rows=70, workers=[a.address], pure=False)
+    assert result["trained"] == 300
+    assert result["most_draining"] >= 1
+    assert result["lag_left"] == 0  # lease() waited until its own draining leases synced
+    state = await c.scheduler.antdt_job_state(job="j")
+    assert state["state"] == "finished", state
+    assert state["rows_done"] == 300 and state["rows_duplicated"] == 0
+    assert plugin.jobs["j"].leases() == []
+
+
+def revoked_agent(job: str) -> list[str]:
+    """Lease, let the test revoke, and see the reply change."""
+    clock = StepClock()
+    shards = ShardClient(job, commit_interval_s=1.0, lease_wait_s=0.0, clock=clock)
+    lease = shards.lease()
+    assert lease is not None
+    seen = [type(shards.commit(lease.start + 5)).__name__]  # local: claim and interval left
+    worker = get_worker()
+    sync(worker.loop, worker.scheduler.antdt_revoke, job=job, lease_id=lease.lease_id)
+    clock.now += 2.0
+    reply = shards.commit(lease.start + 10)
+    seen.append(type(reply).__name__)
+    assert isinstance(reply, Revoked) and reply.stop == lease.start + 10 and reply.retired
+    assert shards.draining == []
+    return seen
+
+
+@gen_cluster(client=True)
+async def test_revoked_lease_is_seen_on_the_next_rpc(c: Client, s: Scheduler, a: Worker,
+                                                    b: Worker) -> None:
+    plugin = await register(c, s, row_groups=[["f", 0, 100]], shard_rows=100, batch_rows=10,
+                            max_claim_rows=20)
+    seen = await c.submit(revoked_agent, "j", workers=[a.address], pure=False)
+    assert seen == ["Claim", "Revoked"]
+    ledger = plugin.jobs["j"]
+    assert ledger.rows_leased == 0 and ledger.rows_todo == 90 and ledger.rows_done == 10
