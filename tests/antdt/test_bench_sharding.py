@@ -20,3 +20,12 @@ def test_bench_sharding_prints_the_figures() -> None:
     assert figures["ops_per_s"] > 0 and figures["rpc_ops_per_s"] > 0
     assert 0 < figures["us_per_op_p50"] <= figures["us_per_op_p99"]
     assert 0 < figures["bytes_per_shard"] < 300 * 10  # 10 live leases on only 1,000 shards
+
+
+def test_bench_sharding_stops_when_every_shard_is_done() -> None:
+    result = CliRunner().invoke(command, ["--workers", "4", "--shards", "20", "--ops", "5000",
+                                          "--rpc-ops", "10", "--shard-rows", "64",
+                                          "--batch-rows", "32", "--json"])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.output.strip().splitlines()[-1])
+    assert 20 <= figures["ops"] < 5000
