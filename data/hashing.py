@@ -46,8 +46,6 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from data.schema import NULL_BUCKET
-
 _U64 = np.uint64
 _PHI = _U64(0x9E3779B97F4A7C15)
 _FNV_OFFSET = _U64(0xCBF29CE484222325)
@@ -140,11 +138,20 @@ def _string_buckets(strings: pa.Array, num_embeddings: int) -> Buckets:
     return to_buckets(fnv1a64(data, offsets), num_embeddings)
 
 
-def validity(array: pa.Array) -> npt.NDArray[np.bool_]:
-    """True where ``array`` (which has nulls) holds a value, from its validity bitmap."""
+def zero_nulls(values: npt.NDArray[np.int64] | npt.NDArray[np.float32],
+               array: pa.Array) -> None:
+    """Set ``values[i]`` to 0 wherever ``array[i]`` is null (``values`` finite, one per element
+    of ``array``): bucket 0 is ``NULL_BUCKET``, and 0.0 a null dense value.
+
+    One branch-free pass, multiplying in place by the validity bits, where a masked
+    ``np.copyto(..., where=~valid)`` inverts the mask and then branches on every element (about
+    3x slower at a few percent of nulls).
+    """
+    if not array.null_count:
+        return
     bitmap = np.frombuffer(array.buffers()[0], dtype=np.uint8)
     bits = np.unpackbits(bitmap, bitorder="little", count=array.offset + len(array))
-    return bits[array.offset:].view(np.bool_)
+    np.multiply(values, bits[array.offset:], out=values)
 
 
 def int64_values(array: pa.Array) -> npt.NDArray[np.int64]:
@@ -181,8 +188,7 @@ def hash_arrow(array: pa.Array, num_embeddings: int,
         buckets = np.take(dict_buckets, index_values, out=out)
     else:
         raise TypeError(f"cannot hash Arrow type {kind}: expected integers or strings")
-    if array.null_count:
-        np.copyto(buckets, NULL_BUCKET, where=~validity(array))
+    zero_nulls(buckets, array)
     return buckets
 
 
@@ -191,7 +197,6 @@ def _distinct_buckets(dictionary: pa.Array, num_embeddings: int) -> Buckets:
     kind = dictionary.type
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
         buckets = _string_buckets(dictionary, num_embeddings)
-        if dictionary.null_count:
-            np.copyto(buckets, NULL_BUCKET, where=~validity(dictionary))
+        zero_nulls(buckets, dictionary)
         return buckets
     return hash_arrow(dictionary, num_embeddings)

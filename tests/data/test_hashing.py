@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import data.files
 import data.hashing
 import data.validate
-from data.hashing import fnv1a64, hash_arrow, hash_ints, hash_strings
+from data.hashing import fnv1a64, hash_arrow, hash_ints, hash_strings, zero_nulls
 
 
 @pytest.mark.parametrize("module", [data.hashing, data.files, data.validate])
@@ -75,6 +75,22 @@ def test_integer_widths_agree_and_nulls_go_to_bucket_zero() -> None:
     out = np.full(4, -1, dtype=np.int64)
     assert hash_arrow(pa.array(values), 1000, out=out) is not None
     assert out.tolist() == expected.tolist()
+
+
+def test_zero_nulls_reads_the_bitmap_of_sliced_arrays() -> None:
+    # 11 values, so the bitmap has a partial last byte; slices start inside a byte.
+    array = pa.array([None, 1, 2, None, 4, 5, 6, 7, None, 9, None], type=pa.int64())
+    for start in (0, 1, 3, 7):
+        part = array.slice(start)
+        valid = np.array([v is not None for v in part.to_pylist()])
+        for values in (np.arange(1, len(part) + 1, dtype=np.int64),
+                       np.linspace(0.5, 3.0, len(part), dtype=np.float32)):
+            expected = np.where(valid, values, 0)
+            zero_nulls(values, part)
+            assert values.tolist() == expected.tolist()
+    untouched = np.array([5, 6], dtype=np.int64)
+    zero_nulls(untouched, pa.array([1, 2]))
+    assert untouched.tolist() == [5, 6]
 
 
 def test_strings_agree_across_encodings() -> None:

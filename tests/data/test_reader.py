@@ -162,6 +162,42 @@ def test_whole_group_batches_of_a_single_valued_schema_are_copies(tmp_path: Path
     assert torch.equal(again.dense_features, expected[1])
 
 
+def test_integer_counts_outside_the_log1p_table(tmp_path: Path) -> None:
+    counts = [-(2**40), -1, 0, 16_383, 16_384, 2**40, None]
+    schema = Schema.from_dict({"label": "y", "dense": ["x"],
+                               "sparse": [{"name": "c", "num_embeddings": 10}]})
+    table = pa.table({"y": [0] * 7, "x": pa.array(counts, type=pa.int64()), "c": [1] * 7})
+    expected = [np.float32(math.log1p(max(c, 0))) if c is not None else 0.0 for c in counts]
+    for part, rows in ((table, expected), (table.slice(2), expected[2:])):
+        assert table_batch(part, schema).dense_features[:, 0].tolist() == rows
+
+
+def test_an_evicted_row_group_lends_its_arrays_without_touching_old_batches(
+        tmp_path: Path) -> None:
+    target = str(tmp_path / "twice.parquet")
+    reversed_rows = TABLE.take([4, 3, 2, 1, 0])
+    pq.write_table(pa.concat_tables([TABLE, reversed_rows]), target, row_group_size=5)
+    reader = ShardReader(SCHEMA, cache_row_groups=1)
+    first = reader.read(target, 0, 0, 5)
+    second = reader.read(target, 1, 0, 5)
+    check_rows(first, range(0, 5))
+    check_rows(second, range(4, -1, -1))
+    check_rows(reader.read(target, 0, 0, 5), range(0, 5))
+    assert reader.decoded_row_groups == 3
+
+
+def test_one_file_stays_open_until_the_next_or_close(path: str, tmp_path: Path) -> None:
+    other = str(tmp_path / "other.parquet")
+    pq.write_table(TABLE, other)
+    with ShardReader(SCHEMA, cache_row_groups=1) as reader:
+        check_rows(reader.read(path, 0, 0, 3), range(0, 3))
+        check_rows(reader.read(path, 1, 0, 2), range(3, 5))
+        check_rows(reader.read(other, 0, 0, 5), range(0, 5))
+        check_rows(reader.read(path, 0, 0, 3), range(0, 3))
+    check_rows(reader.read(path, 1, 0, 2), range(3, 5))  # reopened after close()
+    assert reader.decoded_row_groups == 5
+
+
 def test_one_thread_and_many_threads_agree(path: str) -> None:
     with ShardReader(SCHEMA, threads=1) as serial, ShardReader(SCHEMA, threads=4) as parallel:
         a, b = serial.read(path, 0, 0, 3), parallel.read(path, 0, 0, 3)
