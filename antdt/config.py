@@ -46,3 +46,22 @@ def _default(key: str) -> object:
             return None
         value = value[part]
     return value
+
+
+def get(key: str) -> object:
+    """The value of a dotted dask-config ``key``, falling back to the package default."""
+    value = dask.config.get(key, default=None)
+    return _default(key) if value is None else value
+
+
+def number(key: str, *, low: float = 0.0, high: float = float("inf"),
+           integer: bool = False) -> float:
+    """A numeric setting in ``[low, high]`` (an int if ``integer``); anything else raises
+    :class:`ConfigError` naming the key and the value."""
+    value = get(key)
+    kind = "an int" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (integer and not isinstance(value, int)) or not low <= value <= high:
+        raise ConfigError(f"dask config {key}: expected {kind} in [{low}, {high}], found "
+                          f"{value!r}")
+    return value

@@ -1,0 +1,630 @@
+"""The plain sync classes: embedding delta logs, dense averaging, ReplicaSync, SyncScheduler."""
+
+from __future__ import annotations
+
+import doctest
+import random
+import threading
+import time
+from collections.abc import Callable
+
+import dask.config
+import pytest
+import torch
+
+import antdt.errors
+import antdt.sync
+from antdt.sync import (
+    EmbeddingDeltaLog,
+    MemberState,
+    PeerPayload,
+    ReplicaSnapshot,
+    ReplicaSync,
+    SyncError,
+    SyncScheduler,
+    average_dense,
+)
+
+ROWS, DIM = 40, 3
+
+
+def make_tables(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(ROWS, DIM, generator=gen, dtype=torch.float64),
+            "b": torch.randn(ROWS // 2, DIM, generator=gen, dtype=torch.float64)}
+
+
+def make_dense(seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 4, generator=gen, dtype=torch.float64),
+            torch.randn(7, generator=gen, dtype=torch.float64)]
+
+
+class Cluster:
+    """Replicas of one initial model wired by an in-memory transport that can fail on demand."""
+
+    def __init__(self, n: int) -> None:
+        self.names = [f"w{i}" for i in range(n)]
+        self.initial_tables = make_tables()
+        self.initial_dense = make_dense()
+        self.replicas = {
+            name: ReplicaSync(name, [p.clone() for p in self.initial_dense],
+                              {t: w.clone() for t, w in self.initial_tables.items()},
+                              peers=self.names)
+            for name in self.names}
+        self.total = {t: torch.zeros_like(w) for t, w in self.initial_tables.items()}
+        self.offsets = dict.fromkeys(self.names, 0)
+        self.lose_reply = 0.0  # probability that a served reply never arrives
+        self.rng = random.Random(0)
+        self.dead: set[str] = set()
+        self.total_lock = threading.Lock()  # trainers of different replicas share ``total``
+
+    def add(self, name: str) -> ReplicaSync:
+        """A new replica built from the initial model (a joiner before it bootstraps)."""
+        self.names.append(name)
+        self.offsets[name] = 0
+        self.replicas[name] = ReplicaSync(name, [p.clone() for p in self.initial_dense],
+                                          {t: w.clone() for t, w in self.initial_tables.items()})
+        return self.replicas[name]
+
+    def fetch_for(self, requester: str) -> Callable[[str, int, int], PeerPayload]:
+        def fetch(peer: str, round: int, since_seq: int) -> PeerPayload:
+            if peer in self.dead:
+                raise ConnectionRefusedError(f"{peer} is dead")
+            payload = self.replicas[peer].serve(requester, round, since_seq)
+            if self.rng.random() < self.lose_reply:
+                raise TimeoutError(f"reply from {peer} lost")
+            return payload
+        return fetch
+
+    def train(self, name: str, gen: torch.Generator) -> None:
+        """A training-like step: some rows of each table and the dense params move."""
+        replica = self.replicas[name]
+        touched = {}
+        with replica.lock:
+            for t, table in replica.tables.items():
+                ids = torch.randperm(table.shape[0], generator=gen)[:5]
+                delta = torch.randn(len(ids), DIM, generator=gen, dtype=table.dtype)
+                table[ids] += delta
+                with self.total_lock:
+                    self.total[t][ids] += delta
+                touched[t] = ids
+            for p in replica.dense:
+                p += 0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        self.offsets[name] += 64
+        replica.touch(touched, self.offsets[name])
+
+    def expected_tables(self) -> dict[str, torch.Tensor]:
+        return {t: self.initial_tables[t] + self.total[t] for t in self.total}
+
+
+def test_docstring_examples_run() -> None:
+    result = doctest.testmod(antdt.sync)
+    assert result.attempted > 0 and result.failed == 0
+
+
+# ---- EmbeddingDeltaLog ---------------------------------------------------------------------
+
+
+def test_publish_pull_apply_moves_a_row_without_dilution() -> None:
+    a = EmbeddingDeltaLog({"t": torch.zeros(6, 2)}, peers=["b"])
+    b = EmbeddingDeltaLog({"t": torch.zeros(6, 2)}, peers=["a"])
+    a.tables["t"][2] += torch.tensor([1.0, 2.0])
+    a.touch("t", torch.tensor([2, 2]))
+    entry = a.publish(rows_offset=10)
+    assert entry is not None and entry.seq == 1 and entry.rows_offset == 10
+    ids, deltas = entry.rows["t"]
+    assert ids.tolist() == [2] and deltas.tolist() == [[1.0, 2.0]]
+
+    b.tables["t"][2] += torch.tensor([10.0, 0.0])
+    b.touch("t", torch.tensor([2]))
+    assert b.apply("a", a.pull("b", since_seq=0)) == 1
+    assert b.tables["t"][2].tolist() == [11.0, 2.0]  # added, not averaged
+    own = b.publish(rows_offset=5)
+    assert own is not None and own.rows["t"][1].tolist() == [[10.0, 0.0]]  # a's delta not re-sent
+
+
+def test_publish_without_change_is_none_and_offset_may_not_decrease() -> None:
+    log = EmbeddingDeltaLog({"t": torch.zeros(3, 1)})
+    assert log.publish(rows_offset=0) is None
+    entry = log.publish(rows_offset=4)
+    assert entry is not None and entry.rows == {}
+    with pytest.raises(SyncError, match="must not decrease"):
+        log.publish(rows_offset=3)
+    with pytest.raises(SyncError, match="unknown embedding table"):
+        log.touch("nope", torch.tensor([0]))
+    with pytest.raises(SyncError, match="2-d"):
+        EmbeddingDeltaLog({"t": torch.zeros(3)})
+
+
+def test_apply_is_idempotent_and_rejects_gaps() -> None:
+    src = EmbeddingDeltaLog({"t": torch.zeros(4, 1)}, peers=["dst"])
+    dst = EmbeddingDeltaLog({"t": torch.zeros(4, 1)}, peers=["src"])
+    for offset in (1, 2, 3):
+        src.tables["t"][0] += 1.0
+        src.touch("t", torch.tensor([0]))
+        src.publish(rows_offset=offset)
+    entries = src.pull("dst", since_seq=0)
+    assert dst.apply("src", entries[:2]) == 2
+    assert dst.apply("src", entries) == 1  # the first two are skipped
+    assert dst.apply("src", entries) == 0
+    assert dst.tables["t"][0].item() == 3.0 and dst.applied_seq("src") == 3
+    other = EmbeddingDeltaLog({"t": torch.zeros(4, 1)})
+    with pytest.raises(SyncError, match="without gaps"):
+        other.apply("src", entries[1:])
+    assert other.tables["t"].abs().sum().item() == 0.0
+
+
+def test_entries_dropped_once_every_peer_acknowledged() -> None:
+    log = EmbeddingDeltaLog({"t": torch.zeros(4, 1)}, peers=["p", "q"])
+    for offset in (10, 20):
+        log.tables["t"][1] += 1.0
+        log.touch("t", torch.tensor([1]))
+        log.publish(rows_offset=offset)
+    assert len(log) == 2 and log.synced_offset() == 0
+    assert [e.seq for e in log.pull("p", since_seq=0)] == [1, 2]
+    assert log.synced_offset() == 0  # receiving is not acknowledging
+    log.pull("p", since_seq=2)
+    log.pull("q", since_seq=1)
+    assert len(log) == 1 and log.synced_offset() == 10
+    log.set_peers(["p"])  # q left: forgotten
+    assert len(log) == 0 and log.synced_offset() == 20
+    with pytest.raises(SyncError, match="must bootstrap"):
+        log.pull("late", since_seq=0)
+    with pytest.raises(SyncError, match="since_seq must be"):
+        log.pull("p", since_seq=3)
+
+
+def test_without_peers_entries_are_synced_at_once() -> None:
+    log = EmbeddingDeltaLog({"t": torch.zeros(2, 1)})
+    log.tables["t"][0] += 1.0
+    log.touch("t", torch.tensor([0]))
+    log.publish(rows_offset=7)
+    assert len(log) == 0 and log.synced_offset() == 7
+
+
+# ---- dense averaging -----------------------------------------------------------------------
+
+
+def test_average_keeps_local_progress_made_during_the_exchange() -> None:
+    x = [torch.tensor([1.0, 1.0])]
+    own = [t.clone() for t in x]
+    x[0] += torch.tensor([0.5, 0.0])  # a training step during the exchange
+    average_dense(x, own, [[torch.tensor([3.0, 5.0])]])
+    assert x[0].tolist() == [2.5, 3.0]
+    with pytest.raises(SyncError, match="does not match"):
+        average_dense(x, own, [[torch.zeros(3)]])
+
+
+def test_pairwise_random_groups_reach_consensus_and_keep_the_mean() -> None:
+    rng = random.Random(3)
+    replicas = [[torch.randn(4, 3, dtype=torch.float64)] for _ in range(6)]
+    mean = torch.stack([r[0] for r in replicas]).mean(0)
+    for _ in range(300):
+        i, j = rng.sample(range(len(replicas)), 2)
+        snaps = {k: [replicas[k][0].clone()] for k in (i, j)}
+        average_dense(replicas[i], snaps[i], [snaps[j]])
+        average_dense(replicas[j], snaps[j], [snaps[i]])
+    spread = max((r[0] - mean).abs().max().item() for r in replicas)
+    assert spread < 1e-6
+    torch.testing.assert_close(torch.stack([r[0] for r in replicas]).mean(0), mean,
+                               rtol=0, atol=1e-12)
+
+
+# ---- ReplicaSync: the protocol end to end -------------------------------------------------
+
+
+def run_round(cluster: Cluster, round: int, members: list[str], gen: torch.Generator,
+              train_between: bool) -> None:
+    order = members[:]
+    cluster.rng.shuffle(order)
+    for name in order:
+        report = cluster.replicas[name].exchange(round, members, cluster.fetch_for(name))
+        assert set(report.merged) | set(report.failed) == set(members) - {name}
+        if train_between:
+            cluster.train(cluster.rng.choice(cluster.names), gen)
+
+
+def assert_identical(cluster: Cluster, names: list[str]) -> None:
+    expected = cluster.expected_tables()
+    first = cluster.replicas[names[0]]
+    for name in names:
+        replica = cluster.replicas[name]
+        for t, table in replica.tables.items():
+            torch.testing.assert_close(table, expected[t], rtol=0, atol=1e-10)
+        for p, q in zip(replica.dense, first.dense):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+
+
+def test_random_partial_groups_converge_to_initial_plus_all_deltas() -> None:
+    cluster = Cluster(5)
+    cluster.lose_reply = 0.2
+    gen = torch.Generator().manual_seed(7)
+    for round in range(1, 60):
+        for _ in range(cluster.rng.randint(0, 3)):
+            cluster.train(cluster.rng.choice(cluster.names), gen)
+        members = cluster.rng.sample(cluster.names, cluster.rng.randint(2, 4))
+        run_round(cluster, round, members, gen, train_between=True)
+    assert any(len(r.log) for r in cluster.replicas.values())  # not everything acknowledged yet
+    cluster.lose_reply = 0.0
+    run_round(cluster, 1000, cluster.names, gen, train_between=False)
+    assert_identical(cluster, cluster.names)
+    # one more full round acknowledges everything: logs empty, every row counted as synced
+    run_round(cluster, 1001, cluster.names, gen, train_between=False)
+    for name, replica in cluster.replicas.items():
+        assert len(replica.log) == 0
+        assert replica.synced_offset() == cluster.offsets[name]
+    assert_identical(cluster, cluster.names)
+
+
+def test_dead_peer_is_skipped_and_forgotten() -> None:
+    cluster = Cluster(3)
+    gen = torch.Generator().manual_seed(1)
+    for name in cluster.names:
+        cluster.train(name, gen)
+    run_round(cluster, 1, ["w0", "w1"], gen, train_between=False)
+    cluster.dead.add("w2")
+    report = cluster.replicas["w0"].exchange(2, cluster.names, cluster.fetch_for("w0"))
+    assert report.failed == ["w2"] and report.merged == ["w1"]
+    # the survivors forget w2; its rows after its synced offset go back to the ledger
+    live = ["w0", "w1"]
+    for name in live:
+        cluster.replicas[name].set_peers(live)
+    run_round(cluster, 3, live, gen, train_between=False)
+    run_round(cluster, 4, live, gen, train_between=False)
+    a, b = (cluster.replicas[n] for n in live)
+    for t in a.tables:
+        torch.testing.assert_close(a.tables[t], b.tables[t], rtol=0, atol=1e-12)
+    assert cluster.replicas["w2"].synced_offset() == 0
+    assert a.synced_offset() == cluster.offsets["w0"]
+
+
+def assert_bit_identical(a: ReplicaSync, b: ReplicaSync) -> None:
+    for t in a.tables:
+        assert torch.equal(a.tables[t], b.tables[t]), t
+    for p, q in zip(a.dense, b.dense):
+        assert torch.equal(p, q)
+
+
+def test_final_adoption_leaves_survivors_bit_identical_after_a_death() -> None:
+    cluster = Cluster(3)
+    gen = torch.Generator().manual_seed(2)
+    for name in cluster.names:
+        cluster.train(name, gen)
+    run_round(cluster, 1, cluster.names, gen, train_between=False)
+    cluster.train("w2", gen)
+    w0, w1, w2 = (cluster.replicas[n] for n in cluster.names)
+    w1.exchange(2, ["w1", "w2"], cluster.fetch_for("w1"))  # only w1 got w2's last entry
+    late = w2.log.last_seq
+    cluster.dead.add("w2")
+    survivors = ["w0", "w1"]
+    for name in survivors:
+        cluster.replicas[name].set_peers(survivors)
+    run_round(cluster, 3, cluster.names, gen, train_between=False)  # the final exchange
+    assert w1.log.applied_seq("w2") == late > w0.log.applied_seq("w2")
+    assert not torch.equal(w0.tables["a"], w1.tables["a"])
+    assert w2.synced_offset() <= cluster.offsets["w2"] - 64  # w0 lacks the last step: re-queued
+    w1.adopt(w0.snapshot())  # w0 is the leader: the smallest address
+    assert_bit_identical(w0, w1)
+    assert w1.log.applied_seq("w2") == w0.log.applied_seq("w2")
+    # both now hold initial + the survivors' deltas + the prefix of w2's log that w0 applied
+    run_round(cluster, 4, survivors, gen, train_between=False)
+    assert_bit_identical(w0, w1)
+
+
+def test_adopt_copies_in_place_and_keeps_own_published_entries() -> None:
+    cluster = Cluster(2)
+    gen = torch.Generator().manual_seed(4)
+    w0, w1 = (cluster.replicas[n] for n in cluster.names)
+    cluster.train("w0", gen)
+    cluster.train("w1", gen)
+    w1.prepare(1)  # w1 published an entry that w0 never pulled ...
+    cluster.train("w1", gen)  # ... and made a change it did not publish yet
+    storage = {t: table.data_ptr() for t, table in w1.tables.items()}
+    w0.prepare(1)
+    cluster.train("w0", gen)  # not in w0's snapshot: w1 pulls it later
+    snapshot = w0.snapshot()
+    assert snapshot.applied == {"w0": 1}
+    w1.adopt(snapshot)
+    assert {t: table.data_ptr() for t, table in w1.tables.items()} == storage  # in place
+    assert w1.log.applied_seq("w0") == 1
+    run_round(cluster, 2, cluster.names, gen, train_between=False)
+    expected = cluster.expected_tables()  # every step of both: nothing lost, nothing twice
+    for t in expected:
+        torch.testing.assert_close(w1.tables[t], expected[t], rtol=0, atol=1e-10)
+        torch.testing.assert_close(w0.tables[t], expected[t], rtol=0, atol=1e-10)
+    with pytest.raises(SyncError, match="own snapshot"):
+        w0.adopt(w0.snapshot())
+    with pytest.raises(SyncError, match="does not match"):
+        w0.adopt(ReplicaSnapshot("w1", [torch.zeros(1)], snapshot.tables, {}))
+
+
+def settle(cluster: Cluster, scheduler: SyncScheduler, names: list[str]) -> None:
+    """Every member in ``names`` applies the current member list and acknowledges it."""
+    for name in names:
+        cluster.replicas[name].set_peers(scheduler.members())
+        scheduler.acknowledge(name, scheduler.members_version)
+
+
+def churn(cluster: Cluster, round: int, gen: torch.Generator) -> int:
+    """Train every original member, then two full rounds: every entry so far is acknowledged
+    by all three and dropped."""
+    for name in ("w0", "w1", "w2"):
+        cluster.train(name, gen)
+    for r in (round, round + 1):
+        run_round(cluster, r, ["w0", "w1", "w2"], gen, train_between=False)
+    return round + 2
+
+
+@pytest.mark.parametrize("wait_for_settle", [False, True])
+def test_a_joiner_snapshots_only_once_every_source_knows_it(wait_for_settle: bool) -> None:
+    """The hazard the settle step prevents: a snapshot taken while a source does not know the
+    joiner yet lets that source drop entries after the snapshot's cursor; the joiner's pulls then
+    fail for good. With the settle step every pull succeeds and the joiner converges."""
+    cluster = Cluster(3)
+    gen = torch.Generator().manual_seed(5)
+    scheduler = SyncScheduler(group_size=4, max_wait_s=1.0)
+    for name in cluster.names:
+        scheduler.join(name)
+    settle(cluster, scheduler, cluster.names)
+    round = churn(cluster, 1, gen)
+    assert len(cluster.replicas["w1"].log) == 0  # everything dropped: a joiner must bootstrap
+    joiner = cluster.add("j")
+    scheduler.join_running("j")
+    assert scheduler.waiting_for("j") == ["w0", "w1", "w2"] and not scheduler.settled("j")
+    joiner.set_peers(scheduler.members())
+    if wait_for_settle:
+        settle(cluster, scheduler, ["w0", "w1", "w2"])
+        assert scheduler.settled("j")
+    snapshot = cluster.replicas["w0"].snapshot()
+    round = churn(cluster, round, gen)  # w1 drops entries after w0's cursor unless it knows j
+    settle(cluster, scheduler, ["w0", "w1", "w2"])
+    joiner.adopt(snapshot)
+    fetch = cluster.fetch_for("j")
+    if not wait_for_settle:
+        with pytest.raises(SyncError, match="must bootstrap"):
+            fetch("w1", round, joiner.log.applied_seq("w1"))
+        return
+    for _ in range(10):
+        cluster.train("j", gen)
+        members = cluster.rng.sample(cluster.names, 2)
+        run_round(cluster, round, members, gen, train_between=True)
+        round += 1
+    report = joiner.exchange(round, cluster.names, fetch)
+    assert report.failed == [] and len(report.merged) == 3
+    run_round(cluster, round + 1, cluster.names, gen, train_between=False)
+    assert_identical(cluster, cluster.names)
+
+
+def test_payload_that_cannot_be_applied_is_skipped() -> None:
+    cluster = Cluster(2)
+    a = cluster.replicas["w0"]
+    bad = PeerPayload("w1", [], [torch.zeros(1)])
+    report = a.merge(1, a.prepare(1), [bad])
+    assert report.failed == ["w1"] and report.merged == []
+    torch.testing.assert_close(a.dense[0], cluster.initial_dense[0])
+
+
+def test_training_thread_and_background_exchanges_run_concurrently() -> None:
+    cluster = Cluster(3)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    steps = dict.fromkeys(cluster.names, 0)
+
+    def trainer(name: str, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        try:
+            while not stop.is_set():
+                cluster.train(name, gen)
+                steps[name] += 1
+        except BaseException as exc:  # re-raised by the test below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=trainer, args=(n, i)) for i, n in enumerate(cluster.names)]
+    for thread in threads:
+        thread.start()
+    try:
+        for round in range(1, 40):
+            members = cluster.rng.sample(cluster.names, 2)
+            for name in members:
+                cluster.replicas[name].exchange(round, members, cluster.fetch_for(name))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert not errors and min(steps.values()) > 0
+    gen = torch.Generator()
+    run_round(cluster, 1000, cluster.names, gen, train_between=False)
+    assert_identical(cluster, cluster.names)
+
+
+# ---- SyncScheduler ---------------------------------------------------------------------------
+
+
+def joined(names: list[str], group_size: int, max_wait_s: float,
+           max_progress_gap: int | None = None) -> SyncScheduler:
+    scheduler = SyncScheduler(group_size, max_wait_s, max_progress_gap)
+    for name in names:
+        scheduler.join(name)
+    return scheduler
+
+
+def test_groups_have_similar_progress_and_partners_learn_on_next_call() -> None:
+    s = joined(["a", "b", "c", "d"], group_size=2, max_wait_s=10.0, max_progress_gap=100)
+    assert s.ready("a", 0, now=0.0).kind == "wait"
+    assert s.ready("c", 1000, now=0.0).kind == "wait"
+    answer = s.ready("d", 1010, now=0.0)
+    assert answer.group is not None and answer.group.members == ("c", "d")
+    assert s.state("c") is MemberState.ASSIGNED and s.state("d") is MemberState.IDLE
+    assert s.ready("c", 1005, now=0.1) == answer  # handed over, whatever progress says
+    answer = s.ready("b", 10, now=0.2)
+    assert answer.group is not None and answer.group.members == ("a", "b")
+    assert answer.group.round > 0 and not answer.group.final
+    assert s.ready("a", 0, now=1.0) == answer  # a picks up its group
+    assert s.ready("a", 0, now=1.0).kind == "wait"
+    assert s.ready("c", 1000, now=1.0).kind == "wait"  # too far from a ...
+    answer = s.ready("a", 0, now=11.0)  # ... until a waited max_wait_s
+    assert answer.group is not None and answer.group.members == ("a", "c")
+
+
+def test_max_wait_gives_a_partial_group_or_alone() -> None:
+    s = joined(["a", "b", "c", "d"], group_size=4, max_wait_s=1.0)
+    assert s.ready("a", 0, now=0.0).kind == "wait"
+    assert s.ready("b", 5, now=0.5).kind == "wait"
+    assert s.wait_left("a", now=0.5) == pytest.approx(0.5)
+    answer = s.ready("a", 0, now=1.0)  # waited long enough: take whoever is ready
+    assert answer.group is not None and answer.group.members == ("a", "b")
+    assert s.ready("c", 0, now=2.0).kind == "wait"
+    assert s.ready("c", 0, now=3.0).kind == "alone"
+    assert s.state("c") is MemberState.IDLE
+
+
+def test_a_worker_waiting_too_long_joins_the_next_group() -> None:
+    s = joined(["lead", "a", "b"], group_size=2, max_wait_s=1.0, max_progress_gap=100)
+    assert s.ready("lead", 500, now=0.0).kind == "wait"
+    assert s.ready("a", 0, now=0.6).kind == "wait"
+    answer = s.ready("b", 0, now=1.5)  # a is nearer, but lead has waited max_wait_s
+    assert answer.group is not None and answer.group.members == ("b", "lead")
+    assert s.ready("a", 0, now=1.55).kind == "wait"
+
+
+def test_group_size_is_capped_by_active_members() -> None:
+    s = joined(["a", "b", "c"], group_size=8, max_wait_s=100.0)
+    s.ready("a", 0, now=0.0)
+    s.ready("b", 0, now=0.0)
+    answer = s.ready("c", 0, now=0.0)
+    assert answer.group is not None and answer.group.members == ("a", "b", "c")
+    solo = joined(["a"], group_size=2, max_wait_s=100.0)
+    assert solo.ready("a", 0, now=0.0).kind == "alone"
+
+
+def test_final_round_forms_when_every_live_member_finished() -> None:
+    s = joined(["a", "b", "c"], group_size=2, max_wait_s=100.0)
+    s.ready("a", 0, now=0.0)
+    pending = s.ready("b", 0, now=0.0)  # a is ASSIGNED to this group
+    assert s.ready("b", 0, now=0.0, final=True).kind == "wait"
+    assert s.ready("a", 0, now=0.0, final=True) == pending  # the pending group comes first
+    assert s.ready("a", 0, now=0.0, final=True).kind == "wait"
+    s.ready("c", 0, now=0.0)
+    with pytest.raises(SyncError, match="received the final"):
+        s.complete("c")
+    with pytest.raises(SyncError, match="expected final=True"):
+        s.ready("a", 0, now=0.0)
+    final = s.leave("c")  # the last one still training dies
+    assert final is not None and final.final and final.members == ("a", "b")
+    for name in ("a", "b"):
+        answer = s.ready(name, 0, now=1.0, final=True)
+        assert answer.group == final and s.state(name) is MemberState.DONE
+    assert s.ready("a", 0, now=2.0).group == final  # asked again: same answer
+    assert not s.all_complete() and s.complete("a") is False
+    assert s.complete("b") is True and s.all_complete()
+    with pytest.raises(SyncError, match="final round"):
+        s.join("late")
+
+
+def test_join_running_waits_for_every_member_to_acknowledge() -> None:
+    s = joined(["a", "b"], group_size=2, max_wait_s=100.0)
+    listed = s.members_version
+    assert s.acknowledge("a", listed) is False
+    s.join_running("j")
+    assert s.joined_running("j") and not s.joined_running("a")
+    assert s.waiting_for("j") == ["a", "b"] and not s.settled("j")
+    assert s.acknowledge("a", listed) is False and s.waiting_for("j") == ["a", "b"]  # stale list
+    assert s.acknowledge("a", s.members_version) is False and s.waiting_for("j") == ["b"]
+    s.join_running("k")  # j has not acknowledged k's join either
+    assert s.waiting_for("k") == ["a", "b", "j"]
+    s.join_running("j")  # idempotent
+    assert s.waiting_for("k") == ["a", "b", "j"]
+    assert s.acknowledge("b", s.members_version) is True  # settles j (and acknowledges k)
+    assert s.settled("j") and s.waiting_for("k") == ["a", "j"]
+    s.leave("j")
+    assert s.acknowledge("a", s.members_version) is True and s.settled("k")
+    assert s.state("k") is MemberState.IDLE  # not grouped until it asks
+    with pytest.raises(SyncError, match="members_version must be"):
+        s.acknowledge("a", s.members_version + 1)
+    for name in s.members():
+        s.ready(name, 0, now=0.0, final=True)
+    with pytest.raises(SyncError, match="final round"):
+        s.join_running("late")
+
+
+def test_final_leader_and_adoption() -> None:
+    s = joined(["a", "b", "c"], group_size=3, max_wait_s=100.0)
+    for _ in range(2):  # the last one forms the final group, the others pick it up
+        for name in ("a", "b", "c"):
+            s.ready(name, 0, now=0.0, final=True)
+    with pytest.raises(SyncError, match="completed its final"):
+        s.adopted("b", "a")
+    assert s.complete("b") is False and s.final_leader() is None
+    s.complete("c")
+    s.complete("a")
+    assert s.final_leader() == "a" and not s.final_done()
+    s.adopted("b", "a")
+    assert not s.final_done() and s.adopted_from("b") == "a"
+    s.adopted("c", "a")
+    assert s.final_done()
+    s.leave("a")  # the leader dies: b leads, and c must adopt b's state
+    assert s.final_leader() == "b" and not s.final_done()
+    s.adopted("c", "b")
+    assert s.final_done()
+
+
+def test_defaults_come_from_dask_config() -> None:
+    with dask.config.set({"antdt.sync.group-size": 3, "antdt.sync.max-wait": "250ms",
+                          "antdt.sync.keep-rounds": 2}):
+        s = SyncScheduler()
+        replica = ReplicaSync("w", make_dense(), make_tables())
+    assert (s.group_size, s.max_wait_s) == (3, 0.25)
+    for round in (1, 2, 3):
+        replica.prepare(round)
+    snapshot = replica.prepare(3)
+    assert replica.prepare(3) is snapshot and replica.prepare(1) is not snapshot  # 1 evicted
+    with dask.config.set({"antdt.sync.group-size": "four"}), \
+            pytest.raises(antdt.errors.ConfigError, match="antdt.sync.group-size"):
+        SyncScheduler()
+
+
+def test_leave_and_unknown_workers() -> None:
+    s = joined(["a", "b"], group_size=2, max_wait_s=100.0)
+    version = s.members_version
+    assert s.ready("a", 0, now=0.0).kind == "wait"
+    assert s.leave("a") is None and s.leave("a") is None
+    assert s.members() == ["b"] and s.members_version == version + 1
+    assert s.ready("b", 0, now=0.0).kind == "alone"  # the waiting pool no longer holds a
+    with pytest.raises(SyncError, match="not a sync member"):
+        s.ready("a", 0, now=0.0)
+    with pytest.raises(SyncError, match="group_size"):
+        SyncScheduler(group_size=1)
+
+
+def test_ten_thousand_workers_are_cheap_and_groups_are_disjoint() -> None:
+    rng = random.Random(0)
+    names = [f"w{i}" for i in range(10_000)]
+    s = joined(names, group_size=4, max_wait_s=0.5)
+    progress = dict.fromkeys(names, 0)
+    pending: dict[str, int] = {}  # partner -> round of the group it has not picked up yet
+    seen: set[int] = set()
+    sizes: list[int] = []
+    now = 0.0
+    started = time.perf_counter()
+    for _ in range(50_000):
+        now += 0.001
+        name = rng.choice(names)
+        progress[name] += rng.randint(0, 100)
+        answer = s.ready(name, progress[name], now)
+        group = answer.group
+        if group is None:
+            assert name not in pending
+        elif group.round in seen:
+            assert pending.pop(name) == group.round
+        else:
+            seen.add(group.round)
+            assert name not in pending
+            for member in group.members:
+                if member != name:
+                    assert member not in pending  # nobody is in two groups at once
+                    pending[member] = group.round
+            sizes.append(len(group.members))
+    elapsed = time.perf_counter() - started
+    assert elapsed < 5.0
+    assert sizes and min(sizes) >= 2 and max(sizes) == 4

@@ -1,0 +1,430 @@
+"""The Dask glue of the model sync: SyncService, SyncWorkerPlugin and BackgroundSync on a
+gen_cluster with small replicas, and on a LocalCluster whose worker process is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import cloudpickle
+import dask.config
+import numpy as np
+import pytest
+import torch
+from distributed import Client, Event, LocalCluster, Scheduler, Worker, get_worker, wait
+from distributed.metrics import time
+from distributed.protocol import dumps, loads
+from distributed.utils_test import gen_cluster
+
+from antdt.sync import (
+    ExchangeReport,
+    LogEntry,
+    PeerPayload,
+    ReplicaSnapshot,
+    ReplicaSync,
+    SyncError,
+)
+from antdt.sync_service import (
+    PLUGIN_NAME,
+    BackgroundSync,
+    SyncService,
+    SyncWorkerPlugin,
+    msg_to_payload,
+    msg_to_snapshot,
+    payload_to_msg,
+    snapshot_to_msg,
+    start_job,
+)
+
+ROWS, DIM = 30, 4
+DENSE_SHAPES = ((6, 3), (3,))
+
+
+def initial_tables() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {"user": torch.randn(ROWS, DIM, generator=gen), "item": torch.randn(ROWS, DIM,
+                                                                               generator=gen)}
+
+
+def initial_dense() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(shape, generator=gen) for shape in DENSE_SHAPES]
+
+
+def draw_step(gen: torch.Generator) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]],
+                                             list[torch.Tensor]]:
+    """One training-like step's changes: 4 rows of each table and every dense parameter."""
+    rows = {}
+    for name in ("user", "item"):
+        ids = torch.randperm(ROWS, generator=gen)[:4]
+        rows[name] = (ids, 0.01 * torch.randn(len(ids), DIM, generator=gen))
+    return rows, [0.01 * torch.randn(shape, generator=gen) for shape in DENSE_SHAPES]
+
+
+class Agent:
+    """A stand-in for the training agent: random in-place steps under the replica lock (the
+    touch too, so every published entry holds whole steps)."""
+
+    def __init__(self, worker: Worker, seed: int) -> None:
+        self.replica = ReplicaSync(worker.address, initial_dense(), initial_tables())
+        self.total = {t: torch.zeros(ROWS, DIM, dtype=torch.float64) for t in self.replica.tables}
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rows = 0
+        self.worker = worker
+        self.sync: BackgroundSync | None = None
+        self.peer: str | None = None
+
+    def step(self) -> None:
+        rows, dense = draw_step(self.gen)
+        with self.replica.lock:
+            for name, (ids, delta) in rows.items():
+                self.replica.tables[name][ids] += delta
+                self.total[name][ids] += delta.double()
+            for p, d in zip(self.replica.dense, dense):
+                p += d
+            self.rows += 32
+            self.replica.touch({name: ids for name, (ids, _) in rows.items()}, self.rows)
+
+    def run(self, min_merges: int, together: threading.Barrier | None = None, die: bool = False,
+            timeout_s: float = 30.0, *, join: bool = False,
+            until: Callable[[], bool] | None = None,
+            ready: Callable[[], object] | None = None) -> ExchangeReport | None:
+        """Train until the background thread merged ``min_merges`` peers (then call ``ready``)
+        and ``until()`` holds, wait for the agents sharing ``together`` (still syncing: a
+        finished worker only takes the final round, so the last one would find no partner), then
+        take part in the final round; with ``die``, stop syncing instead (the worker is about to
+        be killed). ``join``: join the running job first."""
+        sync = self.sync = BackgroundSync(self.replica, "job", worker=self.worker,
+                                          period_s=0.01, rpc_timeout_s=10.0)
+        self.peer = sync.start(join=join)
+        deadline = time() + timeout_s
+        while sync.peers_merged < min_merges:
+            assert time() < deadline, "no background exchange happened"
+            self.step()
+        if ready is not None:
+            ready()
+        while until is not None and not until():
+            assert time() < deadline, "never told to stop training"
+            self.step()
+        if die:
+            sync.stop()
+            return None
+        if together is not None:
+            together.wait(timeout=timeout_s)
+        assert sync.synced_offset <= self.rows
+        return sync.finish(timeout_s=timeout_s)
+
+
+async def run_agents(agents: list[Agent], min_merges: int) -> list[ExchangeReport]:
+    loop = asyncio.get_running_loop()
+    together = threading.Barrier(len(agents))
+    with ThreadPoolExecutor(len(agents)) as pool:
+        futures = [loop.run_in_executor(pool, functools.partial(a.run, min_merges, together))
+                   for a in agents]
+        reports = await asyncio.gather(*futures)
+    assert all(r is not None for r in reports)
+    return [r for r in reports if r is not None]
+
+
+def service(s: Scheduler) -> SyncService:
+    plugin = s.plugins[PLUGIN_NAME]
+    assert isinstance(plugin, SyncService)
+    return plugin
+
+
+def served(w: Worker) -> dict[str, ReplicaSync]:
+    plugin = w.plugins[PLUGIN_NAME]
+    assert isinstance(plugin, SyncWorkerPlugin)
+    return plugin.replicas
+
+
+def expected_tables(agents: list[Agent]) -> dict[str, torch.Tensor]:
+    return {name: initial_tables()[name].double() + sum(a.total[name] for a in agents)
+            for name in initial_tables()}
+
+
+def assert_bit_identical(replicas: list[ReplicaSync]) -> None:
+    first = replicas[0]
+    for replica in replicas[1:]:
+        for name, table in replica.tables.items():
+            assert torch.equal(table, first.tables[name]), name
+        for p, q in zip(replica.dense, first.dense):
+            assert torch.equal(p, q)
+
+
+def test_payload_roundtrip_through_messages() -> None:
+    payload = PeerPayload("w", [LogEntry(3, {"t": (torch.tensor([1, 4]), torch.ones(2, 5))}, 9)],
+                          [torch.arange(6.0).reshape(2, 3)])
+    back = msg_to_payload(loads(dumps(payload_to_msg(payload))))  # as a comm does
+    assert back.source == "w" and back.entries[0].seq == 3 and back.entries[0].rows_offset == 9
+    ids, deltas = back.entries[0].rows["t"]
+    assert ids.tolist() == [1, 4] and ids.dtype == torch.int64
+    assert torch.equal(deltas, torch.ones(2, 5))
+    assert back.dense is not None and torch.equal(back.dense[0], torch.arange(6.0).reshape(2, 3))
+    snapshot = ReplicaSnapshot("w", [torch.ones(2)], {"t": torch.arange(6.0).reshape(3, 2)},
+                               {"w": 4, "v": 2})
+    copy = msg_to_snapshot(loads(dumps(snapshot_to_msg(snapshot))))
+    assert copy.source == "w" and copy.applied == {"w": 4, "v": 2}
+    assert torch.equal(copy.tables["t"], snapshot.tables["t"])
+    assert torch.equal(copy.dense[0], torch.ones(2))
+
+
+async def start_service(c: Client, s: Scheduler, workers: tuple[Worker, ...],
+                        **kwargs: object) -> None:
+    await c.register_plugin(SyncService(poll_s=1.0))
+    await c.scheduler.antdt_sync_start(job="job", workers=[w.address for w in workers],
+                                       **kwargs)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=90)
+async def test_background_rounds_then_final_round_give_identical_replicas(
+        c: Client, s: Scheduler, *workers: Worker) -> None:
+    await start_service(c, s, workers, group_size=2, max_wait_s=0.05)
+    assert all(PLUGIN_NAME in w.plugins for w in workers)
+    agents = [Agent(w, seed=i) for i, w in enumerate(workers)]
+    reports = await run_agents(agents, min_merges=2)
+    assert all(r.failed == [] and len(r.merged) == 2 for r in reports)  # final: everyone
+    expected = expected_tables(agents)
+    for agent in agents:
+        for name, table in agent.replica.tables.items():
+            torch.testing.assert_close(table.double(), expected[name], rtol=0, atol=1e-5)
+    assert_bit_identical([a.replica for a in agents])
+    leader = min(w.address for w in workers)
+    assert all(a.sync is not None and a.sync.final_leader == leader for a in agents)
+    assert service(s).jobs["job"].all_complete()
+    assert all(not served(w) for w in workers)  # after the job, replicas are no longer served
+    await c.scheduler.antdt_sync_stop(job="job")
+    assert "job" not in service(s).jobs
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=90)
+async def test_a_dead_worker_leaves_and_its_synced_offset_is_safe(
+        c: Client, s: Scheduler, *workers: Worker) -> None:
+    await start_service(c, s, workers, group_size=3, max_wait_s=0.05)
+    agents = [Agent(w, seed=i) for i, w in enumerate(workers)]
+    dying, survivors = agents[0], agents[1:]
+    published: list[LogEntry] = []
+    publish = dying.replica.log.publish
+
+    def recording_publish(rows_offset: int) -> LogEntry | None:
+        entry = publish(rows_offset)
+        if entry is not None:
+            published.append(entry)
+        return entry
+
+    dying.replica.log.publish = recording_publish  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(3) as pool:
+        death = loop.run_in_executor(pool, functools.partial(dying.run, 2, die=True))
+        together = threading.Barrier(len(survivors))
+        lives = [loop.run_in_executor(pool, functools.partial(a.run, 4, together))
+                 for a in survivors]
+        assert await death is None
+        await workers[0].close()
+        reports = [r for r in await asyncio.gather(*lives) if r is not None]
+    assert workers[0].address not in service(s).jobs["job"].members()
+    assert [r.merged for r in reports] == [[survivors[1].worker.address],
+                                           [survivors[0].worker.address]]
+    # each survivor holds initial + every survivor's deltas + a prefix of the dead one's log
+    base = {name: initial_tables()[name].double() + sum(a.total[name] for a in survivors)
+            for name in initial_tables()}
+    applied = []
+    for agent in survivors:
+        seq = agent.replica.log.applied_seq(workers[0].address)
+        applied.append(seq)
+        expected = {name: t.clone() for name, t in base.items()}
+        for entry in published[:seq]:
+            for name, (ids, deltas) in entry.rows.items():
+                expected[name].index_add_(0, ids, deltas.double())
+        for name, table in agent.replica.tables.items():
+            torch.testing.assert_close(table.double(), expected[name], rtol=0, atol=1e-5)
+    assert max(applied) > 0  # the dead worker did contribute before dying
+    # the ledger is never told more than every survivor applied: rows after it are re-queued
+    synced = dying.replica.synced_offset()
+    assert synced <= (published[min(applied) - 1].rows_offset if min(applied) else 0)
+    assert_bit_identical([agent.replica for agent in survivors])  # whoever applied more
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_handlers_validate_their_arguments(c: Client, s: Scheduler, a: Worker,
+                                                 b: Worker) -> None:
+    await c.register_plugin(SyncService(poll_s=1.0))
+    with pytest.raises(SyncError, match="not in the cluster"):
+        await c.scheduler.antdt_sync_start(job="j", workers=["tcp://nowhere:1"])
+    await c.scheduler.antdt_sync_start(job="j", workers=[a.address, b.address], max_wait_s=0.1)
+    with pytest.raises(SyncError, match="already started"):
+        await c.scheduler.antdt_sync_start(job="j", workers=[a.address])
+    with pytest.raises(SyncError, match="unknown sync job"):
+        await c.scheduler.antdt_sync_group(job="nope", worker=a.address, progress=0)
+    with pytest.raises(SyncError, match="progress must be"):
+        await c.scheduler.antdt_sync_group(job="j", worker=a.address, progress=-1)
+    answer = await c.scheduler.antdt_sync_group(job="j", worker=a.address, progress=0)
+    assert answer["kind"] == "alone" and answer["members_version"] == 2  # waited max_wait_s
+    with pytest.raises(SyncError, match="no replica"):
+        await a.rpc(b.address).antdt_sync_pull(job="j", requester=a.address, round=1,
+                                               since_seq=0)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=90)
+async def test_a_worker_joins_a_running_job_and_all_end_identical(
+        c: Client, s: Scheduler, *workers: Worker) -> None:
+    first, newcomer = workers[:2], workers[2]
+    await start_service(c, s, first, group_size=3, max_wait_s=0.05)
+    agents = [Agent(w, seed=i) for i, w in enumerate(workers)]
+    warm, joined = threading.Event(), threading.Event()
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(3) as pool:
+        runs = [loop.run_in_executor(pool, functools.partial(
+            agent.run, 4, until=joined.is_set, ready=warm.set if i == 0 else None))
+            for i, agent in enumerate(agents[:2])]
+        assert await loop.run_in_executor(pool, warm.wait, 30)
+        # by now the first two dropped entries: the newcomer cannot start from scratch
+        assert agents[0].replica.log.synced_offset() > 0
+        joiner = loop.run_in_executor(pool, functools.partial(agents[2].run, 2, join=True,
+                                                              ready=joined.set))
+        reports = await asyncio.gather(*runs, joiner)
+    assert agents[2].peer in {w.address for w in first}
+    assert service(s).jobs["job"].members() == sorted(w.address for w in workers)
+    assert all(r is not None and r.failed == [] and len(r.merged) == 2 for r in reports)
+    # no pull ever failed: every source kept what the joiner needed after its snapshot
+    assert [a.sync.peers_failed for a in agents if a.sync is not None] == [0, 0, 0]
+    expected = expected_tables(agents)
+    for name, table in agents[2].replica.tables.items():
+        torch.testing.assert_close(table.double(), expected[name], rtol=0, atol=1e-5)
+    assert_bit_identical([a.replica for a in agents])
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
+async def test_join_handler_waits_for_acknowledgements(c: Client, s: Scheduler, a: Worker,
+                                                       b: Worker, late: Worker) -> None:
+    await c.register_plugin(SyncService(poll_s=0.2))
+    await c.scheduler.antdt_sync_start(job="j", workers=[a.address, b.address], max_wait_s=0.05)
+    listed = await c.scheduler.antdt_sync_join(job="j", worker=a.address)
+    assert listed["settled"] and not listed["bootstrap"]  # a listed member needs no snapshot
+    with pytest.raises(SyncError, match="not in the cluster"):
+        await c.scheduler.antdt_sync_join(job="j", worker="tcp://nowhere:1")
+    msg = await c.scheduler.antdt_sync_join(job="j", worker=late.address)
+    assert not msg["settled"] and msg["bootstrap"] and list(msg["waiting"]) == sorted(
+        [a.address, b.address])
+    for w in (a, b):
+        await c.scheduler.antdt_sync_group(job="j", worker=w.address, progress=0,
+                                           members_version=msg["members_version"])
+    msg = await c.scheduler.antdt_sync_join(job="j", worker=late.address)
+    assert msg["settled"] and list(msg["members"]) == sorted([a.address, b.address,
+                                                              late.address])
+    await c.scheduler.antdt_sync_leave(job="j", worker=late.address)
+    await c.scheduler.antdt_sync_leave(job="unknown", worker=late.address)  # idempotent
+    members = await c.scheduler.antdt_sync_members(job="j")
+    assert list(members["members"]) == sorted([a.address, b.address])
+    for w in (a, b):
+        await c.scheduler.antdt_sync_group(job="j", worker=w.address, progress=0, final=True)
+    with pytest.raises(SyncError, match="final round"):
+        await c.scheduler.antdt_sync_join(job="j", worker=late.address)
+    with pytest.raises(SyncError, match="no replica"):
+        await a.rpc(b.address).antdt_sync_snapshot(job="j", requester=a.address)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_defaults_come_from_dask_config(c: Client, s: Scheduler, a: Worker) -> None:
+    with dask.config.set({"antdt.sync.period": "20ms", "antdt.sync.rpc-timeout": "7s",
+                          "antdt.sync.poll": "3s", "antdt.sync.group-size": 3,
+                          "antdt.sync.max-wait": "100ms"}):
+        await c.register_plugin(SyncService())
+        await c.scheduler.antdt_sync_start(job="job", workers=[a.address])
+        sync = BackgroundSync(ReplicaSync(a.address, initial_dense(), initial_tables()), "job",
+                              worker=a)
+    assert service(s).poll_s == 3.0
+    assert (service(s).jobs["job"].group_size, service(s).jobs["job"].max_wait_s) == (3, 0.1)
+    assert (sync.period_s, sync.rpc_timeout_s) == (0.02, 7.0)
+
+
+# ---- a real process death -----------------------------------------------------------------
+
+
+def process_agent(seed: int, *, join: bool = False, until: str | None = None,
+                  ready: str | None = None, min_merges: int = 3) -> dict[str, Any]:
+    """An agent in a worker process: trains until it merged ``min_merges`` peers (then sets
+    the distributed Event ``ready``) and until Event ``until`` is set; then the final round."""
+    agent = Agent(get_worker(), seed)
+    until_event = None if until is None else Event(until)
+    ready_event = None if ready is None else Event(ready)
+    agent.run(min_merges, timeout_s=120.0, join=join,
+              until=None if until_event is None else until_event.is_set,
+              ready=None if ready_event is None else ready_event.set)
+    assert agent.sync is not None
+    return {"tables": {name: t.numpy().copy() for name, t in agent.replica.tables.items()},
+            "dense": [p.numpy().copy() for p in agent.replica.dense],
+            "total": {name: t.numpy() for name, t in agent.total.items()},
+            "peer": agent.peer, "leader": agent.sync.final_leader}
+
+
+def victim_prefix(seed: int, leftover: dict[str, torch.Tensor], limit: int = 200_000) -> int:
+    """The number of the victim's first steps whose sum is ``leftover`` (-1: none)."""
+    gen = torch.Generator().manual_seed(seed)
+    total = {name: torch.zeros_like(t) for name, t in leftover.items()}
+    if max(t.abs().max().item() for t in leftover.values()) < 1e-3:
+        return 0
+    for k in range(1, limit):
+        rows, _ = draw_step(gen)
+        for name, (ids, delta) in rows.items():
+            total[name][ids] += delta.double()
+        if max((leftover[n] - total[n]).abs().max().item() for n in total) < 1e-3:
+            return k
+    return -1
+
+
+@pytest.mark.slow
+def test_a_killed_worker_process_and_its_replacement_end_identical() -> None:
+    """Three worker processes train; one is SIGKILLed mid-job (its entries reached only some
+    peers, or none); the nanny starts a replacement, which joins the running job. The final
+    replicas are bit-identical and hold the survivors' and the joiner's deltas plus a prefix of
+    the dead worker's steps (those after its synced offset are re-trained: duplicates)."""
+    module = sys.modules[__name__]
+    cloudpickle.register_pickle_by_value(module)  # worker processes cannot import tests/
+    try:
+        with LocalCluster(n_workers=3, threads_per_worker=2, processes=True,
+                          dashboard_address=":0") as cluster, Client(cluster) as client:
+            client.register_plugin(SyncService(poll_s=1.0))
+            first = sorted(client.scheduler_info()["workers"])
+            start_job(client, "job", first, group_size=3, max_wait_s=0.05)
+            victim, survivors = first[0], first[1:]
+            futures = {addr: client.submit(process_agent, seed, until="joined", min_merges=4,
+                                           workers=[addr], pure=False)
+                       for seed, addr in enumerate(survivors, start=1)}
+            doomed = client.submit(process_agent, 0, until="never", ready="victim-ready",
+                                   min_merges=4, workers=[victim], pure=False)
+            assert Event("victim-ready", client=client).wait(60)
+            pid = client.run(os.getpid, workers=[victim])[victim]
+            os.kill(pid, signal.SIGKILL)
+            deadline = time() + 60
+            while not (replacements := set(client.scheduler_info()["workers"]) - set(first)):
+                assert time() < deadline, "the nanny did not start a replacement worker"
+                client.wait_for_workers(3, timeout=deadline - time())
+            newcomer = replacements.pop()
+            joiner = client.submit(process_agent, 3, join=True, ready="joined", min_merges=2,
+                                   workers=[newcomer], pure=False)
+            done = [futures[addr] for addr in survivors] + [joiner]
+            wait(done, timeout=120)
+            results = client.gather(done)
+            doomed.cancel()
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+    assert victim not in [r["peer"] for r in results] and results[2]["peer"] in survivors
+    assert len({r["leader"] for r in results}) == 1 and results[0]["leader"] != victim
+    for r in results[1:]:
+        for name, table in r["tables"].items():
+            assert np.array_equal(table, results[0]["tables"][name]), name
+        for p, q in zip(r["dense"], results[0]["dense"]):
+            assert np.array_equal(p, q)
+    initial = initial_tables()
+    leftover = {name: torch.from_numpy(results[0]["tables"][name]).double()
+                - initial[name].double() - sum(torch.from_numpy(r["total"][name]) for r in results)
+                for name in initial}
+    assert victim_prefix(0, leftover) > 0  # the victim's steps, each whole or not at all
