@@ -1,0 +1,352 @@
+"""The straggler monitor (AntDT's Monitor): per-worker batch processing time and throughput, fed
+by the commits the workers send anyway (no extra RPC), and a verdict per worker.
+
+A plain class with an injected clock and no Dask: :mod:`antdt.controller` runs it on the
+scheduler (subscribed to :meth:`antdt.service.ShardingService.subscribe`) and in the simulator.
+
+What a commit tells
+-------------------
+Each :class:`~antdt.sharding.CommitEvent` carries the rows trained since the worker's previous
+commit and, optionally, the agent's own measurements in ``stats``: ``busy_s`` (seconds spent
+training) and ``batches`` (batches trained). Without them the monitor derives both: ``busy_s`` is
+the time since the worker's previous commit (or since it became a lease holder), ``batches`` is
+``rows / batch_rows``. The batch processing time (BPT) of a window is ``busy_s / batches`` summed
+over the window, its rate ``rows / busy_s``.
+
+Windows and verdicts
+--------------------
+Time is cut into windows of ``window`` seconds, closed by :meth:`Monitor.update` (the controller
+calls it every tick). When a window closes:
+
+* every worker that committed in it gets a sample ``(BPT, rows, busy_s)``; the last ``history``
+  samples are its sliding window (its rate is taken over them);
+* the cluster median BPT is the median over those workers;
+* a worker is **slow** in the window if its BPT is above ``slow-factor`` x the median. A lease
+  holder that is still training but committed nothing for the whole window is slow too (its
+  evidence BPT is the time since its last commit, a lower bound); any other silent worker gives
+  no evidence and keeps its verdict;
+* ``streak`` counts consecutive slow windows: 0 is :attr:`WorkerState.OK`, 1 to ``k - 1`` is
+  :attr:`WorkerState.TRANSIENT`, ``k`` (``persistent-windows``) or more is
+  :attr:`WorkerState.PERSISTENT`.
+
+Independently of windows, at every update a lease holder still training whose last commit is
+older than its hang timeout is :attr:`WorkerState.HUNG` until it commits again. The timeout comes
+from its own history: ``hang-factor`` x its usual gap between commits (an exponential average;
+the cluster median gap for a worker with no history), never less than ``hang-floor``. Settings
+live under ``antdt.monitor`` in dask config (see ``antdt/antdt.yaml``).
+
+Cost: :meth:`Monitor.observe` is O(1); :meth:`Monitor.update` is O(lease holders), plus
+O(workers) once per window.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from antdt import config
+from antdt.errors import ConfigError
+from antdt.sharding import Clock, CommitEvent
+
+logger = logging.getLogger(__name__)
+
+BUSY = "busy_s"
+"""Commit stat: seconds the worker spent training since its previous commit."""
+BATCHES = "batches"
+"""Commit stat: batches the worker trained since its previous commit."""
+
+GAP_WEIGHT = 0.2
+"""Weight of the newest gap in a worker's exponential average of gaps between commits."""
+
+
+class WorkerState(enum.Enum):
+    """A worker's verdict; ``hung`` overrides the window verdicts while it lasts."""
+
+    OK = "ok"
+    TRANSIENT = "transient"
+    PERSISTENT = "persistent"
+    HUNG = "hung"
+
+
+class Health(NamedTuple):
+    """A worker's verdict with its evidence.
+
+    ``bpt`` and ``median`` are the worker's BPT and the cluster median BPT of ``window``, the
+    last window that gave evidence about it (None before any); ``streak`` its consecutive slow
+    windows; ``rate`` its rows/s over its sliding window; ``silent_s`` the seconds since its last
+    commit (as of the last update) and ``timeout_s`` its hang timeout.
+    """
+
+    worker: str
+    state: WorkerState
+    bpt: float | None
+    median: float | None
+    window: int | None
+    streak: int
+    rate: float | None
+    silent_s: float
+    timeout_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain (msgpack-able) form, the state as its value."""
+        return {**self._asdict(), "state": self.state.value}
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorSettings:
+    """Thresholds and windows; :meth:`from_config` reads ``antdt.monitor``."""
+
+    window_s: float = 10.0
+    history: int = 6
+    slow_factor: float = 1.5
+    persistent_windows: int = 3
+    hang_factor: float = 5.0
+    hang_floor_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not (self.window_s > 0 and self.history >= 1 and self.slow_factor > 1
+                and self.persistent_windows >= 1 and self.hang_factor > 1
+                and self.hang_floor_s > 0):
+            raise ConfigError(f"monitor settings out of range (window_s > 0, history >= 1, "
+                              f"slow_factor > 1, persistent_windows >= 1, hang_factor > 1, "
+                              f"hang_floor_s > 0), found {self}")
+
+    @classmethod
+    def from_config(cls) -> MonitorSettings:
+        return cls(window_s=config.seconds("antdt.monitor.window"),
+                   history=int(config.number("antdt.monitor.history", low=1, integer=True)),
+                   slow_factor=config.number("antdt.monitor.slow-factor", low=1.0),
+                   persistent_windows=int(config.number("antdt.monitor.persistent-windows",
+                                                        low=1, integer=True)),
+                   hang_factor=config.number("antdt.monitor.hang-factor", low=1.0),
+                   hang_floor_s=config.seconds("antdt.monitor.hang-floor"))
+
+
+@dataclass(slots=True)
+class _Track:
+    """What the monitor knows of one worker."""
+
+    since: float
+    """When it was last seen becoming a lease holder."""
+    history: int
+    rows: int = 0
+    busy: float = 0.0
+    batches: float = 0.0
+    last_commit: float | None = None
+    seen_update: int = -1
+    gap: float | None = None
+    samples: deque[tuple[float, int, float]] = field(default_factory=deque)
+    bpt: float | None = None
+    median: float | None = None
+    window: int | None = None
+    streak: int = 0
+    verdict: WorkerState = WorkerState.OK
+    hung: bool = False
+    silent: float = 0.0
+    timeout: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.samples = deque(maxlen=self.history)
+
+
+def _always(worker: str) -> bool:
+    return True
+
+
+class Monitor:
+    """Per-worker BPT windows and verdicts of one job (see the module docstring).
+
+    ``clock`` must be the clock of the ledger whose commits are observed (event times and
+    ``clock()`` are compared). ``batch_rows`` converts rows to batches when a commit carries no
+    ``batches`` stat.
+
+    >>> now = [0.0]
+    >>> monitor = Monitor(lambda: now[0], batch_rows=10,
+    ...                   settings=MonitorSettings(window_s=10, persistent_windows=2))
+    >>> for t in range(1, 10):
+    ...     now[0] = float(t)
+    ...     for worker, rows in (("a", 10), ("b", 10), ("c", 3)):  # c: 1/3 of the speed
+    ...         monitor.observe(CommitEvent(worker, 0, 0, rows, {}, now[0]))
+    >>> now[0] = 10.0
+    >>> monitor.update(["a", "b", "c"])
+    >>> monitor.health("c").state, monitor.health("a").state
+    (<WorkerState.TRANSIENT: 'transient'>, <WorkerState.OK: 'ok'>)
+    """
+
+    def __init__(self, clock: Clock, *, batch_rows: int,
+                 settings: MonitorSettings | None = None) -> None:
+        if batch_rows < 1:
+            raise ConfigError(f"batch_rows must be >= 1, found {batch_rows}")
+        self.settings = settings if settings is not None else MonitorSettings.from_config()
+        self.batch_rows = batch_rows
+        self._clock = clock
+        self._tracks: dict[str, _Track] = {}
+        self._flagged: set[str] = set()
+        self._window_end = clock() + self.settings.window_s
+        self._updates = 0
+        self.windows = 0
+        """Windows closed so far; the last closed one is ``windows - 1``."""
+        self.median_bpt: float | None = None
+        """Cluster median BPT of the last window with commits."""
+        self.median_rate: float | None = None
+        """Cluster median rows/s of the last window with commits."""
+        self.median_gap: float | None = None
+        """Cluster median of the workers' usual gaps between commits, as of the last window."""
+
+    # ---- input --------------------------------------------------------------------------------
+
+    def observe(self, event: CommitEvent) -> None:
+        """Account one commit (a ledger listener: O(1), never raises for a well-formed event)."""
+        track = self._tracks.get(event.worker)
+        if track is None:
+            track = self._tracks[event.worker] = _Track(event.time, self.settings.history)
+        start = track.since if track.last_commit is None else max(track.last_commit, track.since)
+        if event.rows > 0:
+            elapsed = max(0.0, event.time - start)
+            if track.last_commit is not None:
+                track.gap = elapsed if track.gap is None else \
+                    GAP_WEIGHT * elapsed + (1 - GAP_WEIGHT) * track.gap
+            track.rows += event.rows
+            track.busy += float(event.stats.get(BUSY, elapsed))
+            track.batches += float(event.stats.get(BATCHES, event.rows / self.batch_rows))
+        track.last_commit = event.time
+
+    def update(self, holders: Iterable[str], training: Callable[[str], bool] = _always) -> None:
+        """Close the windows that ended by now and re-check hangs.
+
+        ``holders``: the workers holding live leases now; ``training(worker)``: whether one of
+        its leases still has rows to train (a holder whose leases only wait for their synced
+        offset is not hung). ``training`` is asked only about silent holders.
+        """
+        now = self._clock()
+        holding = list(holders)
+        while now >= self._window_end:
+            self._close_window(self._window_end, set(holding), training)
+            self._window_end += self.settings.window_s
+        self._updates += 1
+        settings = self.settings
+        for worker in holding:
+            track = self._tracks.get(worker)
+            if track is None:
+                track = self._tracks[worker] = _Track(now, settings.history)
+            elif track.seen_update != self._updates - 1:
+                track.since = now  # it (re)became a holder since the last update
+            track.seen_update = self._updates
+            last = track.since if track.last_commit is None else max(track.last_commit,
+                                                                     track.since)
+            track.silent = now - last
+            gap = track.gap if track.gap is not None else self.median_gap
+            track.timeout = settings.hang_floor_s if gap is None else \
+                max(settings.hang_floor_s, settings.hang_factor * gap)
+            hung = track.silent > track.timeout and training(worker)
+            if hung != track.hung:
+                track.hung = hung
+                if hung:
+                    logger.info("worker %s hung: no commit for %.1fs (timeout %.1fs)", worker,
+                                track.silent, track.timeout)
+                self._flag(worker, track)
+        for worker in [w for w in self._flagged if self._tracks[w].seen_update != self._updates]:
+            track = self._tracks[worker]  # no longer a holder: cannot be hung
+            if track.hung:
+                track.hung = False
+                self._flag(worker, track)
+
+    def forget(self, worker: str) -> None:
+        """The worker left the cluster."""
+        self._tracks.pop(worker, None)
+        self._flagged.discard(worker)
+
+    # ---- output -------------------------------------------------------------------------------
+
+    def health(self, worker: str) -> Health | None:
+        track = self._tracks.get(worker)
+        return None if track is None else self._health(worker, track)
+
+    def flagged(self) -> list[Health]:
+        """Workers not ``ok``: hung first, then persistent, then transient, slowest first."""
+        order = {WorkerState.HUNG: 0, WorkerState.PERSISTENT: 1, WorkerState.TRANSIENT: 2}
+        found = [self._health(w, self._tracks[w]) for w in self._flagged]
+        return sorted(found, key=lambda h: (order[h.state], -(h.bpt or 0.0), h.worker))
+
+    def workers(self) -> list[str]:
+        return list(self._tracks)
+
+    def rate(self, worker: str) -> float | None:
+        """Rows/s of ``worker`` over its sliding window and the current window (None: no
+        evidence yet)."""
+        track = self._tracks.get(worker)
+        if track is None:
+            return None
+        rows, busy = track.rows, track.busy
+        for _, sample_rows, sample_busy in track.samples:
+            rows += sample_rows
+            busy += sample_busy
+        return rows / busy if busy > 0 and rows > 0 else None
+
+    def summary(self) -> dict[str, Any]:
+        """Medians and every worker's health, plain (msgpack-able)."""
+        return {"windows": self.windows, "median_bpt": self.median_bpt,
+                "median_rate": self.median_rate, "median_gap": self.median_gap,
+                "workers": {w: self._health(w, t).as_dict() for w, t in self._tracks.items()}}
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _health(self, worker: str, track: _Track) -> Health:
+        state = WorkerState.HUNG if track.hung else track.verdict
+        return Health(worker, state, track.bpt, track.median, track.window, track.streak,
+                      self.rate(worker), track.silent, track.timeout)
+
+    def _flag(self, worker: str, track: _Track) -> None:
+        if track.hung or track.verdict is not WorkerState.OK:
+            self._flagged.add(worker)
+        else:
+            self._flagged.discard(worker)
+
+    def _close_window(self, end: float, holders: set[str],
+                      training: Callable[[str], bool]) -> None:
+        """Sample every worker that committed, take the medians, give the verdicts."""
+        window = self.windows
+        self.windows += 1
+        bpts: list[float] = []
+        rates: list[float] = []
+        measured: list[tuple[str, _Track, float]] = []
+        for worker, track in self._tracks.items():
+            if track.batches > 0 and track.busy > 0:
+                bpt = track.busy / track.batches
+                track.samples.append((bpt, track.rows, track.busy))
+                bpts.append(bpt)
+                rates.append(track.rows / track.busy)
+                measured.append((worker, track, bpt))
+            elif worker in holders:
+                last = track.since if track.last_commit is None else max(track.last_commit,
+                                                                         track.since)
+                if end - last >= self.settings.window_s and training(worker):
+                    measured.append((worker, track, end - last))
+            track.rows, track.busy, track.batches = 0, 0.0, 0.0
+        if bpts:
+            self.median_bpt = float(np.median(bpts))
+            self.median_rate = float(np.median(rates))
+        gaps = [t.gap for t in self._tracks.values() if t.gap is not None]
+        if gaps:
+            self.median_gap = float(np.median(gaps))
+        median = self.median_bpt
+        if median is None:
+            return
+        limit = self.settings.slow_factor * median
+        k = self.settings.persistent_windows
+        for worker, track, bpt in measured:
+            track.bpt, track.median, track.window = bpt, median, window
+            track.streak = track.streak + 1 if bpt > limit else 0
+            verdict = WorkerState.OK if track.streak == 0 else \
+                WorkerState.PERSISTENT if track.streak >= k else WorkerState.TRANSIENT
+            if verdict is not track.verdict:
+                logger.debug("worker %s: %s -> %s (BPT %.4g, median %.4g, window %d)", worker,
+                             track.verdict.value, verdict.value, bpt, median, window)
+                track.verdict = verdict
+                self._flag(worker, track)

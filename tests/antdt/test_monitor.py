@@ -1,0 +1,167 @@
+"""The Monitor on a virtual clock: windows, verdicts, hang timeouts, configuration."""
+
+from __future__ import annotations
+
+import dask.config
+import pytest
+
+from antdt.errors import ConfigError
+from antdt.monitor import Monitor, MonitorSettings, WorkerState
+from antdt.sharding import CommitEvent
+
+SETTINGS = MonitorSettings(window_s=10.0, history=3, slow_factor=1.5, persistent_windows=3,
+                           hang_factor=4.0, hang_floor_s=5.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(monitor: Monitor, clock: Clock, seconds: int, rows: dict[str, int],
+        holders: list[str] | None = None) -> None:
+    """Every worker in ``rows`` commits that many rows each second for ``seconds``; the
+    monitor is updated every second (as a controller tick)."""
+    for _ in range(seconds):
+        clock.now += 1.0
+        for worker, n in rows.items():
+            monitor.observe(CommitEvent(worker, 0, 0, n, {}, clock.now))
+        monitor.update(holders if holders is not None else list(rows))
+
+
+def test_slow_worker_goes_transient_then_persistent_then_recovers() -> None:
+    clock = Clock()
+    monitor = Monitor(clock, batch_rows=10, settings=SETTINGS)
+    speeds = {"a": 100, "b": 100, "c": 90, "slow": 40}
+    monitor.update(list(speeds))
+    run(monitor, clock, 10, speeds)
+    slow = monitor.health("slow")
+    assert slow is not None and slow.state is WorkerState.TRANSIENT and slow.streak == 1
+    assert slow.median == pytest.approx((0.1 + 1 / 9) / 2)  # BPT = 1 s per commit / (rows / 10)
+    assert slow.bpt == pytest.approx(0.25) and slow.window == 0
+    assert monitor.health("c").state is WorkerState.OK  # 1.05x the median is not slow
+    run(monitor, clock, 20, speeds)
+    slow = monitor.health("slow")
+    assert slow.state is WorkerState.PERSISTENT and slow.streak == 3 and slow.window == 2
+    assert [h.worker for h in monitor.flagged()] == ["slow"]
+    assert monitor.rate("slow") == pytest.approx(40.0)
+    run(monitor, clock, 10, {**speeds, "slow": 100})
+    assert monitor.health("slow").state is WorkerState.OK
+    assert monitor.flagged() == []
+
+
+def test_agent_stats_take_precedence_over_commit_gaps() -> None:
+    clock = Clock()
+    monitor = Monitor(clock, batch_rows=10, settings=SETTINGS)
+    monitor.update(["a", "b", "c"])
+    for _ in range(10):
+        clock.now += 1.0
+        for worker in ("a", "b"):
+            monitor.observe(CommitEvent(worker, 0, 0, 100, {"busy_s": 0.5, "batches": 5},
+                                        clock.now))
+        # c commits as often and as much, but reports 4 s of training per 5 batches
+        monitor.observe(CommitEvent("c", 0, 0, 100, {"busy_s": 4.0, "batches": 5}, clock.now))
+        monitor.update(["a", "b", "c"])
+    c = monitor.health("c")
+    assert c.state is WorkerState.TRANSIENT
+    assert c.bpt == pytest.approx(0.8) and c.median == pytest.approx(0.1)
+    assert monitor.rate("a") == pytest.approx(200.0)
+
+
+def test_hang_timeout_comes_from_own_history_with_a_floor() -> None:
+    clock = Clock()
+    monitor = Monitor(clock, batch_rows=10, settings=SETTINGS)
+    monitor.update(["fast", "slow"])
+    for t in range(1, 31):  # fast commits every second, slow every 3 s
+        clock.now = float(t)
+        monitor.observe(CommitEvent("fast", 0, 0, 10, {}, clock.now))
+        if t % 3 == 0:
+            monitor.observe(CommitEvent("slow", 1, 0, 10, {}, clock.now))
+        monitor.update(["fast", "slow"])
+    assert monitor.health("fast").timeout_s == pytest.approx(5.0)  # floor beats 4 x 1 s
+    assert monitor.health("slow").timeout_s == pytest.approx(12.0)  # 4 x its 3 s gap
+    clock.now = 36.0  # both silent for 6 s
+    monitor.update(["fast", "slow"])
+    assert monitor.health("fast").state is WorkerState.HUNG
+    assert monitor.health("fast").silent_s == pytest.approx(6.0)
+    assert monitor.health("slow").state is not WorkerState.HUNG
+    clock.now = 43.0
+    monitor.update(["fast", "slow"])
+    assert monitor.health("slow").state is WorkerState.HUNG
+    assert [h.worker for h in monitor.flagged()] == ["fast", "slow"]
+    monitor.observe(CommitEvent("fast", 0, 0, 10, {}, clock.now))
+    monitor.update(["fast", "slow"])
+    assert monitor.health("fast").state is not WorkerState.HUNG
+
+
+def test_only_holders_still_training_can_hang() -> None:
+    clock = Clock()
+    monitor = Monitor(clock, batch_rows=10, settings=SETTINGS)
+    monitor.update(["a", "b", "c"])
+    for worker in ("a", "b", "c"):
+        monitor.observe(CommitEvent(worker, 0, 0, 10, {}, 0.5))
+    clock.now = 8.0
+    draining = {"b"}  # b only waits for its synced offset
+    monitor.update(["a", "b"], training=lambda w: w not in draining)  # c holds no lease
+    assert monitor.health("a").state is WorkerState.HUNG
+    assert monitor.health("b").state is WorkerState.OK
+    assert monitor.health("c").state is WorkerState.OK
+    monitor.update(["b"], training=lambda w: True)  # a gave its lease up: no longer hung
+    assert monitor.health("a").state is WorkerState.OK
+    assert monitor.health("b").state is WorkerState.HUNG
+
+
+def test_new_holder_is_timed_from_when_it_leased() -> None:
+    clock = Clock()
+    monitor = Monitor(clock, batch_rows=10, settings=SETTINGS)
+    monitor.observe(CommitEvent("a", 0, 0, 10, {}, 0.0))
+    clock.now = 60.0  # idle (no lease) for a minute, then it leases again
+    monitor.update(["a"])
+    assert monitor.health("a").silent_s == 0.0
+    assert monitor.health("a").state is WorkerState.OK
+
+
+def test_silent_holder_is_slow_in_the_window() -> None:
+    clock = Clock()
+    settings = MonitorSettings(window_s=10.0, persistent_windows=2, hang_floor_s=100.0)
+    monitor = Monitor(clock, batch_rows=10, settings=settings)
+    monitor.update(["a", "b", "stuck"])
+    run(monitor, clock, 20, {"a": 10, "b": 10}, holders=["a", "b", "stuck"])
+    stuck = monitor.health("stuck")
+    assert stuck.state is WorkerState.PERSISTENT and stuck.streak == 2
+    assert stuck.bpt == pytest.approx(20.0)  # evidence: silent since it leased at 0
+    idle = Monitor(clock, batch_rows=10, settings=settings)
+    idle.observe(CommitEvent("waiting", 0, 0, 10, {}, clock.now))  # then holds no lease
+    run(idle, clock, 20, {"a": 10, "b": 10}, holders=["a", "b"])
+    waiting = idle.health("waiting")
+    assert waiting.state is WorkerState.OK and waiting.bpt is None  # no evidence either way
+    assert idle.windows == 2
+
+
+def test_forget_drops_the_worker() -> None:
+    clock = Clock()
+    monitor = Monitor(clock, batch_rows=10, settings=SETTINGS)
+    run(monitor, clock, 30, {"a": 10, "b": 10, "slow": 2})
+    assert [h.worker for h in monitor.flagged()] == ["slow"]
+    monitor.forget("slow")
+    assert monitor.health("slow") is None and monitor.flagged() == []
+    assert set(monitor.summary()["workers"]) == {"a", "b"}
+
+
+def test_settings_come_from_dask_config() -> None:
+    with dask.config.set({"antdt.monitor.slow-factor": 5.0, "antdt.monitor.window": "4s",
+                          "antdt.monitor.persistent-windows": 1}):
+        settings = MonitorSettings.from_config()
+    assert (settings.slow_factor, settings.window_s, settings.persistent_windows) == (5.0, 4.0, 1)
+    clock = Clock()
+    monitor = Monitor(clock, batch_rows=10, settings=settings)
+    run(monitor, clock, 8, {"a": 10, "b": 10, "slow": 3})  # 3.3x slower: not slow at 5x
+    assert monitor.windows == 2 and monitor.flagged() == []
+    with dask.config.set({"antdt.monitor.slow-factor": "fast"}):
+        with pytest.raises(ConfigError, match="antdt.monitor.slow-factor.*'fast'"):
+            MonitorSettings.from_config()
+    with pytest.raises(ConfigError, match="slow_factor > 1"):
+        MonitorSettings(slow_factor=0.5)
