@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 DEMO_DATA := demo-data/synthetic
 
 demo: setup $(DEMO_DATA)/oracle.json
-	$(BIN)/antdt train jobs/synthetic.yaml
+	$(BIN)/antdt train jobs/synthetic.yaml --mode async --workers 2
 
 $(DEMO_DATA)/oracle.json: | $(STAMP)
 	$(BIN)/antdt data synth $(DEMO_DATA) --rows 2800000 --days 7 --seed 0

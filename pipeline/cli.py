@@ -19,6 +19,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, Text
 
 from antdt.errors import AntdtError
 from pipeline.bench import bench
+from pipeline.simulate import command as simulate
 
 stderr = Console(stderr=True)
 
@@ -127,24 +128,45 @@ def data_validate(paths: tuple[str, ...], schema_path: str, as_json: bool) -> No
 
 @cli.command()
 @click.argument("job_path", metavar="JOB.yaml")
-@click.option("--local", "mode", flag_value="local", default=True,
-              help="Train in this process (the reference path).")
+@click.option("--mode", type=click.Choice(["async", "local"]), default=None,
+              help="async: a Dask cluster, one replica per worker (default: the job's "
+                   "train.mode, async); local: this process, the reference path.")
+@click.option("--local", "local_alias", is_flag=True, help="Alias of --mode local.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Workers of the LocalCluster to start (default: the job's train.workers).")
+@click.option("--scheduler", default=None, metavar="ADDR",
+              help="Use the Dask cluster at ADDR instead of starting a LocalCluster.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config value, e.g. --set train.epochs=2 (repeatable).")
 @click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: the job's, "
               "else MLflow's default store).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def train(job_path: str, mode: str, overrides: tuple[str, ...], tracking_uri: str | None,
+def train(job_path: str, mode: str | None, local_alias: bool, workers: int | None,
+          scheduler: str | None, overrides: tuple[str, ...], tracking_uri: str | None,
           as_json: bool) -> None:
     """Train the model of JOB.yaml, evaluate it and track the run in MLflow."""
     from pipeline.config import load_job
-    from pipeline.local import train_local
 
+    if local_alias and mode not in (None, "local"):
+        raise click.UsageError(f"--local contradicts --mode {mode}")
+    if workers is not None and scheduler is not None:
+        raise click.UsageError("--workers starts a LocalCluster; with --scheduler the "
+                               "cluster's own workers train: give one or the other")
     if tracking_uri:
         overrides = (*overrides, f"mlflow.tracking_uri={tracking_uri}")
     job = load_job(job_path, overrides)
-    with progress_bar(f"training ({mode})", enabled=not as_json) as bar:
-        summary = train_local(job, progress=bar)
+    chosen = "local" if local_alias else mode or job.train.mode
+    if chosen == "local" and (workers is not None or scheduler is not None):
+        raise click.UsageError("--workers/--scheduler need --mode async")
+    with progress_bar(f"training ({chosen})", enabled=not as_json) as bar:
+        if chosen == "local":
+            from pipeline.local import train_local
+
+            summary = train_local(job, progress=bar)
+        else:
+            from pipeline.driver import train_async
+
+            summary = train_async(job, workers=workers, scheduler=scheduler, progress=bar)
     if as_json:
         click.echo(summary.to_json())
     else:
@@ -153,6 +175,7 @@ def train(job_path: str, mode: str, overrides: tuple[str, ...], tracking_uri: st
 
 
 cli.add_command(bench)
+cli.add_command(simulate)
 
 
 def main() -> None:

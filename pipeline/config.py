@@ -8,8 +8,17 @@
       schema: demo-data/synthetic/schema.yaml
       on_bad_data: fail            # or quarantine: skip bad row groups, report their rows
     model: {arch: dlrm, embedding_dim: 16}
-    train: {batch_size: 4096, epochs: 1, seed: 0, sparse_lr: 0.05, dense_lr: 0.001}
+    train: {batch_size: 4096, epochs: 1, seed: 0, sparse_lr: 0.05, dense_lr: 0.001,
+            mode: async, workers: 2, sync_period: 1.0, shard_rows: 32768}
     mlflow: {experiment: antdt, tracking_uri: null}
+    faults:                        # injected faults (tests, benchmarks); none by default
+      - {worker: 1, slowdown: 3.0}             # worker 1 takes 3x as long per batch
+      - {worker: 0, crash_after_rows: 50000}   # worker 0's process exits after 50k rows
+
+``train.mode``: ``async`` (default) trains on a Dask cluster, one replica per worker with
+background model sync; ``local`` trains in this process. ``train.shard_rows`` defaults to
+8 x ``batch_size``. A fault's ``worker`` is the index of a worker in the job's sorted initial
+worker list; ``hang_after_rows``/``crash_after_rows`` count the rows that worker trained.
 
 Relative local paths are read from the current working directory. Unknown keys are rejected
 with the key's full name, so a typo never silently falls back to a default.
@@ -29,6 +38,10 @@ from data.schema import read_yaml
 from models.config import ModelConfig, OptimConfig
 
 OnBadData = Literal["fail", "quarantine"]
+Mode = Literal["async", "local"]
+MODES: tuple[Mode, ...] = ("async", "local")
+SHARD_BATCHES = 8
+"""Default ``train.shard_rows``: this many batches."""
 _OPTIM_KEYS = {f.name for f in dataclasses.fields(OptimConfig)}
 
 
@@ -47,7 +60,21 @@ class TrainConfig:
     seed: int = 0
     threads: int = 1
     log_every: int = 50
+    mode: Mode = "async"
+    workers: int = 2
+    sync_period: float = 1.0
+    shard_rows: int = SHARD_BATCHES * 4096
     optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """Faults injected into the agent of worker number ``worker`` (:class:`antdt.agent.Faults`)."""
+
+    worker: int
+    slowdown: float = 1.0
+    hang_after_rows: int | None = None
+    crash_after_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +91,7 @@ class JobConfig:
     model: ModelConfig
     train: TrainConfig
     mlflow: MlflowConfig
+    faults: tuple[FaultConfig, ...] = ()
     source: str = "<job>"
 
     def to_dict(self) -> dict[str, Any]:
@@ -77,6 +105,7 @@ class JobConfig:
             "model": self.model.to_dict(),
             "train": train,
             "mlflow": dataclasses.asdict(self.mlflow),
+            "faults": [dataclasses.asdict(f) for f in self.faults],
         }
 
 
@@ -108,7 +137,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 def job_from_dict(raw: Mapping[str, Any], source: str = "<job>",
                   default_name: str = "job") -> JobConfig:
-    _reject_unknown(raw, {"name", "data", "model", "train", "mlflow"}, source)
+    _reject_unknown(raw, {"name", "data", "model", "train", "mlflow", "faults"}, source)
     if "data" not in raw:
         raise ConfigError(f"{source}: missing section 'data' (train, validation, schema)")
     name = raw.get("name", default_name)
@@ -120,6 +149,7 @@ def job_from_dict(raw: Mapping[str, Any], source: str = "<job>",
         model=ModelConfig.from_dict(_section(raw, "model", source), where=f"{source}: model"),
         train=_train(_section(raw, "train", source), f"{source}: train"),
         mlflow=_mlflow(_section(raw, "mlflow", source), f"{source}: mlflow"),
+        faults=_faults(raw.get("faults"), f"{source}: faults"),
         source=source,
     )
 
@@ -169,19 +199,70 @@ def _positive_int(raw: Mapping[str, Any], key: str, default: int, where: str,
     return value
 
 
+def _number(raw: Mapping[str, Any], key: str, default: float, where: str, *,
+            minimum: float, inclusive: bool = True) -> float:
+    value = raw.get(key, default)
+    bound = f">= {minimum}" if inclusive else f"> {minimum}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or value in (float("inf"), float("-inf")) \
+            or (value < minimum if inclusive else value <= minimum):
+        raise ConfigError(f"{where}.{key}: expected a finite number {bound}, found {value!r}")
+    return float(value)
+
+
 def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
-    own = {"batch_size", "epochs", "seed", "threads", "log_every"}
+    own = {"batch_size", "epochs", "seed", "threads", "log_every", "mode", "workers",
+           "sync_period", "shard_rows"}
     _reject_unknown(raw, own | _OPTIM_KEYS, where)
     defaults = TrainConfig()
     optim = OptimConfig.from_dict({k: v for k, v in raw.items() if k in _OPTIM_KEYS}, where=where)
+    mode = raw.get("mode", defaults.mode)
+    if mode not in MODES:
+        raise ConfigError(f"{where}.mode: expected one of {list(MODES)}, found {mode!r}")
+    batch_size = _positive_int(raw, "batch_size", defaults.batch_size, where)
     return TrainConfig(
-        batch_size=_positive_int(raw, "batch_size", defaults.batch_size, where),
+        batch_size=batch_size,
         epochs=_positive_int(raw, "epochs", defaults.epochs, where),
         seed=_positive_int(raw, "seed", defaults.seed, where, minimum=0),
         threads=_positive_int(raw, "threads", defaults.threads, where),
         log_every=_positive_int(raw, "log_every", defaults.log_every, where),
+        mode=mode,
+        workers=_positive_int(raw, "workers", defaults.workers, where),
+        sync_period=_number(raw, "sync_period", defaults.sync_period, where, minimum=0.0,
+                            inclusive=False),
+        shard_rows=_positive_int(raw, "shard_rows", SHARD_BATCHES * batch_size, where),
         optim=optim,
     )
+
+
+def _faults(raw: Any, where: str) -> tuple[FaultConfig, ...]:
+    """The ``faults`` list: one entry per worker index, each naming at least one fault."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(f"{where}: expected a list of {{worker, slowdown, hang_after_rows, "
+                          f"crash_after_rows}}, found {raw!r}")
+    faults: list[FaultConfig] = []
+    for i, item in enumerate(raw):
+        at = f"{where}[{i}]"
+        if not isinstance(item, Mapping):
+            raise ConfigError(f"{at}: expected a mapping, found {item!r}")
+        _reject_unknown(item, {"worker", "slowdown", "hang_after_rows", "crash_after_rows"}, at)
+        if "worker" not in item:
+            raise ConfigError(f"{at}: missing key 'worker' (the index of the worker to fault)")
+        worker = _positive_int(item, "worker", 0, at, minimum=0)
+        if any(f.worker == worker for f in faults):
+            raise ConfigError(f"{at}: worker {worker} already has a faults entry; merge them")
+        rows = {key: _positive_int(item, key, 0, at, minimum=0) if item.get(key) is not None
+                else None for key in ("hang_after_rows", "crash_after_rows")}
+        fault = FaultConfig(worker=worker,
+                            slowdown=_number(item, "slowdown", 1.0, at, minimum=1.0), **rows)
+        if fault.slowdown == 1.0 and rows["hang_after_rows"] is None \
+                and rows["crash_after_rows"] is None:
+            raise ConfigError(f"{at}: expected at least one of slowdown > 1, hang_after_rows, "
+                              f"crash_after_rows; found {dict(item)!r}")
+        faults.append(fault)
+    return tuple(faults)
 
 
 def _mlflow(raw: Mapping[str, Any], where: str) -> MlflowConfig:

@@ -38,6 +38,8 @@ class JobSummary:
     rows_quarantined: int
     wall_s: float
     samples_per_s: float
+    straggler_actions: int = 0
+    """Actions the straggler controller applied (0 in the local mode or without a controller)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -58,6 +60,7 @@ class JobSummary:
             f"rows     trained {self.rows_trained:,}  lost {self.rows_lost:,}  "
             f"duplicated {self.rows_duplicated:,}  quarantined {self.rows_quarantined:,}",
             f"speed    {self.samples_per_s:,.0f} samples/s, {self.wall_s:.1f} s wall",
+            f"control  {self.straggler_actions:,} straggler action(s)",
         ]
 
     def to_json(self) -> str:

@@ -34,3 +34,33 @@ def job_file(tmp_path: Path, tiny_data: SynthResult) -> Path:
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory: pytest.TempPathFactory) -> SynthResult:
+    """Three days of 8,000 rows (two files a day, row groups of 2,048 rows), eight sparse
+    features: small enough that a cluster job is dominated by its start, not its training."""
+    out = tmp_path_factory.mktemp("small")
+    return generate(str(out), rows=24_000, days=3, seed=11, row_group_rows=2048,
+                    files_per_day=2, num_sparse=8)
+
+
+@pytest.fixture
+def cluster_job(tmp_path: Path, small_data: SynthResult) -> Path:
+    """An async job over ``small_data`` (two days to train, one to validate), small model,
+    quick sync, tracked in a temp store."""
+    out = Path(small_data.out)
+    job = {
+        "name": "small",
+        "data": {"train": [str(out / "date=2026-11-01"), str(out / "date=2026-11-02")],
+                 "validation": str(out / "date=2026-11-03"),
+                 "schema": str(out / "schema.yaml")},
+        "model": {"arch": "dlrm", "embedding_dim": 8, "dense_arch": [16, 8],
+                  "over_arch": [16, 1]},
+        "train": {"batch_size": 512, "epochs": 1, "seed": 0, "mode": "async", "workers": 2,
+                  "sync_period": 0.2},
+        "mlflow": {"experiment": "tests", "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path

@@ -68,3 +68,39 @@ def test_missing_data_section_and_bad_override(tmp_path: Path) -> None:
         load_job(write(tmp_path, MINIMAL), ["epochs"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_job(tmp_path / "nope.yaml")
+
+
+def test_distributed_defaults_and_faults(tmp_path: Path) -> None:
+    job = load_job(write(tmp_path, MINIMAL), ["train.batch_size=256"])
+    assert (job.train.mode, job.train.workers, job.train.sync_period) == ("async", 2, 1.0)
+    assert job.train.shard_rows == 8 * 256
+    assert job.faults == ()
+    faulty = load_job(write(tmp_path, MINIMAL), [
+        "faults=[{worker: 1, slowdown: 2.5}, {worker: 0, crash_after_rows: 100}]",
+        "train.shard_rows=1000", "train.mode=local"])
+    assert [(f.worker, f.slowdown, f.crash_after_rows) for f in faulty.faults] == \
+        [(1, 2.5, None), (0, 1.0, 100)]
+    assert (faulty.train.shard_rows, faulty.train.mode) == (1000, "local")
+    again = load_job(write(tmp_path, faulty.to_dict()))
+    assert again.to_dict() == faulty.to_dict()
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.mode=sync", "train.mode: expected one of ['async', 'local'], found 'sync'"),
+    ("train.workers=0", "train.workers: expected an integer >= 1, found 0"),
+    ("train.sync_period=0", "train.sync_period: expected a finite number > 0.0, found 0"),
+    ("train.shard_rows=-5", "train.shard_rows: expected an integer >= 1, found -5"),
+    ("faults={worker: 0}", "faults: expected a list"),
+    ("faults=[{slowdown: 2}]", "faults[0]: missing key 'worker'"),
+    ("faults=[{worker: 0, slowdown: 0.5}]", "faults[0].slowdown: expected a finite number >= 1.0"),
+    ("faults=[{worker: 0, hang_after_rows: -1}]", "faults[0].hang_after_rows: expected an "
+                                                  "integer >= 0, found -1"),
+    ("faults=[{worker: 0, crash: 5}]", "faults[0]: unknown key(s) ['crash']"),
+    ("faults=[{worker: 0}]", "faults[0]: expected at least one of slowdown > 1"),
+    ("faults=[{worker: 0, slowdown: 2}, {worker: 0, hang_after_rows: 3}]",
+     "faults[1]: worker 0 already has a faults entry"),
+])
+def test_bad_distributed_values_name_the_key(tmp_path: Path, override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_job(write(tmp_path, MINIMAL), [override])
+    assert message in str(info.value)

@@ -1,0 +1,534 @@
+"""The agent (AntDT's Agent): one long-running Dask task per worker that trains the rows the
+sharding service leases to it.
+
+```
+ driver ── client.submit(run_agent, spec, make_trainer, make_reader, workers=[addr]) ──► worker
+ run_agent:  trainer = make_trainer(device); reader = make_reader()
+             async mode: ReplicaSync(dense, tables) + BackgroundSync (antdt.sync_service)
+   loop:     lease ─► read rows [offset, end) ─► step (under the replica lock) ─► touch ─► commit
+             Claim: go on   Revoked: finish the claim, lease again   Finished: lease again
+             Stop: the job was stopped   (no lease left: the job finished)
+   end:      finished: final sync round (replicas identical), keep the trainer for the driver
+             stopped / cancelled: stop syncing, give the leases back
+```
+
+``antdt`` knows nothing of models or data: the training step and the reader are handed in as
+factories (:class:`TrainerFactory`, :class:`ReaderFactory`) that the worker calls, so only small
+picklable recipes travel, never a model.
+
+Cancellation is cooperative (a running Dask task cannot be interrupted): the driver calls
+:func:`cancel_agents`, which sets a flag in this module's worker plugin (:class:`AgentPlugin`);
+the agent checks it between batches and while it hangs. An agent waiting for a lease returns
+when the job is stopped (:func:`antdt.service.stop_job`), so a driver that aborts does both.
+
+Fault injection (tests and benchmarks; off by default, see :class:`Faults`): a slowdown factor
+(after each batch, sleep ``(factor - 1)`` x the batch's measured time), a hang (stop making
+progress after some rows, until cancelled) and a crash (``os._exit`` of the worker process after
+some rows, which looks like a real death to the scheduler and the nanny).
+
+Progress reaches the driver as Dask events (topic :func:`event_topic`), no extra RPC to wait on;
+the per-batch timings reach the monitor through the commits (``busy_s``, ``batches``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypeVar
+
+import torch
+from distributed import Client, Future, Worker, get_worker
+from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.utils import sync
+
+from antdt import config
+from antdt.device import pick_device
+from antdt.errors import AntdtError, ConfigError
+from antdt.monitor import BATCHES, BUSY
+from antdt.shard_client import ShardClient
+from antdt.sharding import Claim, Finished, Lease, Revoked, Stop
+from antdt.sync import ReplicaSync, SyncError
+from antdt.sync_service import BackgroundSync
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "antdt-agent"
+"""``worker.plugins[PLUGIN_NAME]``: the :class:`AgentPlugin`."""
+
+CRASH_EXIT_CODE = 75
+"""Exit status of a worker process killed by the crash fault."""
+
+Outcome = Literal["finished", "stopped", "cancelled", "declined"]
+"""How an agent ended: the job ``finished`` (final sync done, trainer kept for the driver), the
+job was ``stopped`` early, the driver ``cancelled`` the agent, or a joiner ``declined``: it could
+not join the running job's model sync (typically the final round had formed), trained nothing."""
+
+B_co = TypeVar("B_co", covariant=True)
+B_contra = TypeVar("B_contra", contravariant=True)
+
+
+class Reader(Protocol[B_co]):
+    """Turns rows ``[start, stop)`` of one row group into a batch (e.g. ``data.reader``)."""
+
+    def read(self, path: str, row_group: int, start: int, stop: int) -> B_co: ...
+
+
+class Trainer(Protocol[B_contra]):
+    """One worker's model and its training step (e.g. a wrapper of ``models.TrainStep``).
+
+    ``dense`` and ``tables`` are the live tensors the async mode synchronises in place: the dense
+    parameters (updated by the step's optimiser) and the embedding tables ``(num_rows, dim)``
+    (views of the storage the step updates). ``touched(batch)`` names, per table, the row ids
+    ``(k,)`` int64 the step on ``batch`` changes. ``state()`` is what the driver fetches at the
+    end (e.g. the model's weights on the CPU).
+    """
+
+    def step(self, batch: B_contra) -> float: ...
+
+    def touched(self, batch: B_contra) -> Mapping[str, torch.Tensor]: ...
+
+    def dense(self) -> Sequence[torch.Tensor]: ...
+
+    def tables(self) -> Mapping[str, torch.Tensor]: ...
+
+    def state(self) -> Any: ...
+
+
+class TrainerFactory(Protocol):
+    """Builds the trainer on the worker, on ``device``; must be picklable."""
+
+    def __call__(self, device: torch.device) -> Trainer[Any]: ...
+
+
+class ReaderFactory(Protocol):
+    """Builds the reader on the worker; must be picklable."""
+
+    def __call__(self) -> Reader[Any]: ...
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Injected faults of one agent (all off by default).
+
+    ``slowdown``: after each batch sleep ``(slowdown - 1)`` x its measured time (a straggler).
+    ``hang_after_rows``: once this many rows are trained, make no more progress until cancelled.
+    ``crash_after_rows``: once this many rows are trained, ``os._exit`` the worker process.
+    """
+
+    slowdown: float = 1.0
+    hang_after_rows: int | None = None
+    crash_after_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.slowdown, bool) or not isinstance(self.slowdown, (int, float)) \
+                or not math.isfinite(self.slowdown) or self.slowdown < 1.0:
+            raise ConfigError(f"fault slowdown must be a finite number >= 1, found "
+                              f"{self.slowdown!r}")
+        for name in ("hang_after_rows", "crash_after_rows"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ConfigError(f"fault {name} must be an int >= 0 or None, found {value!r}")
+
+    @property
+    def active(self) -> bool:
+        return (self.slowdown > 1.0 or self.hang_after_rows is not None
+                or self.crash_after_rows is not None)
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """What one agent does: train ``job``'s leases in batches of ``batch_rows`` rows.
+
+    ``sync_period_s``: the async mode's background sync period; None trains without model sync
+    (every trained row counts as synced: one model per worker, for tests and the local modes).
+    ``join``: the worker joined a running job; it copies a live member's model before training
+    (:meth:`antdt.sync_service.BackgroundSync.start`). ``threads``: torch threads. ``device``:
+    forced device (default: :func:`antdt.device.pick_device` on the worker: cuda when it has a
+    GPU).
+    """
+
+    job: str
+    batch_rows: int
+    sync_period_s: float | None = 1.0
+    join: bool = False
+    threads: int = 1
+    device: str | None = None
+    faults: Faults = field(default_factory=Faults)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch_rows, bool) or not isinstance(self.batch_rows, int) \
+                or self.batch_rows < 1:
+            raise ConfigError(f"agent batch_rows must be an int >= 1, found {self.batch_rows!r}")
+        if self.sync_period_s is not None and not self.sync_period_s > 0:
+            raise ConfigError(f"agent sync_period_s must be > 0 or None, found "
+                              f"{self.sync_period_s!r}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ConfigError(f"agent threads must be an int >= 1, found {self.threads!r}")
+
+
+@dataclass(frozen=True)
+class AgentReport:
+    """What an agent returns to the driver.
+
+    ``rows``/``batches``: trained by this agent (rows later re-queued after its death are not its
+    rows any more, but a returned agent did not die). ``seconds``: the whole task; ``busy_s``:
+    reading and training (injected slowdown included). ``loss``: mean batch loss (nan: no batch).
+    ``joined_from``: the member whose model a joiner copied.
+    """
+
+    worker: str
+    outcome: Outcome
+    rows: int
+    batches: int
+    leases: int
+    seconds: float
+    busy_s: float
+    loss: float
+    exchanges: int
+    device: str
+    joined_from: str | None = None
+
+
+def event_topic(job: str) -> str:
+    """The Dask event topic an agent of ``job`` reports its progress on."""
+    return f"antdt-agent-{job}"
+
+
+# ---- worker plugin: cancellation flags and finished trainers ----------------------------------
+
+
+class AgentPlugin(WorkerPlugin):
+    """Per worker: each job's cancellation flag, and the trainer of a finished agent until the
+    driver fetched its state (:func:`fetch_state`) or forgot the job (:func:`forget_job`)."""
+
+    name = PLUGIN_NAME
+    idempotent = True  # registering again (another job, another driver) keeps the state
+
+    def __init__(self) -> None:
+        self._cancel: dict[str, threading.Event] = {}
+        self._trainers: dict[str, Trainer[Any]] = {}
+
+    def cancelled(self, job: str) -> threading.Event:
+        """``job``'s cancellation flag on this worker (made on first use, set by the driver)."""
+        return self._cancel.setdefault(job, threading.Event())
+
+    def keep(self, job: str, trainer: Trainer[Any]) -> None:
+        self._trainers[job] = trainer
+
+    def state(self, job: str) -> Any:
+        trainer = self._trainers.get(job)
+        if trainer is None:
+            raise AntdtError(f"no finished agent of job {job!r} on this worker; finished jobs "
+                             f"here: {sorted(self._trainers)}")
+        return trainer.state()
+
+    def forget(self, job: str) -> None:
+        self._cancel.pop(job, None)
+        self._trainers.pop(job, None)
+
+
+def _plugin(worker: Worker) -> AgentPlugin:
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    if not isinstance(plugin, AgentPlugin):
+        raise AntdtError(f"worker {worker.address} has no {PLUGIN_NAME!r} plugin: call "
+                         "antdt.agent.register(client) before starting agents")
+    return plugin
+
+
+def _cancel_here(job: str, dask_worker: Worker) -> None:
+    _plugin(dask_worker).cancelled(job).set()
+
+
+def _state_here(job: str, dask_worker: Worker) -> Any:
+    return _plugin(dask_worker).state(job)
+
+
+def _forget_here(job: str, dask_worker: Worker) -> None:
+    _plugin(dask_worker).forget(job)
+
+
+# ---- driver helpers ---------------------------------------------------------------------------
+
+
+def register(client: Client) -> None:
+    """Put :class:`AgentPlugin` on every worker, present and future (idempotent)."""
+    client.register_plugin(AgentPlugin())
+
+
+def start_agent(client: Client, worker: str, spec: AgentSpec, make_trainer: TrainerFactory,
+                make_reader: ReaderFactory) -> Future:
+    """Submit one agent pinned to ``worker``; its result is an :class:`AgentReport`."""
+    future: Future = client.submit(run_agent, spec, make_trainer, make_reader, workers=[worker],
+                                   allow_other_workers=False, pure=False)
+    return future
+
+
+def cancel_agents(client: Client, job: str, workers: Sequence[str] | None = None) -> None:
+    """Ask ``job``'s agents (on ``workers``, default all) to stop at their next check."""
+    client.run(_cancel_here, job, workers=list(workers) if workers is not None else None,
+               on_error="ignore")
+
+
+def fetch_state(client: Client, job: str, worker: str) -> Any:
+    """The ``state()`` of the trainer a finished agent of ``job`` left on ``worker``."""
+    return client.run(_state_here, job, workers=[worker])[worker]
+
+
+def forget_job(client: Client, job: str) -> None:
+    """Drop ``job``'s flags and finished trainers on every worker."""
+    client.run(_forget_here, job, on_error="ignore")
+
+
+# ---- the task ---------------------------------------------------------------------------------
+
+
+def run_agent(spec: AgentSpec, make_trainer: TrainerFactory,
+              make_reader: ReaderFactory) -> AgentReport:
+    """The agent task (see the module docstring); runs on the worker it was pinned to."""
+    return Agent(spec, make_trainer, make_reader).run()
+
+
+class Agent:
+    """One worker's training loop; :func:`run_agent` runs it as a Dask task.
+
+    ``worker`` defaults to the worker running the calling task.
+    """
+
+    def __init__(self, spec: AgentSpec, make_trainer: TrainerFactory,
+                 make_reader: ReaderFactory, *, worker: Worker | None = None) -> None:
+        self.spec = spec
+        self.worker = worker if worker is not None else get_worker()
+        self._plugin = _plugin(self.worker)
+        self.cancelled = self._plugin.cancelled(spec.job)
+        torch.set_num_threads(spec.threads)
+        self.device = pick_device(spec.device)
+        self.trainer = make_trainer(self.device)
+        self.reader = make_reader()
+        self.joined_from: str | None = None
+        self.replica: ReplicaSync | None = None
+        self.sync: BackgroundSync | None = None
+        if spec.sync_period_s is not None:
+            self.replica = ReplicaSync(self.worker.address, self.trainer.dense(),
+                                       self.trainer.tables())
+            self.sync = BackgroundSync(self.replica, spec.job, worker=self.worker,
+                                       period_s=spec.sync_period_s)
+        self._leasing = False
+        self.shards = ShardClient(spec.job, worker=self.worker,
+                                  synced_rows=None if self.sync is None else self._synced_rows)
+        self.rows = self.batches = self.leases = 0
+        self.busy_s = 0.0
+        self._loss_sum = 0.0
+        self._report_every = config.seconds("antdt.agent.report-interval")
+        self._window = _Window(time.perf_counter())
+
+    def run(self) -> AgentReport:
+        """Train until the job finishes or stops or the agent is cancelled; then end cleanly."""
+        started = time.perf_counter()
+        logger.info("agent of job %s on %s (%s) starting", self.spec.job, self.worker.address,
+                    self.device)
+        try:
+            outcome = self._join_sync()
+            if outcome is None:
+                outcome = self._train()
+        except BaseException:
+            self._abandon()
+            raise
+        self._end(outcome)
+        self._report(force=True)
+        report = AgentReport(
+            worker=self.worker.address, outcome=outcome, rows=self.rows, batches=self.batches,
+            leases=self.leases, seconds=time.perf_counter() - started, busy_s=self.busy_s,
+            loss=self._loss_sum / self.batches if self.batches else math.nan,
+            exchanges=self.sync.exchanges if self.sync is not None else 0,
+            device=str(self.device), joined_from=self.joined_from)
+        logger.info("agent of job %s on %s %s: %d rows in %d batches, %.1fs", self.spec.job,
+                    self.worker.address, outcome, report.rows, report.batches, report.seconds)
+        return report
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def _join_sync(self) -> Outcome | None:
+        """Start the background sync; a joiner first copies a live member's model. None: train;
+        ``declined``: the joiner could not join (it has left the sync again by then)."""
+        if self.sync is None:
+            return None
+        try:
+            source = self.sync.start(join=self.spec.join)
+        except SyncError as exc:
+            if not self.spec.join:
+                raise
+            logger.warning("agent of job %s on %s cannot join the running job: %s",
+                           self.spec.job, self.worker.address, exc)
+            return "declined"
+        if source is not None:
+            logger.info("agent of job %s on %s joined with %s's model", self.spec.job,
+                        self.worker.address, source)
+        self.joined_from = source
+        return None
+
+    def _train(self) -> Outcome:
+        while not self.cancelled.is_set():
+            self._leasing = True
+            try:
+                lease = self.shards.lease()
+            finally:
+                self._leasing = False
+            if lease is None:
+                return "finished" if self._job_state() == "finished" else "stopped"
+            self.leases += 1
+            outcome = self._train_lease(lease)
+            if outcome is not None:
+                return outcome
+        return "cancelled"
+
+    def _train_lease(self, lease: Lease) -> Outcome | None:
+        """Train the lease's claimed rows batch by batch; None when it is done (lease again)."""
+        offset, limit = lease.start, lease.claim_stop
+        while offset < limit:
+            if self.cancelled.is_set():
+                return "cancelled"
+            end = min(offset + self.spec.batch_rows, limit)
+            started = time.perf_counter()
+            batch = self.reader.read(lease.path, lease.row_group, offset, end)
+            loss = self._step(batch, end - offset)
+            self._slow_down(time.perf_counter() - started)
+            busy = time.perf_counter() - started
+            self.rows += end - offset
+            self.batches += 1
+            self.busy_s += busy
+            self._loss_sum += loss
+            self._window.add(end - offset, loss)
+            reply = self.shards.commit(end, stats={BUSY: busy, BATCHES: 1.0})
+            offset = end
+            self._report()
+            if self._faults_fire():
+                return "cancelled"
+            if isinstance(reply, (Claim, Revoked)):
+                limit = reply.stop
+            elif isinstance(reply, Finished):
+                return None
+            elif isinstance(reply, Stop):
+                return "stopped"
+        return None
+
+    def _step(self, batch: Any, rows: int) -> float:
+        """One training step; in the async mode under the replica lock, then mark the touched
+        rows with the worker's stream offset after this batch (what the ledger will hold)."""
+        if self.replica is None:
+            return self.trainer.step(batch)
+        touched = self.trainer.touched(batch)
+        with self.replica.lock:
+            loss = self.trainer.step(batch)
+        self.replica.touch(touched, self.shards.trained_rows + rows)
+        return loss
+
+    def _synced_rows(self) -> int:
+        """The ShardClient's synced-rows source in the async mode.
+
+        While waiting for a lease (every trained row is in the ledger) the agent publishes its
+        newest deltas itself, instead of only in group exchanges: a worker without live peers
+        (the others died) is never grouped, yet its rows are synced as soon as they are
+        published, and without this its last leases would never complete.
+        """
+        assert self.sync is not None and self.replica is not None
+        if self._leasing:
+            with self.replica.lock:
+                self.replica.log.publish(self.replica.rows_offset)
+        return self.sync.synced_offset
+
+    # ---- faults -------------------------------------------------------------------------------
+
+    def _slow_down(self, batch_s: float) -> None:
+        extra = (self.spec.faults.slowdown - 1.0) * batch_s
+        if extra > 0:
+            self.cancelled.wait(extra)
+
+    def _faults_fire(self) -> bool:
+        """Crash or hang once their row counts are reached; True when a hang was cancelled."""
+        faults = self.spec.faults
+        if faults.crash_after_rows is not None and self.rows >= faults.crash_after_rows:
+            logger.warning("agent of job %s on %s: injected crash after %d rows",
+                           self.spec.job, self.worker.address, self.rows)
+            logging.shutdown()
+            os._exit(CRASH_EXIT_CODE)
+        if faults.hang_after_rows is not None and self.rows >= faults.hang_after_rows:
+            logger.warning("agent of job %s on %s: injected hang after %d rows", self.spec.job,
+                           self.worker.address, self.rows)
+            self.worker.log_event(event_topic(self.spec.job),
+                                  {"kind": "fault", "fault": "hang",
+                                   "worker": self.worker.address, "rows": self.rows})
+            self.cancelled.wait()
+            return True
+        return False
+
+    # ---- the end ------------------------------------------------------------------------------
+
+    def _end(self, outcome: Outcome) -> None:
+        """Finished: take part in the final sync round (every replica ends identical) and keep
+        the trainer for the driver. Otherwise stop syncing and give the leases back (their
+        unsynced rows are queued again)."""
+        if outcome == "finished":
+            if self.sync is not None:
+                self.sync.finish()
+            self.shards.close()
+            self._plugin.keep(self.spec.job, self.trainer)
+            return
+        if self.sync is not None and outcome != "declined":
+            self.sync.stop()
+        self.shards.close()
+
+    def _abandon(self) -> None:
+        """The loop raised: stop syncing and give the leases back if the service still answers
+        (the error that got us here is what propagates; these are only logged)."""
+        try:
+            if self.sync is not None:
+                self.sync.stop()
+            self.shards.close()
+        except (AntdtError, OSError) as exc:
+            logger.warning("agent of job %s on %s: clean-up after a failure failed too: %r",
+                           self.spec.job, self.worker.address, exc)
+
+    def _job_state(self) -> str:
+        reply: dict[str, Any] = sync(self.worker.loop, self.worker.scheduler.antdt_job_state,
+                                     job=self.spec.job)
+        state: str = reply.get("state", "unknown")
+        return state
+
+    # ---- progress -----------------------------------------------------------------------------
+
+    def _report(self, force: bool = False) -> None:
+        """Every ``antdt.agent.report-interval``: rows, mean loss and rate since the last report,
+        as a Dask event the driver reads."""
+        now = time.perf_counter()
+        window = self._window
+        if not force and now - window.start < self._report_every:
+            return
+        if window.batches or force:
+            elapsed = max(now - window.start, 1e-9)
+            self.worker.log_event(event_topic(self.spec.job), {
+                "kind": "progress", "worker": self.worker.address, "rows": self.rows,
+                "batches": self.batches, "window_rows": window.rows,
+                "loss": window.loss / window.batches if window.batches else None,
+                "samples_per_s": window.rows / elapsed})
+        self._window = _Window(now)
+
+
+@dataclass
+class _Window:
+    """Rows, batches and summed loss since ``start`` (perf_counter seconds)."""
+
+    start: float
+    rows: int = 0
+    batches: int = 0
+    loss: float = 0.0
+
+    def add(self, rows: int, loss: float) -> None:
+        self.rows += rows
+        self.batches += 1
+        self.loss += loss

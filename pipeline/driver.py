@@ -1,0 +1,488 @@
+"""The job driver of the async mode: ``antdt train JOB [--workers N | --scheduler ADDR]``.
+
+It reads top to bottom like the local trainer, with a cluster in the middle::
+
+    validate the data ─► cluster (LocalCluster of Nanny workers, or --scheduler ADDR)
+      ─► plugins on the scheduler and every worker (sharding, sync, agent)
+      ─► register the job's shards (bad row groups quarantined) and its sync group
+      ─► one agent task per worker (and per worker that joins later, when it can)
+      ─► watch: progress bar and MLflow metrics from the ledger and the agents' events;
+         an agent whose worker died is written off (the ledger re-queued its rows)
+      ─► the consensus model from one live worker ─► evaluate ─► MLflow ─► summary
+
+The training step and the reader reach the workers as small picklable recipes
+(:class:`TrainerRecipe`, :class:`ReaderRecipe`); ``antdt`` never imports this package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from distributed import Client, Future, LocalCluster, wait
+from distributed.scheduler import KilledWorker
+from torchrec.datasets.utils import Batch
+
+from antdt import agent, service, sync_service
+from antdt.errors import AntdtError, DataError
+from antdt.sharding import QuarantineSpec
+from data.files import RowGroup, expand, row_groups
+from data.reader import ShardReader
+from data.schema import Schema
+from models.config import ModelConfig, OptimConfig
+from models.evaluate import evaluate
+from models.ranking import dense_parameters, embedding_tables
+from models.train_step import TrainStep
+from pipeline.config import JobConfig
+from pipeline.local import PreparedData, iterate_batches, prepare_data
+from pipeline.report import JobSummary, ProgressSink, oracle_auc
+from pipeline.serving import log_ranking_model
+from pipeline.tracking import Tracker
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 1.0
+"""The driver's watch loop: how often it reads the ledger, the agents' events and the workers."""
+
+CONTROLLER_PLUGIN = "antdt-controller"
+"""Name of :class:`antdt.controller.ControllerPlugin` on the scheduler, when someone runs it."""
+
+
+# ---- what travels to the workers -------------------------------------------------------------
+
+
+class RankingTrainer:
+    """:class:`antdt.agent.Trainer` over a :class:`TrainStep`: the tables the async mode syncs
+    are the fused embedding tables (views of the FBGEMM storage), one per sparse feature, named
+    like the features of a batch's ``KeyedJaggedTensor``."""
+
+    def __init__(self, train_step: TrainStep) -> None:
+        self.train_step = train_step
+        self._dense = [p for _, p in dense_parameters(train_step.model)]
+        self._tables = embedding_tables(train_step.model)
+
+    def step(self, batch: Batch) -> float:
+        return self.train_step.step(batch)
+
+    def touched(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per feature, the bucket ids ``(k,)`` int64 of the batch (duplicates included)."""
+        kjt = batch.sparse_features
+        return dict(zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key())))
+
+    def dense(self) -> list[torch.Tensor]:
+        return list(self._dense)
+
+    def tables(self) -> dict[str, torch.Tensor]:
+        return dict(self._tables)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The model's weights on the CPU (no optimiser state: what serving needs)."""
+        return {k: v.detach().cpu().clone() for k, v in self.train_step.model.state_dict().items()}
+
+
+@dataclass(frozen=True)
+class TrainerRecipe:
+    """Builds a :class:`RankingTrainer` on a worker; the seed makes every replica start equal."""
+
+    schema: Schema
+    model: ModelConfig
+    optim: OptimConfig
+    seed: int
+
+    def __call__(self, device: torch.device) -> RankingTrainer:
+        return RankingTrainer(TrainStep(self.schema, self.model, self.optim, device=device,
+                                        seed=self.seed))
+
+
+@dataclass(frozen=True)
+class ReaderRecipe:
+    """Builds the worker's :class:`ShardReader` (converting with ``threads`` threads)."""
+
+    schema: Schema
+    threads: int
+
+    def __call__(self) -> ShardReader:
+        return ShardReader(self.schema, threads=self.threads)
+
+
+# ---- the ledger's view of the data -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LedgerPlan:
+    """What the sharding service is told: every training row group (bad ones included, so
+    their rows are counted) and the bad units of the training files."""
+
+    row_groups: list[tuple[str, int, int]]
+    quarantine: list[QuarantineSpec]
+
+
+def ledger_plan(job: JobConfig, data: PreparedData) -> LedgerPlan:
+    """Row groups and quarantine of ``job``'s training files for :func:`antdt.service.register_job`.
+
+    The validator's bad units of the training files become the ledger's quarantine: a bad row
+    group by itself, a bad file with every row group its footer lists (none when it has no
+    readable footer: the ledger then records the file with 0 rows).
+    """
+    train_files = set(expand(list(job.data.train)))
+    quarantine: list[QuarantineSpec] = [(p, g, r) for p, g, r in data.quarantine
+                                        if p in train_files]
+    bad_files = {p for p, g, _ in quarantine if g is None}
+    bad_groups = {(p, g) for p, g, _ in quarantine if g is not None}
+    extra: list[RowGroup] = []
+    for path in sorted({p for p, _, _ in quarantine}):
+        try:
+            listed = row_groups([path])
+        except DataError:
+            continue  # no readable footer: the ledger records the file with 0 rows
+        extra.extend(g for g in listed if path in bad_files or (path, g.index) in bad_groups)
+    groups = [(g.path, g.index, g.num_rows) for g in [*data.train, *extra]]
+    return LedgerPlan(groups, quarantine)
+
+
+# ---- the cluster -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def connect(workers: int, scheduler: str | None = None) -> Iterator[Client]:
+    """A client of the scheduler at ``scheduler``, or of a new LocalCluster of ``workers``
+    Nanny-managed worker processes with one thread each (a GPU resource each when this machine
+    has CUDA), closed at the end."""
+    if scheduler is not None:
+        with Client(scheduler) as client:
+            yield client
+        return
+    resources = {"GPU": 1} if torch.cuda.is_available() else None
+    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                      dashboard_address=":0", resources=resources) as cluster, \
+            Client(cluster) as client:
+        logger.info("LocalCluster of %d workers, dashboard %s", workers, client.dashboard_link)
+        yield client
+
+
+def _scheduler_plugins(dask_scheduler: Any) -> list[str]:
+    return sorted(dask_scheduler.plugins)
+
+
+def ensure_plugins(client: Client) -> None:
+    """The sharding and sync services on the scheduler (kept if already there, so other jobs'
+    state survives) and the agent plugin on every worker, present and future. Run it before any
+    agent starts."""
+    for plugin in (service.ShardingService(), sync_service.SyncService()):
+        plugin.idempotent = True
+        client.register_plugin(plugin)
+    agent.register(client)
+
+
+def _workers(client: Client) -> dict[str, Mapping[str, Any]]:
+    workers: dict[str, Mapping[str, Any]] = client.scheduler_info(n_workers=-1)["workers"]
+    return workers
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Slot:
+    """One agent the driver started."""
+
+    worker: str
+    index: int
+    future: Future
+    join: bool
+    report: agent.AgentReport | None = None
+    dead: bool = False
+
+    @property
+    def live(self) -> bool:
+        return self.report is None and not self.dead
+
+
+@dataclass
+class _Progress:
+    """The agents' progress events: ``inbox`` is filled on the client's event loop (a deque
+    appends and pops atomically), the watch loop drains it into the latest rate per worker."""
+
+    inbox: deque[tuple[float, dict[str, Any]]] = field(default_factory=deque)
+    rates: dict[str, float] = field(default_factory=dict)
+
+
+class AsyncRun:
+    """One async-mode job on a connected cluster (see the module docstring); :meth:`run` returns
+    its summary. ``job_id`` names the job in the services (unique per run by default)."""
+
+    def __init__(self, job: JobConfig, client: Client, *, data: PreparedData | None = None,
+                 progress: ProgressSink | None = None, job_id: str | None = None,
+                 started: float | None = None) -> None:
+        self.started = started if started is not None else time.perf_counter()
+        self.job = job
+        self.client = client
+        self.data = data if data is not None else prepare_data(job)
+        self.progress = progress
+        self.job_id = job_id or f"{job.name}-{uuid.uuid4().hex[:8]}"
+        self.slots: list[_Slot] = []
+        self._faults = {f.worker: agent.Faults(f.slowdown, f.hang_after_rows, f.crash_after_rows)
+                        for f in job.faults}
+        self._trainer = TrainerRecipe(self.data.schema, job.model, job.train.optim,
+                                      job.train.seed)
+        self._reader = ReaderRecipe(self.data.schema, job.train.threads)
+        self._events = _Progress()
+        self._done_rows = 0
+        self._ticks = 0
+
+    def run(self) -> JobSummary:
+        """Train, evaluate and track the job; the services and workers forget it afterwards."""
+        plan, initial = self._register()
+        topic = agent.event_topic(self.job_id)
+        self.client.subscribe_topic(topic, self._events.inbox.append)
+        try:
+            sync_service.start_job(self.client, self.job_id, initial)
+            with Tracker(self.job, mode="async", tags={"antdt.job_id": self.job_id}) as tracker:
+                tracker.artifact_yaml(self.data.schema.to_dict(), "schema.yaml")
+                if plan.quarantine:
+                    tracker.artifact_yaml([list(q) for q in plan.quarantine], "quarantine.yaml")
+                train_started = time.perf_counter()
+                for index, worker in enumerate(initial):
+                    self._start(worker, index)
+                self._watch(tracker)
+                summary = self._summarise(tracker, time.perf_counter() - train_started)
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            self.client.unsubscribe_topic(topic)
+            self._clean_up()
+        return summary
+
+    def _register(self) -> tuple[LedgerPlan, list[str]]:
+        """Plugins in place, the initial workers (sorted: fault indices refer to this order)
+        and the job registered with the sharding service."""
+        plan = ledger_plan(self.job, self.data)
+        ensure_plugins(self.client)
+        initial = sorted(_workers(self.client))
+        if not initial:
+            raise AntdtError("the cluster has no workers; expected at least one")
+        unknown = sorted(f for f in self._faults if f >= len(initial))
+        if unknown:
+            raise AntdtError(f"faults name worker(s) {unknown}, but the cluster has only "
+                             f"{len(initial)} worker(s) (indices 0..{len(initial) - 1})")
+        state = service.register_job(
+            self.client, self.job_id, plan.row_groups, shard_rows=self.job.train.shard_rows,
+            batch_rows=self.job.train.batch_size, epochs=self.job.train.epochs,
+            seed=self.job.train.seed, quarantine=plan.quarantine)
+        if self.progress is not None:
+            self.progress.total(state["rows_expected"])
+        self._advance(state)
+        return plan, initial
+
+    def _summarise(self, tracker: Tracker, train_s: float) -> JobSummary:
+        """Evaluate the consensus model, log it with the final counters, build the summary."""
+        state = service.job_state(self.client, self.job_id)
+        step = self._final_model()
+        metrics = evaluate(step.predict, iterate_batches(
+            ShardReader(self.data.schema), self.data.validation, self.job.train.batch_size))
+        summary = JobSummary(
+            run_id=tracker.run_id, mode="async", workers=len(self.slots),
+            auc=metrics["auc"], logloss=metrics["logloss"],
+            oracle_auc=oracle_auc(self.job.data.schema, [g.path for g in self.data.validation]),
+            rows_trained=state["rows_trained"], rows_lost=state["rows_lost"],
+            rows_duplicated=state["rows_duplicated"], rows_quarantined=state["rows_quarantined"],
+            wall_s=time.perf_counter() - self.started,
+            samples_per_s=state["rows_trained"] / max(train_s, 1e-9),
+            straggler_actions=self._straggler_actions())
+        tracker.summary(summary.metrics())
+        tracker.summary({f"ledger.{k}": v for k, v in state.items()
+                         if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        tracker.summary(self._agent_metrics())
+        log_ranking_model(step, self.data.schema, self.job,
+                          example=(self.data.validation or self.data.train)[0])
+        return summary
+
+    # ---- agents -------------------------------------------------------------------------------
+
+    def _start(self, worker: str, index: int, join: bool = False) -> None:
+        spec = agent.AgentSpec(job=self.job_id, batch_rows=self.job.train.batch_size,
+                               sync_period_s=self.job.train.sync_period, join=join,
+                               threads=self.job.train.threads,
+                               faults=self._faults.get(index, agent.Faults()))
+        future = agent.start_agent(self.client, worker, spec, self._trainer, self._reader)
+        self.slots.append(_Slot(worker, index, future, join))
+        logger.info("job %s: agent %d started on %s%s%s", self.job_id, index, worker,
+                    " (joining)" if join else "",
+                    f" with faults {spec.faults}" if spec.faults.active else "")
+
+    def _watch(self, tracker: Tracker) -> None:
+        """Until every agent returned or died: collect results, write off agents whose worker
+        died, note joiners, and log progress every :data:`TICK_S`."""
+        while True:
+            pending = [s.future for s in self.slots if s.live]
+            if pending:
+                with contextlib.suppress(TimeoutError):
+                    wait(pending, timeout=TICK_S, return_when="FIRST_COMPLETED")
+            workers = _workers(self.client)
+            for slot in self.slots:
+                if slot.live:
+                    self._check(slot, workers)
+            self._notice_joiners(workers)
+            self._tick(tracker)
+            if not any(s.live for s in self.slots):
+                break
+        if not any(s.report is not None for s in self.slots):
+            state = service.job_state(self.client, self.job_id)
+            raise AntdtError(f"job {self.job_id}: every agent's worker died "
+                             f"({len(self.slots)} agents); {state['rows_done']} of "
+                             f"{state['rows_expected']} rows done")
+
+    def _check(self, slot: _Slot, workers: Mapping[str, Any]) -> None:
+        """Record a returned agent; write off one whose worker left the cluster; re-raise the
+        error of one that failed on a live worker (a bug or bad data, not a death)."""
+        status = slot.future.status
+        if status == "finished":
+            slot.report = slot.future.result()
+            return
+        gone = slot.worker not in workers
+        if status == "error":
+            error = slot.future.exception()
+            if gone or isinstance(error, KilledWorker):
+                self._write_off(slot, f"its worker died ({error!r})")
+                return
+            raise AntdtError(f"job {self.job_id}: the agent on {slot.worker} failed: "
+                             f"{error!r}") from error
+        if status in ("cancelled", "lost") or gone:
+            self._write_off(slot, "its worker left the cluster")
+
+    def _write_off(self, slot: _Slot, why: str) -> None:
+        slot.dead = True
+        self.client.cancel(slot.future)
+        logger.warning("job %s: agent %d on %s is gone: %s; the ledger re-queues its unsynced "
+                       "rows", self.job_id, slot.index, slot.worker, why)
+
+    def _notice_joiners(self, workers: Mapping[str, Any]) -> None:
+        """Start an agent on every worker that joined after the start (an added worker, or one
+        the nanny restarted after a death): it copies a live member's model, then trains. Faults
+        are for the initial workers only."""
+        known = {s.worker for s in self.slots}
+        for worker in sorted(set(workers) - known):
+            self._start(worker, len(self.slots), join=True)
+
+    def _abort(self) -> None:
+        """Stop the job (agents waiting for a lease return) and cancel the agents (those
+        training or hung return at their next check)."""
+        try:
+            service.stop_job(self.client, self.job_id, "the driver aborted the job")
+            agent.cancel_agents(self.client, self.job_id)
+        except (AntdtError, OSError) as exc:  # the job's own error is what propagates
+            logger.warning("job %s: stopping the agents failed: %r", self.job_id, exc)
+
+    def _clean_up(self) -> None:
+        """Forget the job in the services and on the workers (other jobs are left alone). A
+        failure here is logged, so it never hides the job's own outcome."""
+        try:
+            agent.forget_job(self.client, self.job_id)
+            sync_service.stop_job(self.client, self.job_id)
+            reply = self.client.sync(self.client.scheduler.antdt_forget_job, job=self.job_id)
+        except OSError as exc:
+            logger.warning("job %s: clean-up failed: %r", self.job_id, exc)
+            return
+        if reply.get("status") != "OK":
+            logger.warning("job %s: forgetting the ledger failed: %s", self.job_id, reply)
+
+    # ---- the model ----------------------------------------------------------------------------
+
+    def _final_model(self) -> TrainStep:
+        """The consensus replica (identical on every worker after the final sync round) fetched
+        from the first finished agent whose worker still answers."""
+        step = TrainStep(self.data.schema, self.job.model, self.job.train.optim,
+                         seed=self.job.train.seed)
+        failures = []
+        for slot in self.slots:
+            if slot.report is None or slot.report.outcome != "finished":
+                continue
+            try:
+                weights = agent.fetch_state(self.client, self.job_id, slot.worker)
+            except (OSError, KeyError, AntdtError) as exc:
+                failures.append(f"{slot.worker}: {exc!r}")
+                continue
+            step.model.load_state_dict(weights)
+            logger.info("job %s: final model from %s", self.job_id, slot.worker)
+            return step
+        outcomes = {s.worker: s.report.outcome if s.report else "dead" for s in self.slots}
+        raise AntdtError(f"job {self.job_id}: no finished agent could hand over the model; "
+                         f"agents: {outcomes}; fetch failures: {failures}")
+
+    # ---- progress -----------------------------------------------------------------------------
+
+    def _advance(self, state: Mapping[str, Any]) -> None:
+        done = int(state["rows_done"]) + int(state["rows_quarantined"])
+        if self.progress is not None and done > self._done_rows:
+            self.progress.advance(done - self._done_rows)
+        self._done_rows = max(self._done_rows, done)
+
+    def _tick(self, tracker: Tracker) -> None:
+        """Progress bar and MLflow metrics: rows from the ledger; loss and samples/s per worker
+        from the agents' events since the last tick, and the total over the training agents'
+        latest rates."""
+        state = service.job_state(self.client, self.job_id)
+        self._advance(state)
+        events = self._events
+        fresh: dict[str, float] = {}
+        losses: list[float] = []
+        while events.inbox:
+            _, msg = events.inbox.popleft()
+            if msg.get("kind") != "progress":
+                continue
+            fresh[msg["worker"]] = float(msg["samples_per_s"])
+            if msg["loss"] is not None:
+                losses.append(float(msg["loss"]))
+        live = {s.worker for s in self.slots if s.live}
+        events.rates = {w: r for w, r in {**events.rates, **fresh}.items() if w in live}
+        index = {s.worker: s.index for s in self.slots}
+        metrics: dict[str, float] = {
+            "rows_done": state["rows_done"], "rows_trained": state["rows_trained"],
+            "rows_duplicated": state["rows_duplicated"],
+            "samples_per_s": sum(events.rates.values()), "workers_training": len(live)}
+        metrics.update({f"samples_per_s.worker{index[w]}": r for w, r in fresh.items()})
+        if losses:
+            metrics["loss"] = sum(losses) / len(losses)
+        tracker.metrics(metrics, step=self._ticks)
+        self._ticks += 1
+
+    def _agent_metrics(self) -> dict[str, float]:
+        """Final per-agent figures (rows, busy seconds, mean loss) and the agents' fates (dead,
+        started on a worker that joined mid-job)."""
+        out: dict[str, float] = {"agents_dead": sum(s.dead for s in self.slots),
+                                 "agents_joined": sum(s.join for s in self.slots)}
+        for slot in self.slots:
+            if slot.report is not None:
+                name = f"worker{slot.index}"
+                out[f"{name}.rows"] = slot.report.rows
+                out[f"{name}.busy_s"] = slot.report.busy_s
+                if not math.isnan(slot.report.loss):
+                    out[f"{name}.loss"] = slot.report.loss
+        return out
+
+    def _straggler_actions(self) -> int:
+        """Actions the straggler controller applied to this job (0 when it does not run)."""
+        if CONTROLLER_PLUGIN not in self.client.run_on_scheduler(_scheduler_plugins):
+            return 0
+        from antdt.controller import controller_actions
+
+        return int(controller_actions(self.client, self.job_id)["count"])
+
+
+def train_async(job: JobConfig, *, workers: int | None = None, scheduler: str | None = None,
+                progress: ProgressSink | None = None) -> JobSummary:
+    """Train ``job`` in the async mode on a new LocalCluster of ``workers`` (default
+    ``train.workers``) or on the cluster at ``scheduler``; evaluate, track, summarise."""
+    started = time.perf_counter()
+    data = prepare_data(job)  # fail on bad data before starting a cluster
+    with connect(workers or job.train.workers, scheduler) as client:
+        return AsyncRun(job, client, data=data, progress=progress, started=started).run()

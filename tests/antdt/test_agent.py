@@ -1,0 +1,321 @@
+"""The agent loop against the real sharding and sync services, on a LocalCluster whose workers
+run in this process (so a test's gate can pause a trainer), with a trivial trainer whose "model"
+counts the rows it trained."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import dask.config
+import pytest
+import torch
+from distributed import Client, LocalCluster
+
+from antdt import agent, service, sync_service
+from antdt.agent import AgentPlugin, AgentReport, AgentSpec, Faults
+from antdt.errors import AntdtError, ConfigError
+
+Range = tuple[str, int, int, int]
+"""A trivial batch: ``(path, row_group, start, stop)``."""
+
+GROUPS = [("a.parquet", 0, 100), ("b.parquet", 0, 60)]
+FIRST_ID = {("a.parquet", 0): 0, ("b.parquet", 0): 100}
+TOTAL = 160
+SHARD_ROWS, BATCH_ROWS = 20, 8
+
+GATES: dict[str, threading.Event] = {}
+"""Named gates a :class:`RangeReader` waits on before each read (workers share this process)."""
+
+
+class RangeReader:
+    """Reads nothing: the batch is the row range itself. With a gate, each read first waits for
+    it (outside the replica lock, so the worker keeps serving its peers meanwhile)."""
+
+    def __init__(self, gate: str | None) -> None:
+        self.gate = GATES[gate] if gate is not None else None
+
+    def read(self, path: str, row_group: int, start: int, stop: int) -> Range:
+        if self.gate is not None:
+            assert self.gate.wait(timeout=30), "the test never opened the gate"
+        return (path, row_group, start, stop)
+
+
+@dataclass(frozen=True)
+class MakeReader:
+    gate: str | None = None
+
+    def __call__(self) -> RangeReader:
+        return RangeReader(self.gate)
+
+
+class CountingTrainer:
+    """A model whose table row ``i`` counts how often global row ``i`` was trained (so after a
+    job every replica's table must equal the number of epochs) and whose dense bias grows by
+    0.01 a step; it records every batch it trained."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.table = torch.zeros(TOTAL, 1)
+        self.bias = torch.zeros(1)
+        self.ranges: list[Range] = []
+
+    def step(self, batch: Range) -> float:
+        if self.step_s:
+            time.sleep(self.step_s)  # stands for the compute of a real step
+        self.table[self.touched(batch)["t"]] += 1.0
+        self.bias += 0.01
+        self.ranges.append(batch)
+        return 0.5
+
+    def touched(self, batch: Range) -> dict[str, torch.Tensor]:
+        path, group, start, stop = batch
+        return {"t": torch.arange(start, stop) + FIRST_ID[(path, group)]}
+
+    def dense(self) -> list[torch.Tensor]:
+        return [self.bias]
+
+    def tables(self) -> dict[str, torch.Tensor]:
+        return {"t": self.table}
+
+    def state(self) -> dict[str, Any]:
+        return {"ranges": list(self.ranges), "table": self.table.clone(),
+                "bias": self.bias.clone()}
+
+
+@dataclass(frozen=True)
+class MakeTrainer:
+    step_s: float = 0.0
+
+    def __call__(self, device: torch.device) -> CountingTrainer:
+        return CountingTrainer(self.step_s)
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Client]:
+    """Two single-thread workers in this process, with the antdt services and plugins."""
+    settings = {"antdt.sharding.lease-wait": "100ms", "antdt.sharding.commit-interval": "100ms",
+                "antdt.agent.report-interval": "50ms", "antdt.agent.final-sync-timeout": "30s"}
+    with dask.config.set(settings), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                         dashboard_address=":0") as cluster, Client(cluster) as c:
+        c.register_plugin(service.ShardingService())
+        c.register_plugin(sync_service.SyncService(poll_s=0.5))
+        agent.register(c)
+        yield c
+
+
+_jobs = iter(range(1_000_000))
+
+
+def new_job(c: Client, epochs: int = 1, sync: list[str] | None = None) -> str:
+    """A job over GROUPS; with ``sync``, those workers are its model-sync members."""
+    job = f"job{next(_jobs)}"
+    service.register_job(c, job, GROUPS, shard_rows=SHARD_ROWS, batch_rows=BATCH_ROWS,
+                         epochs=epochs, seed=3)
+    if sync is not None:
+        sync_service.start_job(c, job, sync, group_size=2, max_wait_s=0.05)
+    return job
+
+
+def workers(c: Client) -> list[str]:
+    return sorted(c.scheduler_info(n_workers=-1)["workers"])
+
+
+def start(c: Client, job: str, worker: str, *, sync_period_s: float | None = None,
+          join: bool = False, faults: Faults = Faults(), gate: str | None = None,
+          step_s: float = 0.0) -> Any:
+    spec = AgentSpec(job=job, batch_rows=BATCH_ROWS, sync_period_s=sync_period_s, join=join,
+                     faults=faults)
+    return agent.start_agent(c, worker, spec, MakeTrainer(step_s), MakeReader(gate))
+
+
+def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Wait until ``condition()`` holds (polled), failing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def trained(c: Client, job: str, worker: str) -> dict[str, Any]:
+    state: dict[str, Any] = agent.fetch_state(c, job, worker)
+    return state
+
+
+def row_counts(ranges: list[Range]) -> Counter[int]:
+    return Counter(FIRST_ID[(p, g)] + r for p, g, start, stop in ranges for r in range(start, stop))
+
+
+def test_agents_train_every_row_once_per_epoch_and_count_exactly(client: Client) -> None:
+    job = new_job(client, epochs=2)
+    futures = [start(client, job, w) for w in workers(client)]
+    reports: list[AgentReport] = client.gather(futures)
+
+    assert [r.outcome for r in reports] == ["finished", "finished"]
+    counts = row_counts([b for w in workers(client) for b in trained(client, job, w)["ranges"]])
+    assert counts == Counter({row: 2 for row in range(TOTAL)})
+    assert sum(r.rows for r in reports) == 2 * TOTAL
+    shards = sum(-(-rows // SHARD_ROWS) for _, _, rows in GROUPS)
+    assert sum(r.batches for r in reports) == 2 * shards * -(-SHARD_ROWS // BATCH_ROWS)
+    assert all(r.loss == 0.5 and r.seconds >= r.busy_s > 0 for r in reports)
+    state = service.job_state(client, job)
+    assert state["state"] == "finished"
+    assert (state["rows_trained"], state["rows_done"], state["rows_duplicated"],
+            state["rows_lost"]) == (2 * TOTAL, 2 * TOTAL, 0, 0)
+    progress = [m for _, m in client.get_events(agent.event_topic(job))]
+    assert {m["worker"] for m in progress} == set(workers(client))
+    assert max(m["rows"] for m in progress if m["worker"] == reports[0].worker) == reports[0].rows
+
+
+def test_async_agents_end_with_identical_replicas_holding_every_update(client: Client) -> None:
+    job = new_job(client, epochs=2, sync=workers(client))
+    futures = [start(client, job, w, sync_period_s=0.02, step_s=0.002) for w in workers(client)]
+    reports: list[AgentReport] = client.gather(futures)
+
+    assert [r.outcome for r in reports] == ["finished", "finished"]
+    assert all(r.exchanges >= 1 for r in reports)
+    states = [trained(client, job, w) for w in workers(client)]
+    # each replica trained only its own rows, yet holds every row's two updates (deltas pulled)
+    for state in states:
+        assert torch.equal(state["table"], torch.full((TOTAL, 1), 2.0))
+    assert torch.equal(states[0]["bias"], states[1]["bias"])  # dense: averaged to consensus
+    mine = [row_counts(s["ranges"]) for s in states]
+    assert mine[0] + mine[1] == Counter({row: 2 for row in range(TOTAL)})
+    state = service.job_state(client, job)
+    assert (state["rows_done"], state["rows_duplicated"]) == (2 * TOTAL, 0)
+
+
+def test_a_joiner_copies_the_model_trains_and_ends_identical(client: Client) -> None:
+    first, joiner = workers(client)
+    job = new_job(client, epochs=2, sync=[first])
+    GATES[job] = threading.Event()
+    futures = [start(client, job, first, sync_period_s=0.02, gate=job)]
+    until(lambda: len(service.job_state(client, job, leases=True)["live"]) == 1)
+    futures.append(start(client, job, joiner, sync_period_s=0.02, join=True))
+    until(lambda: service.job_state(client, job)["rows_trained"] > 0)  # the joiner trains
+    GATES[job].set()
+    reports: list[AgentReport] = client.gather(futures)
+
+    assert [r.outcome for r in reports] == ["finished", "finished"]
+    assert reports[0].rows >= BATCH_ROWS and reports[1].rows > 0
+    assert (reports[0].joined_from, reports[1].joined_from) == (None, first)
+    states = [trained(client, job, w) for w in (first, joiner)]
+    mine = [row_counts(s["ranges"]) for s in states]
+    assert mine[0] + mine[1] == Counter({row: 2 for row in range(TOTAL)})
+    for state in states:
+        assert torch.equal(state["table"], torch.full((TOTAL, 1), 2.0))
+    assert torch.equal(states[0]["bias"], states[1]["bias"])
+
+
+def test_a_joiner_declines_a_job_whose_sync_is_over(client: Client) -> None:
+    job = new_job(client, sync=[workers(client)[0]])
+    assert start(client, job, workers(client)[0], sync_period_s=0.02).result().rows == TOTAL
+    report: AgentReport = start(client, job, workers(client)[1], sync_period_s=0.02,
+                                join=True).result()
+    assert (report.outcome, report.rows, report.leases) == ("declined", 0, 0)
+
+
+def test_revoked_lease_ends_at_its_claim_and_the_rest_is_trained_once(client: Client) -> None:
+    job = new_job(client)
+    GATES[job] = threading.Event()
+    worker = workers(client)[0]
+    future = start(client, job, worker, gate=job)
+
+    def first_lease() -> list[dict[str, Any]]:
+        return service.job_state(client, job, leases=True)["live"]
+
+    until(lambda: len(first_lease()) == 1)  # leased, blocked in its first step
+    (lease,) = first_lease()
+    assert lease["claim_stop"] == lease["start"] + BATCH_ROWS < lease["stop"]
+    reply = client.sync(client.scheduler.antdt_revoke, job=job, lease_id=lease["lease_id"])
+    (piece,) = reply["pieces"]  # (epoch, shard, start, stop): the unclaimed rest, requeued
+    assert piece[2:] == [lease["claim_stop"], lease["stop"]]
+    GATES[job].set()
+    report: AgentReport = future.result()
+
+    ranges = trained(client, job, worker)["ranges"]
+    assert ranges[0] == (lease["path"], lease["row_group"], lease["start"], lease["claim_stop"])
+    assert row_counts(ranges) == Counter({row: 1 for row in range(TOTAL)})
+    shards = sum(-(-rows // SHARD_ROWS) for _, _, rows in GROUPS)
+    assert report.leases == shards + 1  # the revoked rest came back as one more lease
+    assert service.job_state(client, job)["rows_duplicated"] == 0
+
+
+def test_stop_is_obeyed_by_every_agent(client: Client) -> None:
+    job = new_job(client, epochs=50)
+    futures = [start(client, job, w, step_s=0.002) for w in workers(client)]
+    until(lambda: service.job_state(client, job)["rows_trained"] > 0)
+    service.stop_job(client, job, "test stops it")
+    reports: list[AgentReport] = client.gather(futures)
+
+    assert [r.outcome for r in reports] == ["stopped", "stopped"]
+    state = service.job_state(client, job)
+    assert state["state"] == "stopped" and state["rows_lost"] > 0
+    assert sum(r.rows for r in reports) < 50 * TOTAL
+
+
+def test_slowdown_sleeps_in_proportion_to_each_batch(client: Client) -> None:
+    job = new_job(client)
+    step_s = 0.01
+    future = start(client, job, workers(client)[0], faults=Faults(slowdown=3.0), step_s=step_s)
+    report: AgentReport = future.result()
+
+    assert report.rows == TOTAL and report.outcome == "finished"
+    assert report.busy_s >= report.batches * 3 * step_s  # each batch: compute, then 2x asleep
+    health = [m for _, m in client.get_events(agent.event_topic(job)) if m["kind"] == "progress"]
+    assert all(m["samples_per_s"] < BATCH_ROWS / (3 * step_s) for m in health if m["batches"])
+
+
+def test_hang_stops_progress_until_cancelled_and_gives_the_lease_back(client: Client) -> None:
+    job = new_job(client)
+    worker = workers(client)[1]
+    future = start(client, job, worker, faults=Faults(hang_after_rows=2 * BATCH_ROWS))
+
+    def hung() -> bool:
+        return any(m.get("fault") == "hang" for _, m in client.get_events(agent.event_topic(job)))
+
+    until(hung)
+    assert not future.done()
+    agent.cancel_agents(client, job)
+    report: AgentReport = future.result(timeout=30)
+
+    assert (report.outcome, report.rows, report.batches) == ("cancelled", 2 * BATCH_ROWS, 2)
+    state = service.job_state(client, job, leases=True)
+    assert state["live"] == []  # its lease was released: the rest is leasable again
+    assert (state["rows_trained"], state["rows_done"]) == (2 * BATCH_ROWS, 2 * BATCH_ROWS)
+    assert state["rows_todo"] == TOTAL - 2 * BATCH_ROWS
+
+
+def test_cancelled_before_leasing_trains_nothing(client: Client) -> None:
+    job = new_job(client)
+    agent.cancel_agents(client, job)
+    report: AgentReport = start(client, job, workers(client)[0]).result()
+    assert (report.outcome, report.rows, report.leases) == ("cancelled", 0, 0)
+
+
+def test_plugin_refuses_state_of_an_unknown_job() -> None:
+    plugin = AgentPlugin()
+    with pytest.raises(AntdtError, match="no finished agent of job 'nope'"):
+        plugin.state("nope")
+
+
+@pytest.mark.parametrize("faults, message", [
+    (dict(slowdown=0.5), "slowdown must be a finite number >= 1"),
+    (dict(hang_after_rows=-1), "hang_after_rows must be an int >= 0"),
+    (dict(crash_after_rows=1.5), "crash_after_rows must be an int >= 0"),
+])
+def test_faults_are_validated(faults: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Faults(**faults)
+
+
+def test_spec_is_validated() -> None:
+    with pytest.raises(ConfigError, match="batch_rows must be an int >= 1, found 0"):
+        AgentSpec(job="j", batch_rows=0)
+    with pytest.raises(ConfigError, match="sync_period_s must be > 0 or None, found 0"):
+        AgentSpec(job="j", batch_rows=1, sync_period_s=0)

@@ -1,0 +1,195 @@
+"""The async-mode driver end to end: LocalClusters of Nanny-managed worker processes, real Parquet,
+TorchRec, the antdt services, a real MLflow store; a worker process killed for real."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import dask.config
+import mlflow
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from click.testing import CliRunner
+from distributed import Client, LocalCluster
+
+from antdt.errors import DataError
+from antdt.service import PLUGIN_NAME
+from data.files import expand, row_groups
+from data.synth import SynthResult
+from models.evaluate import auc
+from pipeline.cli import cli
+from pipeline.config import load_job
+from pipeline.driver import train_async
+from pipeline.report import JobSummary
+
+TRAIN_ROWS = 16_000
+"""Rows of the two training days of ``small_data``."""
+
+FAST = {"antdt.sharding.lease-wait": "200ms", "antdt.agent.report-interval": "200ms"}
+"""Quicker end of job and progress reports than the defaults (tiny data, short jobs)."""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """Two single-thread Nanny workers, shared by the tests that pass ``--scheduler``."""
+    with dask.config.set(FAST), LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                             dashboard_address=":0") as local:
+        yield local
+
+
+def workers_of(cluster: LocalCluster) -> list[str]:
+    with Client(cluster.scheduler_address) as client:
+        client.wait_for_workers(2, timeout=60)
+        return sorted(client.scheduler_info(n_workers=-1)["workers"])
+
+
+@pytest.mark.slow
+def test_cli_trains_async_on_two_workers_and_tracks_the_run(cluster_job: Path) -> None:
+    with dask.config.set(FAST):
+        result = CliRunner().invoke(cli, ["train", str(cluster_job), "--workers", "2", "--json",
+                                          "--set", "train.epochs=2"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {"run_id", "auc", "logloss", "oracle_auc", "rows_trained", "rows_lost",
+            "rows_duplicated", "rows_quarantined", "wall_s", "samples_per_s", "workers",
+            "straggler_actions"} <= set(summary)
+    assert summary["mode"] == "async" and summary["workers"] == 2
+    assert summary["rows_trained"] == 2 * TRAIN_ROWS
+    assert summary["rows_lost"] == summary["rows_duplicated"] == summary["rows_quarantined"] == 0
+    assert summary["straggler_actions"] == 0
+    assert summary["auc"] > 0.6
+    assert summary["samples_per_s"] > 0 and summary["wall_s"] > 0
+
+    job = load_job(cluster_job)
+    mlflow.set_tracking_uri(job.mlflow.tracking_uri)
+    run = mlflow.get_run(summary["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.mode"] == "async"
+    assert run.data.metrics["auc"] == pytest.approx(summary["auc"])
+    assert run.data.metrics["ledger.rows_done"] == 2 * TRAIN_ROWS
+    assert run.data.metrics["agents_dead"] == 0
+    history = mlflow.MlflowClient().get_metric_history(summary["run_id"], "rows_done")
+    assert len(history) >= 2 and history[-1].value == 2 * TRAIN_ROWS
+    assert mlflow.MlflowClient().get_metric_history(summary["run_id"], "loss")
+    assert {"samples_per_s.worker0", "samples_per_s.worker1"} & set(run.data.metrics)
+    assert {"worker0.rows", "worker1.rows"} <= set(run.data.metrics)
+    assert run.data.metrics["worker0.rows"] + run.data.metrics["worker1.rows"] == 2 * TRAIN_ROWS
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(summary["run_id"])}
+    assert {"job.yaml", "schema.yaml"} <= artifacts
+    model = mlflow.pyfunc.load_model(f"runs:/{summary['run_id']}/model")
+    frame = pq.read_table(expand(list(job.data.validation))).to_pandas()
+    assert auc(frame["label"].to_numpy(), model.predict(frame)) == pytest.approx(summary["auc"],
+                                                                                 abs=1e-4)
+
+
+@pytest.mark.slow
+def test_a_worker_process_killed_mid_job_costs_no_row(cluster: LocalCluster,
+                                                      cluster_job: Path) -> None:
+    victim = workers_of(cluster)[0]
+    job = load_job(cluster_job, [
+        "train.epochs=2",
+        # worker 0's process exits after two batches; worker 1 is slowed down so that worker 0
+        # surely gets that far before the rows run out
+        "faults=[{worker: 0, crash_after_rows: 1024}, {worker: 1, slowdown: 2.0}]"])
+    summary = train_async(job, scheduler=cluster.scheduler_address)
+
+    assert summary.rows_lost == 0
+    assert summary.rows_trained == 2 * TRAIN_ROWS + summary.rows_duplicated
+    assert summary.auc > 0.55
+    mlflow.set_tracking_uri(job.mlflow.tracking_uri)
+    run = mlflow.get_run(summary.run_id)
+    assert run.data.metrics["agents_dead"] == 1
+    # the survivor (and the nanny's replacement, if it joined in time) trained everything the
+    # ledger counts, except what the victim committed of its 1,024 rows before it died
+    reported = sum(v for k, v in run.data.metrics.items() if k.endswith(".rows"))
+    assert 0 <= summary.rows_trained - reported <= 1024
+    assert victim not in workers_of(cluster)  # the nanny restarted it under a new address
+
+
+def break_label(path: str) -> None:
+    """Rewrite ``path`` (same row groups) with label 2 in its first row group."""
+    table = pq.read_table(path)
+    labels = table.column("label").to_pylist()
+    labels[5] = 2
+    index = table.schema.get_field_index("label")
+    table = table.set_column(index, "label", pa.array(labels, type=table.schema.field(index).type))
+    pq.write_table(table, path, row_group_size=2048)
+
+
+@pytest.mark.slow
+def test_bad_rows_are_quarantined_in_the_ledger_and_the_rest_trained(
+        cluster: LocalCluster, cluster_job: Path, small_data: SynthResult,
+        tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(small_data.out, copy)
+    raw = yaml.safe_load(cluster_job.read_text())
+    raw["data"].update(train=[str(copy / "date=2026-11-01"), str(copy / "date=2026-11-02")],
+                       validation=str(copy / "date=2026-11-03"), schema=str(copy / "schema.yaml"))
+    cluster_job.write_text(yaml.safe_dump(raw))
+    bad = sorted(expand(str(copy / "date=2026-11-02")))[1]
+    break_label(bad)
+    bad_rows = row_groups([bad])[0].num_rows
+
+    with pytest.raises(DataError) as info:
+        train_async(load_job(cluster_job), scheduler=cluster.scheduler_address)
+    assert Path(bad).name in str(info.value) and "label" in str(info.value)
+
+    job = load_job(cluster_job, ["data.on_bad_data=quarantine"])
+    summary = train_async(job, scheduler=cluster.scheduler_address)
+    assert summary.rows_quarantined == bad_rows
+    assert summary.rows_trained == TRAIN_ROWS - bad_rows
+    assert summary.rows_lost == summary.rows_duplicated == 0
+    mlflow.set_tracking_uri(job.mlflow.tracking_uri)
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(summary.run_id)}
+    assert "quarantine.yaml" in artifacts
+
+
+@pytest.mark.slow
+def test_a_worker_added_mid_job_joins_and_trains(cluster: LocalCluster, cluster_job: Path) -> None:
+    job = load_job(cluster_job, [
+        # the first two workers crawl (a lease is one batch, so they hold little), so that the
+        # job outlasts the new worker's start by far and the new one trains most of it
+        "train.epochs=2", "train.shard_rows=512",
+        "faults=[{worker: 0, slowdown: 100.0}, {worker: 1, slowdown: 100.0}]"])
+    result: dict[str, JobSummary] = {}
+    driver = threading.Thread(target=lambda: result.update(
+        summary=train_async(job, scheduler=cluster.scheduler_address)))
+    driver.start()
+    plugins = cluster.scheduler.plugins
+    deadline = time.monotonic() + 60
+    while PLUGIN_NAME not in plugins or not plugins[PLUGIN_NAME].jobs:
+        # the job is registered: the driver has listed its initial workers
+        assert time.monotonic() < deadline and driver.is_alive(), "the job never started"
+        time.sleep(0.05)
+    cluster.scale(3)
+    driver.join(timeout=180)
+    cluster.scale(2)
+    assert not driver.is_alive()
+
+    summary = result["summary"]
+    assert summary.workers == 3
+    assert summary.rows_lost == 0
+    assert summary.rows_trained == 2 * TRAIN_ROWS + summary.rows_duplicated
+    mlflow.set_tracking_uri(job.mlflow.tracking_uri)
+    metrics = mlflow.get_run(summary.run_id).data.metrics
+    assert metrics["agents_joined"] == 1 and metrics["agents_dead"] == 0
+    assert metrics["worker2.rows"] > TRAIN_ROWS  # the joiner copied the model and trained
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--local", "--mode", "async"], "--local contradicts --mode async"),
+    (["--workers", "2", "--scheduler", "tcp://127.0.0.1:1"], "give one or the other"),
+    (["--mode", "local", "--workers", "2"], "need --mode async"),
+])
+def test_cli_refuses_contradictory_options(cluster_job: Path, args: list[str],
+                                           message: str) -> None:
+    result = CliRunner().invoke(cli, ["train", str(cluster_job), *args])
+    assert result.exit_code == 2
+    assert message in result.output
