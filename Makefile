@@ -37,6 +37,7 @@ test-fast: setup
 bench: setup
 	$(BIN)/antdt bench data --json
 	$(BIN)/antdt bench train --json
+	$(BIN)/antdt bench sharding --json
 
 typecheck: setup
 	$(BIN)/python -m mypy antdt
