@@ -164,6 +164,9 @@ def connect(workers: int, scheduler: str | None = None) -> Iterator[Client]:
     with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
                       dashboard_address=":0", resources=resources) as cluster, \
             Client(cluster) as client:
+        # The cluster's own view of its workers can miss one that registered while it started;
+        # a worker that then dies makes the cluster fail on close (KeyError). Refresh the view.
+        cluster.wait_for_workers(workers)
         logger.info("LocalCluster of %d workers, dashboard %s", workers, client.dashboard_link)
         yield client
 

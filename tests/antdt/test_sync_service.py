@@ -391,6 +391,7 @@ def test_a_killed_worker_process_and_its_replacement_end_identical() -> None:
     try:
         with LocalCluster(n_workers=3, threads_per_worker=2, processes=True,
                           dashboard_address=":0") as cluster, Client(cluster) as client:
+            cluster.wait_for_workers(3)  # the cluster's view must hold the worker we kill
             client.register_plugin(SyncService(poll_s=1.0))
             first = sorted(client.scheduler_info()["workers"])
             start_job(client, "job", first, group_size=3, max_wait_s=0.05)

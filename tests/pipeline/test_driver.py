@@ -41,6 +41,7 @@ def cluster() -> Iterator[LocalCluster]:
     """Two single-thread Nanny workers, shared by the tests that pass ``--scheduler``."""
     with dask.config.set(FAST), LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                              dashboard_address=":0") as local:
+        local.wait_for_workers(2)  # the cluster's view must hold every worker a test may kill
         yield local
 
 
