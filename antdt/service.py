@@ -179,7 +179,7 @@ class ShardingService(SchedulerPlugin):
     async def register_job(self, job: str, row_groups: Sequence[RowGroup], shard_rows: int,
                            batch_rows: int, epochs: int = 1, seed: int = 0,
                            quarantine: Sequence[QuarantineSpec] | None = None,
-                           max_claim_rows: int | None = None) -> Reply:
+                           max_claim_rows: int | None = None, static: int | None = None) -> Reply:
         """Create ``job``'s ledger (see :class:`~antdt.sharding.ShardLedger` for the fields)."""
         job = _name("job", job)
         if job in self.jobs:
@@ -193,7 +193,7 @@ class ShardingService(SchedulerPlugin):
                               f" reason), found {type(quarantine).__name__}")
         ledger = ShardLedger(row_groups, shard_rows=shard_rows, batch_rows=batch_rows,
                              clock=time, epochs=epochs, seed=seed, quarantine=quarantine or (),
-                             max_claim_rows=max_claim_rows, job=job)
+                             max_claim_rows=max_claim_rows, job=job, static=static)
         self._add(job, ledger)
         logger.info("job %s registered: %d shards, %d rows x %d epochs, %d quarantined", job,
                     ledger.num_shards, ledger.total_rows, ledger.epochs, ledger.rows_quarantined)
@@ -395,13 +395,14 @@ def _ok(reply: Reply) -> Reply:
 def register_job(client: Client, job: str, row_groups: Sequence[RowGroup], *, shard_rows: int,
                  batch_rows: int, epochs: int = 1, seed: int = 0,
                  quarantine: Sequence[QuarantineSpec] = (),
-                 max_claim_rows: int | None = None) -> Reply:
-    """From the driver: register ``job`` (the plugin must be registered). Returns its counters."""
+                 max_claim_rows: int | None = None, static: int | None = None) -> Reply:
+    """From the driver: register ``job`` (the plugin must be registered; ``static=N``: the static
+    baseline of N slots, see :mod:`antdt.sharding`). Returns its counters."""
     return _ok(client.sync(client.scheduler.antdt_register_job, job=job,
                            row_groups=[list(rg) for rg in row_groups], shard_rows=shard_rows,
                            batch_rows=batch_rows, epochs=epochs, seed=seed,
                            quarantine=[list(q) for q in quarantine],
-                           max_claim_rows=max_claim_rows))
+                           max_claim_rows=max_claim_rows, static=static))
 
 
 def job_state(client: Client, job: str, *, leases: bool = False) -> Reply:

@@ -72,6 +72,19 @@ leases)`` and ``rows_todo + rows_leased + rows_done + rows_quarantined + rows_lo
 total_rows * epochs``; so when the job ends ``rows_trained == total_rows * epochs -
 rows_quarantined - rows_lost + rows_duplicated`` with ``rows_lost == 0`` unless it was stopped.
 
+Static assignment (the baseline)
+--------------------------------
+``static=N`` turns the ledger into the classic static split that the benchmarks compare against:
+each epoch's shards are dealt to ``N`` slots up front (slot ``k`` gets positions ``k, k + N, ...``
+of the epoch's permutation), a worker takes the lowest free slot on its first lease and from then
+on leases only that slot's rows (its queue front first: rows it released, or the controller
+moved, go back to its own slot). A worker without a slot waits; a removed worker's slot, with its
+requeued rows, waits for the next new worker (a restarted process takes over its predecessor's
+share, as in a static job that restarts the failed task). Every slot walks the epochs on its own.
+Nothing moves between slots, so the job takes as long as its slowest slot, and a slot whose
+worker hangs or dies for good never finishes: that is the point of the baseline. A static ledger
+cannot be checkpointed.
+
 Checkpoint format (version 1)
 -----------------------------
 ``MAGIC`` (8 bytes), a little-endian uint32 header length, a UTF-8 JSON header (configuration,
@@ -91,7 +104,7 @@ import secrets
 import struct
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeAlias
 
 import fsspec
@@ -254,6 +267,20 @@ class _LiveLease:
     committed_at: float
 
 
+@dataclass(slots=True)
+class _StaticSlot:
+    """One slot of a static ledger: its worker, requeued rows, and cursor in the epochs."""
+
+    index: int
+    worker: str | None = None
+    front: deque[Piece] = field(default_factory=deque)
+    epoch: int = 0
+    pos: int = 0
+
+    def __post_init__(self) -> None:
+        self.pos = self.index
+
+
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
     """``value`` as an int in ``[low, high]``; bools and floats are refused."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -284,8 +311,10 @@ class ShardLedger:
     def __init__(self, row_groups: Sequence[RowGroup], *, shard_rows: int, batch_rows: int,
                  clock: Clock, epochs: int = 1, seed: int = 0,
                  quarantine: Sequence[QuarantineSpec] = (), max_claim_rows: int | None = None,
-                 job: str = "job") -> None:
+                 job: str = "job", static: int | None = None) -> None:
         self.job = job
+        self.static = None if static is None else _check_int("static", static, 1, 1_000_000)
+        """Slots of the static baseline, or None: dynamic leasing (module docstring)."""
         self.shard_rows = _check_int("shard_rows", shard_rows, 1, 2**31 - 1)
         self.batch_rows = _check_int("batch_rows", batch_rows, 1, 2**31 - 1)
         self.epochs = _check_int("epochs", epochs, 1, 1_000_000)
@@ -373,6 +402,9 @@ class ShardLedger:
         self._by_worker: dict[str, dict[int, None]] = {}
         self._next_id = 0
         self._stopped: str | None = None
+        self._slots = [_StaticSlot(k) for k in range(self.static or 0)]
+        self._slot_of: dict[str, _StaticSlot] = {}
+        self._perms: dict[int, np.ndarray] = {}
 
         self.rows_expected = self.total_rows * self.epochs
         self.rows_quarantined = sum(r.rows for r in self._records)
@@ -421,7 +453,7 @@ class ShardLedger:
             "rows_trained": self.rows_trained, "rows_duplicated": self.rows_duplicated,
             "rows_lost": self.rows_lost, "rows_quarantined": self.rows_quarantined,
             "leases": len(self._leases), "workers": len(self._by_worker),
-            "stopped_reason": self._stopped,
+            "static": self.static, "stopped_reason": self._stopped,
         }
 
     def leases(self, worker: str | None = None) -> list[LeaseStatus]:
@@ -446,7 +478,11 @@ class ShardLedger:
         claim = self._claim_size(claim_rows)
         if self._stopped is not None:
             return Stop(self._stopped)
-        piece = self._next_piece()
+        if self.static is None:
+            piece = self._next_piece()
+        else:
+            slot = self._slot_for(worker)
+            piece = self._next_static_piece(slot) if slot is not None else None
         if piece is None:
             return Stop("finished") if self.state is JobState.FINISHED else Wait()
         epoch, shard, start, stop = piece
@@ -536,7 +572,7 @@ class ShardLedger:
         logger.warning("job %s: quarantined rows [%d, %d) of row group %d of %s (epoch %d): %s",
                        self.job, lease.offset, stop, int(self._rg_group[rg]),
                        self._paths[self._rg_file[rg]], lease.epoch, reason)
-        self._push_front([(lease.epoch, lease.shard, stop, lease.stop)])
+        self._push_front([(lease.epoch, lease.shard, stop, lease.stop)], lease.worker)
         self.rows_leased -= lease.stop - stop
         lease.stop = lease.claim_stop = lease.offset
         lease.revoked = True
@@ -566,10 +602,15 @@ class ShardLedger:
     def remove_worker(self, worker: str) -> int:
         """The worker is gone: rows ``[synced, stop)`` of each of its leases go back to the queue
         front (trained-but-unsynced rows count as duplicated). Returns the rows requeued."""
-        ids = self._by_worker.get(worker)
+        ids = sorted(self._by_worker.get(worker, ()), reverse=True)
+        requeued = sum(self._requeue_lease(self._leases[i]) for i in ids)
+        slot = self._slot_of.pop(worker, None)
+        if slot is not None:
+            slot.worker = None
+            logger.info("job %s: static slot %d of %s is free for the next new worker",
+                        self.job, slot.index, worker)
         if not ids:
             return 0
-        requeued = sum(self._requeue_lease(self._leases[i]) for i in sorted(ids, reverse=True))
         logger.info("job %s: worker %s removed, %d rows requeued", self.job, worker, requeued)
         return requeued
 
@@ -588,6 +629,9 @@ class ShardLedger:
         self._by_worker.clear()
         self._front.clear()
         self._perm = None
+        for slot in self._slots:
+            slot.front.clear()
+        self._perms.clear()
         self.rows_leased = 0
         self.rows_lost = self.rows_expected - self.rows_done - self.rows_quarantined
         self._stopped = reason
@@ -600,6 +644,9 @@ class ShardLedger:
     def to_bytes(self) -> bytes:
         """The ledger as it would be if every worker were removed now (format: module docstring).
         O(row groups + queued pieces + live leases)."""
+        if self.static is not None:
+            raise LedgerError(f"job {self.job!r}: a static ledger (the baseline) cannot be "
+                              "checkpointed; only dynamic ledgers can")
         pieces = [(lease.epoch, lease.shard, lease.synced, lease.stop)
                   for lease in sorted(self._leases.values(), key=lambda lease: lease.lease_id)
                   if lease.synced < lease.stop]
@@ -705,12 +752,17 @@ class ShardLedger:
             assert self.rows_todo == 0
             return
         todo = sum(stop - start for _, _, start, stop in self._front)
+        if self.static is not None:
+            for slot in self._slots:
+                todo += sum(stop - start for _, _, start, stop in slot.front)
+                for epoch in range(slot.epoch, self.epochs):
+                    first = slot.pos if epoch == slot.epoch else slot.index
+                    todo += self._rows_of(self._epoch_perm(epoch)[first::self.static])
+            assert todo == self.rows_todo, (todo, self.rows_todo)
+            return
         epoch_rows = self.total_rows - int(self._rg_rows[self._rg_quarantined].sum())
         if self._perm is not None:
-            shards = self._perm[self._pos:]
-            rg = self._shard_rg[shards]
-            todo += int((np.minimum(self._shard_start[shards].astype(np.int64) + self.shard_rows,
-                                    self._rg_rows[rg]) - self._shard_start[shards]).sum())
+            todo += self._rows_of(self._perm[self._pos:])
         todo += epoch_rows * (self.epochs - 1 - self._epoch)
         assert todo == self.rows_todo, (todo, self.rows_todo)
 
@@ -757,25 +809,71 @@ class ShardLedger:
         assert self._perm is not None
         shard = int(self._perm[self._pos])
         self._pos += 1
+        return self._shard_piece(self._epoch, shard)
+
+    def _shard_piece(self, epoch: int, shard: int) -> Piece:
         start = int(self._shard_start[shard])
-        stop = min(start + self.shard_rows, int(self._rg_rows[self._shard_rg[shard]]))
-        return self._epoch, shard, start, stop
+        return epoch, shard, start, min(start + self.shard_rows,
+                                        int(self._rg_rows[self._shard_rg[shard]]))
+
+    def _rows_of(self, shards: np.ndarray) -> int:
+        start = self._shard_start[shards].astype(np.int64)
+        return int((np.minimum(start + self.shard_rows, self._rg_rows[self._shard_rg[shards]])
+                    - start).sum())
 
     def _start_epoch(self, epoch: int) -> None:
         """Draw epoch ``epoch``'s shard order from ``(seed, epoch)``."""
         self._epoch = epoch
         self._pos = 0
-        if epoch < 0 or self.num_shards == 0:
-            self._perm = None
-            return
-        rng = np.random.default_rng([self.seed, epoch])
-        self._perm = rng.permutation(self.num_shards).astype(np.int32)
+        self._perm = self._epoch_perm(epoch) if epoch >= 0 and self.num_shards else None
 
-    def _push_front(self, pieces: Sequence[Piece]) -> None:
-        """Put non-empty ``pieces`` at the queue front, keeping their order."""
+    def _epoch_perm(self, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, epoch])
+        return rng.permutation(self.num_shards).astype(np.int32)
+
+    def _slot_for(self, worker: str) -> _StaticSlot | None:
+        """``worker``'s static slot; a new worker takes the lowest free one (None: none free)."""
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            slot = next((s for s in self._slots if s.worker is None), None)
+            if slot is not None:
+                slot.worker = worker
+                self._slot_of[worker] = slot
+                logger.info("job %s: %s takes static slot %d", self.job, worker, slot.index)
+        return slot
+
+    def _next_static_piece(self, slot: _StaticSlot) -> Piece | None:
+        """The slot's queue front, then its share of the epochs' permutations in turn (each
+        permutation is drawn once and dropped when every slot has passed its epoch)."""
+        assert self.static is not None
+        if slot.front:
+            return slot.front.popleft()
+        while self.num_shards and slot.epoch < self.epochs:
+            perm = self._perms.get(slot.epoch)
+            if perm is None:
+                perm = self._perms[slot.epoch] = self._epoch_perm(slot.epoch)
+            if slot.pos < len(perm):
+                shard = int(perm[slot.pos])
+                slot.pos += self.static
+                self._epoch = max(self._epoch, slot.epoch)
+                return self._shard_piece(slot.epoch, shard)
+            slot.epoch += 1
+            slot.pos = slot.index
+            oldest = min(s.epoch for s in self._slots)
+            for epoch in [e for e in self._perms if e < oldest]:
+                del self._perms[epoch]
+        return None
+
+    def _push_front(self, pieces: Sequence[Piece], worker: str | None = None) -> None:
+        """Put non-empty ``pieces`` at the queue front, keeping their order (static: at the front
+        of ``worker``'s slot)."""
+        front = self._front
+        if self.static is not None:
+            assert worker is not None
+            front = self._slot_of[worker].front
         for piece in reversed(pieces):
             if piece[3] > piece[2]:
-                self._front.appendleft(piece)
+                front.appendleft(piece)
 
     def _cut(self, lease: _LiveLease, at: int, parts: int) -> list[Piece]:
         """Requeue the lease's rows ``[at, stop)`` as up to ``parts`` pieces; the lease ends at
@@ -787,14 +885,14 @@ class ShardLedger:
         parts = min(parts, rows)
         bounds = [at + (rows * k) // parts for k in range(parts + 1)]
         pieces = [(lease.epoch, lease.shard, a, b) for a, b in zip(bounds, bounds[1:])]
-        self._push_front(pieces)
+        self._push_front(pieces, lease.worker)
         self.rows_leased -= rows
         lease.stop = at  # still > synced: a claim is never empty while rows are left
         return pieces
 
     def _requeue_lease(self, lease: _LiveLease) -> int:
         rows = lease.stop - lease.synced
-        self._push_front([(lease.epoch, lease.shard, lease.synced, lease.stop)])
+        self._push_front([(lease.epoch, lease.shard, lease.synced, lease.stop)], lease.worker)
         self.rows_duplicated += lease.offset - lease.synced
         self.rows_leased -= rows
         self._forget(lease)

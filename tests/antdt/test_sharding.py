@@ -53,10 +53,11 @@ def train_lease(ledger: ShardLedger, lease: Lease, rows: Counter | None = None) 
 
 
 def drain(ledger: ShardLedger, worker: str = "drainer", rows: Counter | None = None) -> None:
-    """Lease and train until the ledger says stop."""
+    """Lease and train until the ledger says stop (or, static, until the worker's slot is
+    empty)."""
     while True:
         lease = ledger.lease(worker)
-        if isinstance(lease, Stop):
+        if isinstance(lease, Stop) or (ledger.static is not None and isinstance(lease, Wait)):
             return
         assert isinstance(lease, Lease), lease
         train_lease(ledger, lease, rows)
@@ -347,6 +348,51 @@ def test_memory_per_shard_is_small() -> None:
     assert current / ledger.num_shards < 300
 
 
+def test_static_deals_each_epoch_to_fixed_slots_and_extra_workers_wait() -> None:
+    groups = [("a.parquet", g, 8) for g in range(6)]
+    ledger = make(row_groups=groups, shard_rows=4, batch_rows=4, static=3, epochs=2)
+    dynamic = make(row_groups=groups, shard_rows=4, batch_rows=4, epochs=2)
+    order = [dynamic.lease(f"d{i}") for i in range(24)]  # 12 shards an epoch
+    got: dict[str, list[Lease]] = {}
+    for worker in ["w0", "w1", "w2"]:
+        while isinstance(lease := ledger.lease(worker), Lease):
+            got.setdefault(worker, []).append(lease)
+            train_lease(ledger, lease)
+        assert isinstance(lease, Wait) if worker != "w2" else isinstance(lease, Stop)
+    key = [(lease.epoch, lease.row_group, lease.start) for lease in order
+           if isinstance(lease, Lease)]
+    for k, worker in enumerate(["w0", "w1", "w2"]):
+        # slot k gets positions k, k + 3, ... of each epoch's (shared) permutation
+        want = [key[i] for e in range(2) for i in range(12 * e + k, 12 * e + 12, 3)]
+        assert [(lease.epoch, lease.row_group, lease.start) for lease in got[worker]] == want
+    assert ledger.state is JobState.FINISHED
+    assert isinstance(make(row_groups=groups, shard_rows=4, batch_rows=4, static=1).lease("x"),
+                      Lease)
+    full = make(row_groups=groups, shard_rows=4, batch_rows=4, static=1)
+    full.lease("x")
+    assert isinstance(full.lease("y"), Wait), "a worker without a slot waits"
+    ledger.check_invariants()
+
+
+def test_static_rows_stay_in_their_slot_and_a_new_worker_adopts_a_dead_one() -> None:
+    ledger = make(row_groups=[("a.parquet", 0, 8), ("a.parquet", 1, 8)], shard_rows=8,
+                  batch_rows=2, static=2)
+    first, other = ledger.lease("w0"), ledger.lease("w1")
+    assert isinstance(first, Lease) and isinstance(other, Lease)
+    ledger.commit(first.lease_id, first.token, 2, 2)
+    ledger.revoke(first.lease_id)  # its unclaimed rows go back to w0's slot, not to w1
+    train_lease(ledger, other)
+    assert isinstance(ledger.lease("w1"), Wait)
+    assert ledger.remove_worker("w0") == 2  # its claim [2, 4); the revoked [4, 8) is queued
+    assert isinstance(ledger.lease("w1"), Wait), "w1 keeps its own slot"
+    rows: Counter = Counter()
+    drain(ledger, "w0-restarted", rows)
+    assert sum(rows.values()) == 6 and ledger.state is JobState.FINISHED
+    ledger.check_invariants()
+    with pytest.raises(LedgerError, match="static"):
+        ledger.to_bytes()
+
+
 # ---- property-based: any interleaving keeps exactly-once --------------------------------------
 
 
@@ -364,18 +410,20 @@ WORKERS = ["w0", "w1", "w2"]
 class LedgerMachine(RuleBasedStateMachine):
     """Workers lease and commit (syncing late), the controller revokes and splits, workers die,
     rows get quarantined, the ledger is checkpointed and restored; at the end every row of every
-    epoch was made effective (synced) or quarantined exactly once and the counters add up."""
+    epoch was made effective (synced) or quarantined exactly once and the counters add up. The
+    same holds for the static baseline (fewer slots than workers: some wait)."""
 
     @initialize(sizes=st.lists(st.integers(0, 9), min_size=1, max_size=4),
                  shard_rows=st.integers(1, 5), batch_rows=st.integers(1, 3),
-                 epochs=st.integers(1, 2), seed=st.integers(0, 3), quarantine_first=st.booleans())
+                 epochs=st.integers(1, 2), seed=st.integers(0, 3), quarantine_first=st.booleans(),
+                 static=st.none() | st.integers(1, 3))
     def setup(self, sizes: list[int], shard_rows: int, batch_rows: int, epochs: int, seed: int,
-              quarantine_first: bool) -> None:
+              quarantine_first: bool, static: int | None) -> None:
         self.groups = [(f"f{i % 2}", i, n) for i, n in enumerate(sizes)]
         quarantine = [("f0", 0, "bad")] if quarantine_first else []
         self.ledger = make(row_groups=self.groups, shard_rows=shard_rows, batch_rows=batch_rows,
                            epochs=epochs, seed=seed, quarantine=quarantine,
-                           max_claim_rows=3 * batch_rows)
+                           max_claim_rows=3 * batch_rows, static=static)
         self.epochs = epochs
         self.live: dict[int, ModelLease] = {}
         self.worker_of: dict[int, str] = {}
@@ -475,6 +523,7 @@ class LedgerMachine(RuleBasedStateMachine):
         for lease_id in [i for i in self.live if self.worker_of[i] == worker]:
             del self.live[lease_id]
 
+    @precondition(lambda self: self.ledger.static is None)
     @rule()
     def checkpoint_restore(self) -> None:
         self.ledger = ShardLedger.from_bytes(self.ledger.to_bytes(), clock=FakeClock())
@@ -511,7 +560,8 @@ class LedgerMachine(RuleBasedStateMachine):
         for worker in WORKERS:
             ledger.remove_worker(worker)
         rows: Counter = Counter()
-        drain(ledger, rows=rows)
+        for slot in range(ledger.static or 1):
+            drain(ledger, f"drainer{slot}", rows=rows)
         assert ledger.state is not JobState.RUNNING
         self.trained.update(rows)
         effective = self.effective | set(rows)
