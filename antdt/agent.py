@@ -26,8 +26,11 @@ Fault injection (tests and benchmarks; off by default, see :class:`Faults`): a s
 progress after some rows, until cancelled) and a crash (``os._exit`` of the worker process after
 some rows, which looks like a real death to the scheduler and the nanny).
 
-Progress reaches the driver as Dask events (topic :func:`event_topic`), no extra RPC to wait on;
-the per-batch timings reach the monitor through the commits (``busy_s``, ``batches``).
+Progress reaches the driver as Dask events (topic :func:`event_topic`), no extra RPC to wait on:
+``progress`` every ``antdt.agent.report-interval`` (rows, busy seconds, loss, samples/s), ``lease``
+at the start and end of every lease (wall-clock times, rows, ``finished`` / ``revoked`` or the
+agent's outcome; the driver draws the job's timeline from them) and ``fault`` when a hang fires.
+The per-batch timings reach the monitor through the commits (``busy_s``, ``batches``).
 """
 
 from __future__ import annotations
@@ -115,7 +118,8 @@ class ReaderFactory(Protocol):
 class Faults:
     """Injected faults of one agent (all off by default).
 
-    ``slowdown``: after each batch sleep ``(slowdown - 1)`` x its measured time (a straggler).
+    ``slowdown``: after each batch sleep ``(slowdown - 1)`` x its measured time (a straggler);
+    ``slow_for_rows``: only for the first this many rows (a transient straggler; None: always).
     ``hang_after_rows``: once this many rows are trained, make no more progress until cancelled.
     ``crash_after_rows``: once this many rows are trained, ``os._exit`` the worker process.
     """
@@ -123,13 +127,14 @@ class Faults:
     slowdown: float = 1.0
     hang_after_rows: int | None = None
     crash_after_rows: int | None = None
+    slow_for_rows: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.slowdown, bool) or not isinstance(self.slowdown, (int, float)) \
                 or not math.isfinite(self.slowdown) or self.slowdown < 1.0:
             raise ConfigError(f"fault slowdown must be a finite number >= 1, found "
                               f"{self.slowdown!r}")
-        for name in ("hang_after_rows", "crash_after_rows"):
+        for name in ("hang_after_rows", "crash_after_rows", "slow_for_rows"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 0):
@@ -388,11 +393,26 @@ class Agent:
         return "cancelled"
 
     def _train_lease(self, lease: Lease) -> Outcome | None:
-        """Train the lease's claimed rows batch by batch; None when it is done (lease again)."""
+        """Train the lease, reporting its span (start, end, rows, how it ended) as events."""
+        started = time.time()
+        self._event({"kind": "lease", "phase": "start", "lease_id": lease.lease_id,
+                     "time": started})
+        rows_before = self.rows
+        outcome, revoked = self._train_claims(lease)
+        ended = "revoked" if revoked else "finished" if outcome is None else outcome
+        self._event({"kind": "lease", "phase": "end", "lease_id": lease.lease_id,
+                     "start": started, "time": time.time(), "rows": self.rows - rows_before,
+                     "outcome": ended})
+        return outcome
+
+    def _train_claims(self, lease: Lease) -> tuple[Outcome | None, bool]:
+        """Train the lease's claimed rows batch by batch; None when it is done (lease again),
+        and whether the controller revoked it."""
         offset, limit = lease.start, lease.claim_stop
+        revoked = False
         while offset < limit:
             if self.cancelled.is_set():
-                return "cancelled"
+                return "cancelled", revoked
             end = min(offset + self.spec.batch_rows, limit)
             started = time.perf_counter()
             batch = self.reader.read(lease.path, lease.row_group, offset, end)
@@ -408,14 +428,15 @@ class Agent:
             offset = end
             self._report()
             if self._faults_fire():
-                return "cancelled"
+                return "cancelled", revoked
             if isinstance(reply, (Claim, Revoked)):
                 limit = reply.stop
+                revoked = revoked or isinstance(reply, Revoked)
             elif isinstance(reply, Finished):
-                return None
+                return None, revoked
             elif isinstance(reply, Stop):
-                return "stopped"
-        return None
+                return "stopped", revoked
+        return None, revoked
 
     def _step(self, batch: Any, rows: int) -> float:
         """One training step; in the async mode under the replica lock, then mark the touched
@@ -445,7 +466,10 @@ class Agent:
     # ---- faults -------------------------------------------------------------------------------
 
     def _slow_down(self, batch_s: float) -> None:
-        extra = (self.spec.faults.slowdown - 1.0) * batch_s
+        faults = self.spec.faults
+        if faults.slow_for_rows is not None and self.rows >= faults.slow_for_rows:
+            return
+        extra = (faults.slowdown - 1.0) * batch_s
         if extra > 0:
             self.cancelled.wait(extra)
 
@@ -460,9 +484,7 @@ class Agent:
         if faults.hang_after_rows is not None and self.rows >= faults.hang_after_rows:
             logger.warning("agent of job %s on %s: injected hang after %d rows", self.spec.job,
                            self.worker.address, self.rows)
-            self.worker.log_event(event_topic(self.spec.job),
-                                  {"kind": "fault", "fault": "hang",
-                                   "worker": self.worker.address, "rows": self.rows})
+            self._event({"kind": "fault", "fault": "hang", "rows": self.rows})
             self.cancelled.wait()
             return True
         return False
@@ -511,12 +533,16 @@ class Agent:
             return
         if window.batches or force:
             elapsed = max(now - window.start, 1e-9)
-            self.worker.log_event(event_topic(self.spec.job), {
-                "kind": "progress", "worker": self.worker.address, "rows": self.rows,
-                "batches": self.batches, "window_rows": window.rows,
+            self._event({
+                "kind": "progress", "rows": self.rows, "batches": self.batches,
+                "busy_s": self.busy_s, "window_rows": window.rows,
                 "loss": window.loss / window.batches if window.batches else None,
                 "samples_per_s": window.rows / elapsed})
         self._window = _Window(now)
+
+    def _event(self, msg: dict[str, Any]) -> None:
+        """Send ``msg`` (with this worker's address) to the driver on the job's event topic."""
+        self.worker.log_event(event_topic(self.spec.job), {**msg, "worker": self.worker.address})
 
 
 @dataclass

@@ -9,15 +9,19 @@
       on_bad_data: fail            # or quarantine: skip bad row groups, report their rows
     model: {arch: dlrm, embedding_dim: 16}
     train: {batch_size: 4096, epochs: 1, seed: 0, sparse_lr: 0.05, dense_lr: 0.001,
-            mode: async, workers: 2, sync_period: 1.0, shard_rows: 32768}
+            mode: async, workers: 2, sync_period: 1.0, shard_rows: 32768, sharding: antdt}
     mlflow: {experiment: antdt, tracking_uri: null}
     faults:                        # injected faults (tests, benchmarks); none by default
       - {worker: 1, slowdown: 3.0}             # worker 1 takes 3x as long per batch
       - {worker: 0, crash_after_rows: 50000}   # worker 0's process exits after 50k rows
+      - {worker: 2, slowdown: 4, slow_for_rows: 100000}  # 4x slower for its first 100k rows
 
 ``train.mode``: ``async`` (default) trains on a Dask cluster, one replica per worker with
 background model sync; ``local`` trains in this process. ``train.shard_rows`` defaults to
-8 x ``batch_size``. A fault's ``worker`` is the index of a worker in the job's sorted initial
+8 x ``batch_size``. ``train.sharding`` (async mode): ``antdt`` (default) leases shards dynamically
+and runs the straggler controller; ``pull`` leases dynamically without the controller; ``static``
+deals each worker a fixed 1/N of the shards up front (the baselines of ``antdt bench
+stragglers``). A fault's ``worker`` is the index of a worker in the job's sorted initial
 worker list; ``hang_after_rows``/``crash_after_rows`` count the rows that worker trained.
 
 Relative local paths are read from the current working directory. Unknown keys are rejected
@@ -40,6 +44,8 @@ from models.config import ModelConfig, OptimConfig
 OnBadData = Literal["fail", "quarantine"]
 Mode = Literal["async", "local"]
 MODES: tuple[Mode, ...] = ("async", "local")
+Sharding = Literal["antdt", "pull", "static"]
+SHARDINGS: tuple[Sharding, ...] = ("antdt", "pull", "static")
 SHARD_BATCHES = 8
 """Default ``train.shard_rows``: this many batches."""
 _OPTIM_KEYS = {f.name for f in dataclasses.fields(OptimConfig)}
@@ -64,6 +70,7 @@ class TrainConfig:
     workers: int = 2
     sync_period: float = 1.0
     shard_rows: int = SHARD_BATCHES * 4096
+    sharding: Sharding = "antdt"
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -75,6 +82,7 @@ class FaultConfig:
     slowdown: float = 1.0
     hang_after_rows: int | None = None
     crash_after_rows: int | None = None
+    slow_for_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -212,13 +220,17 @@ def _number(raw: Mapping[str, Any], key: str, default: float, where: str, *,
 
 def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
     own = {"batch_size", "epochs", "seed", "threads", "log_every", "mode", "workers",
-           "sync_period", "shard_rows"}
+           "sync_period", "shard_rows", "sharding"}
     _reject_unknown(raw, own | _OPTIM_KEYS, where)
     defaults = TrainConfig()
     optim = OptimConfig.from_dict({k: v for k, v in raw.items() if k in _OPTIM_KEYS}, where=where)
     mode = raw.get("mode", defaults.mode)
     if mode not in MODES:
         raise ConfigError(f"{where}.mode: expected one of {list(MODES)}, found {mode!r}")
+    sharding = raw.get("sharding", defaults.sharding)
+    if sharding not in SHARDINGS:
+        raise ConfigError(f"{where}.sharding: expected one of {list(SHARDINGS)}, found "
+                          f"{sharding!r}")
     batch_size = _positive_int(raw, "batch_size", defaults.batch_size, where)
     return TrainConfig(
         batch_size=batch_size,
@@ -231,6 +243,7 @@ def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
         sync_period=_number(raw, "sync_period", defaults.sync_period, where, minimum=0.0,
                             inclusive=False),
         shard_rows=_positive_int(raw, "shard_rows", SHARD_BATCHES * batch_size, where),
+        sharding=sharding,
         optim=optim,
     )
 
@@ -247,14 +260,15 @@ def _faults(raw: Any, where: str) -> tuple[FaultConfig, ...]:
         at = f"{where}[{i}]"
         if not isinstance(item, Mapping):
             raise ConfigError(f"{at}: expected a mapping, found {item!r}")
-        _reject_unknown(item, {"worker", "slowdown", "hang_after_rows", "crash_after_rows"}, at)
+        _reject_unknown(item, {"worker", "slowdown", "hang_after_rows", "crash_after_rows",
+                               "slow_for_rows"}, at)
         if "worker" not in item:
             raise ConfigError(f"{at}: missing key 'worker' (the index of the worker to fault)")
         worker = _positive_int(item, "worker", 0, at, minimum=0)
         if any(f.worker == worker for f in faults):
             raise ConfigError(f"{at}: worker {worker} already has a faults entry; merge them")
         rows = {key: _positive_int(item, key, 0, at, minimum=0) if item.get(key) is not None
-                else None for key in ("hang_after_rows", "crash_after_rows")}
+                else None for key in ("hang_after_rows", "crash_after_rows", "slow_for_rows")}
         fault = FaultConfig(worker=worker,
                             slowdown=_number(item, "slowdown", 1.0, at, minimum=1.0), **rows)
         if fault.slowdown == 1.0 and rows["hang_after_rows"] is None \

@@ -167,9 +167,14 @@ def test_agents_train_every_row_once_per_epoch_and_count_exactly(client: Client)
     assert state["state"] == "finished"
     assert (state["rows_trained"], state["rows_done"], state["rows_duplicated"],
             state["rows_lost"]) == (2 * TOTAL, 2 * TOTAL, 0, 0)
-    progress = [m for _, m in client.get_events(agent.event_topic(job))]
+    events = [m for _, m in client.get_events(agent.event_topic(job))]
+    progress = [m for m in events if m["kind"] == "progress"]
     assert {m["worker"] for m in progress} == set(workers(client))
     assert max(m["rows"] for m in progress if m["worker"] == reports[0].worker) == reports[0].rows
+    spans = [m for m in events if m["kind"] == "lease" and m["phase"] == "end"]
+    assert len(spans) == sum(r.leases for r in reports)
+    assert sum(m["rows"] for m in spans) == 2 * TOTAL
+    assert all(m["outcome"] == "finished" and m["time"] >= m["start"] for m in spans)
 
 
 def test_async_agents_end_with_identical_replicas_holding_every_update(client: Client) -> None:

@@ -74,13 +74,15 @@ def test_distributed_defaults_and_faults(tmp_path: Path) -> None:
     job = load_job(write(tmp_path, MINIMAL), ["train.batch_size=256"])
     assert (job.train.mode, job.train.workers, job.train.sync_period) == ("async", 2, 1.0)
     assert job.train.shard_rows == 8 * 256
+    assert job.train.sharding == "antdt"
     assert job.faults == ()
     faulty = load_job(write(tmp_path, MINIMAL), [
         "faults=[{worker: 1, slowdown: 2.5}, {worker: 0, crash_after_rows: 100}]",
-        "train.shard_rows=1000", "train.mode=local"])
+        "train.shard_rows=1000", "train.mode=local", "train.sharding=static"])
     assert [(f.worker, f.slowdown, f.crash_after_rows) for f in faulty.faults] == \
         [(1, 2.5, None), (0, 1.0, 100)]
-    assert (faulty.train.shard_rows, faulty.train.mode) == (1000, "local")
+    assert (faulty.train.shard_rows, faulty.train.mode, faulty.train.sharding) == \
+        (1000, "local", "static")
     again = load_job(write(tmp_path, faulty.to_dict()))
     assert again.to_dict() == faulty.to_dict()
 
@@ -88,6 +90,8 @@ def test_distributed_defaults_and_faults(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("override", "message"), [
     ("train.mode=sync", "train.mode: expected one of ['async', 'local'], found 'sync'"),
     ("train.workers=0", "train.workers: expected an integer >= 1, found 0"),
+    ("train.sharding=random", "train.sharding: expected one of ['antdt', 'pull', 'static'], "
+                              "found 'random'"),
     ("train.sync_period=0", "train.sync_period: expected a finite number > 0.0, found 0"),
     ("train.shard_rows=-5", "train.shard_rows: expected an integer >= 1, found -5"),
     ("faults={worker: 0}", "faults: expected a list"),
