@@ -3,12 +3,15 @@
 It reads top to bottom like the local trainer, with a cluster in the middle::
 
     validate the data ─► cluster (LocalCluster of Nanny workers, or --scheduler ADDR)
-      ─► plugins on the scheduler and every worker (sharding, sync, agent)
-      ─► register the job's shards (bad row groups quarantined) and its sync group
+      ─► plugins on the scheduler and every worker (sharding, controller, sync, agent)
+      ─► register the job's shards (bad row groups quarantined; dealt to fixed slots when
+         ``train.sharding`` is static), switch its straggler controller on or off, its sync group
       ─► one agent task per worker (and per worker that joins later, when it can)
-      ─► watch: progress bar and MLflow metrics from the ledger and the agents' events;
-         an agent whose worker died is written off (the ledger re-queued its rows)
-      ─► the consensus model from one live worker ─► evaluate ─► MLflow ─► summary
+      ─► watch: progress bar and MLflow metrics from the ledger, the controller's actions and
+         the agents' events; an agent whose worker died is written off (the ledger re-queued
+         its rows)
+      ─► the consensus model from one live worker ─► evaluate ─► MLflow (with the timeline PNG
+         of leases and actions) ─► summary
 
 The training step and the reader reach the workers as small picklable recipes
 (:class:`TrainerRecipe`, :class:`ReaderRecipe`); ``antdt`` never imports this package.
@@ -17,8 +20,10 @@ The training step and the reader reach the workers as small picklable recipes
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
+import tempfile
 import time
 import uuid
 from collections import deque
@@ -31,7 +36,7 @@ from distributed import Client, Future, LocalCluster, wait
 from distributed.scheduler import KilledWorker
 from torchrec.datasets.utils import Batch
 
-from antdt import agent, service, sync_service
+from antdt import agent, controller, service, sync_service
 from antdt.errors import AntdtError, DataError
 from antdt.sharding import QuarantineSpec
 from data.files import RowGroup, expand, row_groups
@@ -45,15 +50,14 @@ from pipeline.config import JobConfig
 from pipeline.local import PreparedData, iterate_batches, prepare_data
 from pipeline.report import JobSummary, ProgressSink, oracle_auc
 from pipeline.serving import log_ranking_model
+from pipeline.timeline import ActionMark, LeaseSpan, render_timeline
 from pipeline.tracking import Tracker
 
 logger = logging.getLogger(__name__)
 
 TICK_S = 1.0
-"""The driver's watch loop: how often it reads the ledger, the agents' events and the workers."""
-
-CONTROLLER_PLUGIN = "antdt-controller"
-"""Name of :class:`antdt.controller.ControllerPlugin` on the scheduler, when someone runs it."""
+"""The driver's watch loop: how often it reads the ledger, the controller's actions, the agents'
+events and the workers."""
 
 
 # ---- what travels to the workers -------------------------------------------------------------
@@ -171,15 +175,12 @@ def connect(workers: int, scheduler: str | None = None) -> Iterator[Client]:
         yield client
 
 
-def _scheduler_plugins(dask_scheduler: Any) -> list[str]:
-    return sorted(dask_scheduler.plugins)
-
-
 def ensure_plugins(client: Client) -> None:
-    """The sharding and sync services on the scheduler (kept if already there, so other jobs'
-    state survives) and the agent plugin on every worker, present and future. Run it before any
-    agent starts."""
-    for plugin in (service.ShardingService(), sync_service.SyncService()):
+    """The sharding service, the straggler controller and the sync service on the scheduler (kept
+    if already there, so other jobs' state survives) and the agent plugin on every worker,
+    present and future. Run it before any agent starts."""
+    for plugin in (service.ShardingService(), controller.ControllerPlugin(),
+                   sync_service.SyncService()):
         plugin.idempotent = True
         client.register_plugin(plugin)
     agent.register(client)
@@ -194,19 +195,29 @@ def _workers(client: Client) -> dict[str, Mapping[str, Any]]:
 
 
 @dataclass
-class _Slot:
-    """One agent the driver started."""
+class Slot:
+    """One agent the driver started: its worker, number (faults refer to it), when it started
+    and ended (seconds after training started; None: still running), and its rows and busy
+    seconds (from its report, or its latest progress event if it died)."""
 
     worker: str
     index: int
     future: Future
     join: bool
+    started: float
+    ended: float | None = None
+    rows: int = 0
+    busy_s: float = 0.0
     report: agent.AgentReport | None = None
     dead: bool = False
 
     @property
     def live(self) -> bool:
         return self.report is None and not self.dead
+
+    @property
+    def label(self) -> str:
+        return f"worker{self.index}"
 
 
 @dataclass
@@ -216,30 +227,44 @@ class _Progress:
 
     inbox: deque[tuple[float, dict[str, Any]]] = field(default_factory=deque)
     rates: dict[str, float] = field(default_factory=dict)
+    leasing: dict[tuple[str, int], float] = field(default_factory=dict)
+    """Leases started and not yet ended: ``(worker, lease_id)`` -> wall-clock start."""
+    spans: list[tuple[str, int, float, float, int, str]] = field(default_factory=list)
+    """Ended leases: ``(worker, lease_id, start, end, rows, outcome)``, wall-clock times."""
+    actions: list[controller.ActionRecord] = field(default_factory=list)
+    """The controller's applied actions so far."""
 
 
 class AsyncRun:
     """One async-mode job on a connected cluster (see the module docstring); :meth:`run` returns
-    its summary. ``job_id`` names the job in the services (unique per run by default)."""
+    its summary. ``job_id`` names the job in the services (unique per run by default).
+    ``deadline_s``: stop the job if training takes longer (the rows not done count as lost, no
+    model is evaluated: the summary's AUC is nan); benchmarks use it for baselines that never
+    finish."""
 
     def __init__(self, job: JobConfig, client: Client, *, data: PreparedData | None = None,
                  progress: ProgressSink | None = None, job_id: str | None = None,
-                 started: float | None = None) -> None:
+                 started: float | None = None, deadline_s: float | None = None) -> None:
         self.started = started if started is not None else time.perf_counter()
         self.job = job
         self.client = client
         self.data = data if data is not None else prepare_data(job)
         self.progress = progress
         self.job_id = job_id or f"{job.name}-{uuid.uuid4().hex[:8]}"
-        self.slots: list[_Slot] = []
-        self._faults = {f.worker: agent.Faults(f.slowdown, f.hang_after_rows, f.crash_after_rows)
-                        for f in job.faults}
+        self.slots: list[Slot] = []
+        self.deadline_s = deadline_s
+        self.stopped: str | None = None
+        """Why the driver stopped the job early (None: it ran to its end)."""
+        self._faults = {f.worker: agent.Faults(f.slowdown, f.hang_after_rows, f.crash_after_rows,
+                                               f.slow_for_rows) for f in job.faults}
         self._trainer = TrainerRecipe(self.data.schema, job.model, job.train.optim,
                                       job.train.seed)
         self._reader = ReaderRecipe(self.data.schema, job.train.threads)
         self._events = _Progress()
         self._done_rows = 0
         self._ticks = 0
+        self._train_started = 0.0
+        self._wall_started = 0.0
 
     def run(self) -> JobSummary:
         """Train, evaluate and track the job; the services and workers forget it afterwards."""
@@ -252,11 +277,12 @@ class AsyncRun:
                 tracker.artifact_yaml(self.data.schema.to_dict(), "schema.yaml")
                 if plan.quarantine:
                     tracker.artifact_yaml([list(q) for q in plan.quarantine], "quarantine.yaml")
-                train_started = time.perf_counter()
+                self._train_started = time.perf_counter()
+                self._wall_started = time.time()
                 for index, worker in enumerate(initial):
                     self._start(worker, index)
                 self._watch(tracker)
-                summary = self._summarise(tracker, time.perf_counter() - train_started)
+                summary = self._summarise(tracker, self._elapsed())
         except BaseException:
             self._abort()
             raise
@@ -270,6 +296,9 @@ class AsyncRun:
         and the job registered with the sharding service."""
         plan = ledger_plan(self.job, self.data)
         ensure_plugins(self.client)
+        # Import the training stack (torch, TorchRec, the recipes' modules) on every worker now,
+        # not while the agents start: seconds per process that are not training.
+        self.client.run(importlib.import_module, __name__)
         initial = sorted(_workers(self.client))
         if not initial:
             raise AntdtError("the cluster has no workers; expected at least one")
@@ -277,39 +306,82 @@ class AsyncRun:
         if unknown:
             raise AntdtError(f"faults name worker(s) {unknown}, but the cluster has only "
                              f"{len(initial)} worker(s) (indices 0..{len(initial) - 1})")
+        sharding = self.job.train.sharding
+        controller.enable_controller(self.client, self.job_id, sharding == "antdt")
         state = service.register_job(
             self.client, self.job_id, plan.row_groups, shard_rows=self.job.train.shard_rows,
             batch_rows=self.job.train.batch_size, epochs=self.job.train.epochs,
-            seed=self.job.train.seed, quarantine=plan.quarantine)
+            seed=self.job.train.seed, quarantine=plan.quarantine,
+            static=len(initial) if sharding == "static" else None)
         if self.progress is not None:
             self.progress.total(state["rows_expected"])
         self._advance(state)
         return plan, initial
 
     def _summarise(self, tracker: Tracker, train_s: float) -> JobSummary:
-        """Evaluate the consensus model, log it with the final counters, build the summary."""
+        """Evaluate the consensus model, log it with the final counters and the timeline, build
+        the summary (no model when the driver stopped the job)."""
         state = service.job_state(self.client, self.job_id)
-        step = self._final_model()
-        metrics = evaluate(step.predict, iterate_batches(
-            ShardReader(self.data.schema), self.data.validation, self.job.train.batch_size))
+        step = None
+        auc = logloss = math.nan
+        if self.stopped is None:
+            step = self._final_model()
+            metrics = evaluate(step.predict, iterate_batches(
+                ShardReader(self.data.schema), self.data.validation, self.job.train.batch_size))
+            auc, logloss = metrics["auc"], metrics["logloss"]
         summary = JobSummary(
-            run_id=tracker.run_id, mode="async", workers=len(self.slots),
-            auc=metrics["auc"], logloss=metrics["logloss"],
+            run_id=tracker.run_id, mode="async", workers=len(self.slots), auc=auc,
+            logloss=logloss,
             oracle_auc=oracle_auc(self.job.data.schema, [g.path for g in self.data.validation]),
             rows_trained=state["rows_trained"], rows_lost=state["rows_lost"],
             rows_duplicated=state["rows_duplicated"], rows_quarantined=state["rows_quarantined"],
-            wall_s=time.perf_counter() - self.started,
+            wall_s=time.perf_counter() - self.started, train_s=train_s,
             samples_per_s=state["rows_trained"] / max(train_s, 1e-9),
-            straggler_actions=self._straggler_actions())
-        tracker.summary(summary.metrics())
+            straggler_actions=len(self._events.actions))
+        tracker.summary({k: v for k, v in summary.metrics().items() if not math.isnan(v)})
         tracker.summary({f"ledger.{k}": v for k, v in state.items()
                          if isinstance(v, (int, float)) and not isinstance(v, bool)})
         tracker.summary(self._agent_metrics())
-        log_ranking_model(step, self.data.schema, self.job,
-                          example=(self.data.validation or self.data.train)[0])
+        if self._events.actions:
+            tracker.artifact_yaml(self._events.actions, "straggler_actions.yaml")
+        with tempfile.TemporaryDirectory() as folder:
+            tracker.artifact_file(self.timeline(f"{folder}/timeline.png"))
+        if self.stopped is not None:
+            tracker.tag("antdt.stopped", self.stopped)
+        if step is not None:
+            log_ranking_model(step, self.data.schema, self.job,
+                              example=(self.data.validation or self.data.train)[0])
         return summary
 
+    def first_leases(self) -> dict[str, float]:
+        """Per worker, when its first lease started (seconds after training started)."""
+        first: dict[str, float] = {}
+        for worker, _, start, *_ in sorted(self._events.spans, key=lambda span: span[2]):
+            first.setdefault(worker, start - self._wall_started)
+        return first
+
+    def timeline(self, path: str) -> str:
+        """Draw the job's leases per worker and the controller's actions to a PNG at ``path``.
+        A lease the controller split ends as ``split``; one whose agent stopped or died in it
+        ends as ``lost`` (its rows went back to the queue)."""
+        events, t0 = self._events, self._wall_started
+        label = {s.worker: s.label for s in self.slots}
+        split = {a["lease_id"] for a in events.actions if a["action"] == "split"}
+        spans = [LeaseSpan(label.get(w, w), lease_id, start - t0, end - t0, rows,
+                           "split" if outcome == "finished" and lease_id in split else
+                           outcome if outcome in ("finished", "revoked") else "lost")
+                 for w, lease_id, start, end, rows, outcome in events.spans]
+        marks = [ActionMark(a["time"] - t0, label.get(a["worker"], a["worker"]), a["action"],
+                            a["rows"], a["reason"]) for a in events.actions]
+        sharding = self.job.train.sharding
+        return render_timeline(spans, marks, path, title=f"{self.job.name} ({self.job_id}, "
+                               f"{len(self.slots)} agents, sharding {sharding})")
+
     # ---- agents -------------------------------------------------------------------------------
+
+    def _elapsed(self) -> float:
+        """Seconds since training started."""
+        return time.perf_counter() - self._train_started
 
     def _start(self, worker: str, index: int, join: bool = False) -> None:
         spec = agent.AgentSpec(job=self.job_id, batch_rows=self.job.train.batch_size,
@@ -317,7 +389,7 @@ class AsyncRun:
                                threads=self.job.train.threads,
                                faults=self._faults.get(index, agent.Faults()))
         future = agent.start_agent(self.client, worker, spec, self._trainer, self._reader)
-        self.slots.append(_Slot(worker, index, future, join))
+        self.slots.append(Slot(worker, index, future, join, started=self._elapsed()))
         logger.info("job %s: agent %d started on %s%s%s", self.job_id, index, worker,
                     " (joining)" if join else "",
                     f" with faults {spec.faults}" if spec.faults.active else "")
@@ -338,18 +410,27 @@ class AsyncRun:
             self._tick(tracker)
             if not any(s.live for s in self.slots):
                 break
+            if self.deadline_s is not None and self.stopped is None \
+                    and self._elapsed() > self.deadline_s:
+                self.stopped = f"the deadline of {self.deadline_s:.0f}s of training passed"
+                logger.warning("job %s: %s; stopping it", self.job_id, self.stopped)
+                service.stop_job(self.client, self.job_id, self.stopped)
+                agent.cancel_agents(self.client, self.job_id)
+        self._tick(tracker)  # the agents' last events
         if not any(s.report is not None for s in self.slots):
             state = service.job_state(self.client, self.job_id)
             raise AntdtError(f"job {self.job_id}: every agent's worker died "
                              f"({len(self.slots)} agents); {state['rows_done']} of "
                              f"{state['rows_expected']} rows done")
 
-    def _check(self, slot: _Slot, workers: Mapping[str, Any]) -> None:
+    def _check(self, slot: Slot, workers: Mapping[str, Any]) -> None:
         """Record a returned agent; write off one whose worker left the cluster; re-raise the
         error of one that failed on a live worker (a bug or bad data, not a death)."""
         status = slot.future.status
         if status == "finished":
             slot.report = slot.future.result()
+            slot.ended = self._elapsed()
+            slot.rows, slot.busy_s = slot.report.rows, slot.report.busy_s
             return
         gone = slot.worker not in workers
         if status == "error":
@@ -362,9 +443,14 @@ class AsyncRun:
         if status in ("cancelled", "lost") or gone:
             self._write_off(slot, "its worker left the cluster")
 
-    def _write_off(self, slot: _Slot, why: str) -> None:
+    def _write_off(self, slot: Slot, why: str) -> None:
         slot.dead = True
+        slot.ended = self._elapsed()
         self.client.cancel(slot.future)
+        events, now = self._events, time.time()
+        for worker, lease_id in [key for key in events.leasing if key[0] == slot.worker]:
+            start = events.leasing.pop((worker, lease_id))
+            events.spans.append((worker, lease_id, start, now, 0, "lost"))
         logger.warning("job %s: agent %d on %s is gone: %s; the ledger re-queues its unsynced "
                        "rows", self.job_id, slot.index, slot.worker, why)
 
@@ -430,21 +516,35 @@ class AsyncRun:
         self._done_rows = max(self._done_rows, done)
 
     def _tick(self, tracker: Tracker) -> None:
-        """Progress bar and MLflow metrics: rows from the ledger; loss and samples/s per worker
-        from the agents' events since the last tick, and the total over the training agents'
-        latest rates."""
+        """Progress bar and MLflow metrics: rows from the ledger; the controller's actions so
+        far; loss and samples/s per worker from the agents' events since the last tick, and the
+        total over the training agents' latest rates."""
         state = service.job_state(self.client, self.job_id)
         self._advance(state)
         events = self._events
+        applied = controller.controller_actions(self.client, self.job_id,
+                                                since=len(events.actions))
+        events.actions.extend(applied["records"])
+        by_worker = {s.worker: s for s in self.slots}
         fresh: dict[str, float] = {}
         losses: list[float] = []
         while events.inbox:
             _, msg = events.inbox.popleft()
-            if msg.get("kind") != "progress":
-                continue
-            fresh[msg["worker"]] = float(msg["samples_per_s"])
-            if msg["loss"] is not None:
-                losses.append(float(msg["loss"]))
+            kind, worker = msg.get("kind"), str(msg.get("worker"))
+            if kind == "lease":
+                key = (worker, msg["lease_id"])
+                if msg["phase"] == "start":
+                    events.leasing[key] = msg["time"]
+                elif events.leasing.pop(key, None) is not None:
+                    events.spans.append((*key, msg["start"], msg["time"], msg["rows"],
+                                         msg["outcome"]))
+            elif kind == "progress":
+                fresh[worker] = float(msg["samples_per_s"])
+                if msg["loss"] is not None:
+                    losses.append(float(msg["loss"]))
+                slot = by_worker.get(worker)
+                if slot is not None and slot.report is None:
+                    slot.rows, slot.busy_s = int(msg["rows"]), float(msg["busy_s"])
         live = {s.worker for s in self.slots if s.live}
         events.rates = {w: r for w, r in {**events.rates, **fresh}.items() if w in live}
         index = {s.worker: s.index for s in self.slots}
@@ -455,6 +555,8 @@ class AsyncRun:
         metrics.update({f"samples_per_s.worker{index[w]}": r for w, r in fresh.items()})
         if losses:
             metrics["loss"] = sum(losses) / len(losses)
+        metrics["controller.actions"] = applied["count"]
+        metrics.update({f"controller.{kind}": n for kind, n in applied["counts"].items()})
         tracker.metrics(metrics, step=self._ticks)
         self._ticks += 1
 
@@ -471,14 +573,6 @@ class AsyncRun:
                 if not math.isnan(slot.report.loss):
                     out[f"{name}.loss"] = slot.report.loss
         return out
-
-    def _straggler_actions(self) -> int:
-        """Actions the straggler controller applied to this job (0 when it does not run)."""
-        if CONTROLLER_PLUGIN not in self.client.run_on_scheduler(_scheduler_plugins):
-            return 0
-        from antdt.controller import controller_actions
-
-        return int(controller_actions(self.client, self.job_id)["count"])
 
 
 def train_async(job: JobConfig, *, workers: int | None = None, scheduler: str | None = None,

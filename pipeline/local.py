@@ -127,7 +127,8 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None) -> JobSumm
             oracle_auc=oracle_auc(job.data.schema, [g.path for g in data.validation]),
             rows_trained=rows, rows_lost=0, rows_duplicated=0,
             rows_quarantined=data.quarantined_rows,
-            wall_s=time.perf_counter() - started, samples_per_s=rows / max(train_s, 1e-9),
+            wall_s=time.perf_counter() - started, train_s=train_s,
+            samples_per_s=rows / max(train_s, 1e-9),
         )
         tracker.summary(summary.metrics())
         log_ranking_model(step, data.schema, job,

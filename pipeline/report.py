@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import posixpath
 import re
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ class JobSummary:
     rows_quarantined: int
     wall_s: float
     samples_per_s: float
+    train_s: float = math.nan
+    """Seconds of training (first agent started to last agent ended; local mode: the loop)."""
     straggler_actions: int = 0
     """Actions the straggler controller applied (0 in the local mode or without a controller)."""
 

@@ -74,6 +74,9 @@ class Tracker:
     def summary(self, values: Mapping[str, float]) -> None:
         mlflow.log_metrics({k: float(v) for k, v in values.items()})
 
+    def tag(self, key: str, value: str) -> None:
+        mlflow.set_tag(key, value)
+
     def artifact_text(self, text: str, name: str) -> None:
         mlflow.log_text(text, name)
 

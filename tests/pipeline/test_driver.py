@@ -4,6 +4,7 @@ TorchRec, the antdt services, a real MLflow store; a worker process killed for r
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import dask.config
 import mlflow
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -64,7 +66,6 @@ def test_cli_trains_async_on_two_workers_and_tracks_the_run(cluster_job: Path) -
     assert summary["mode"] == "async" and summary["workers"] == 2
     assert summary["rows_trained"] == 2 * TRAIN_ROWS
     assert summary["rows_lost"] == summary["rows_duplicated"] == summary["rows_quarantined"] == 0
-    assert summary["straggler_actions"] == 0
     assert summary["auc"] > 0.6
     assert summary["samples_per_s"] > 0 and summary["wall_s"] > 0
 
@@ -76,8 +77,12 @@ def test_cli_trains_async_on_two_workers_and_tracks_the_run(cluster_job: Path) -
     assert run.data.metrics["auc"] == pytest.approx(summary["auc"])
     assert run.data.metrics["ledger.rows_done"] == 2 * TRAIN_ROWS
     assert run.data.metrics["agents_dead"] == 0
+    assert run.data.metrics["straggler_actions"] == summary["straggler_actions"]
     history = mlflow.MlflowClient().get_metric_history(summary["run_id"], "rows_done")
     assert len(history) >= 2 and history[-1].value == 2 * TRAIN_ROWS
+    actions = mlflow.MlflowClient().get_metric_history(summary["run_id"], "controller.actions")
+    assert actions and actions[-1].value == summary["straggler_actions"]
+    assert_timeline(summary["run_id"])
     assert mlflow.MlflowClient().get_metric_history(summary["run_id"], "loss")
     assert {"samples_per_s.worker0", "samples_per_s.worker1"} & set(run.data.metrics)
     assert {"worker0.rows", "worker1.rows"} <= set(run.data.metrics)
@@ -88,6 +93,55 @@ def test_cli_trains_async_on_two_workers_and_tracks_the_run(cluster_job: Path) -
     frame = pq.read_table(expand(list(job.data.validation))).to_pandas()
     assert auc(frame["label"].to_numpy(), model.predict(frame)) == pytest.approx(summary["auc"],
                                                                                  abs=1e-4)
+
+
+def assert_timeline(run_id: str) -> None:
+    """The run has its timeline PNG."""
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run_id)}
+    assert "timeline.png" in artifacts
+    png = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="timeline.png")
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+STRAGGLER_CONTROL = {
+    **FAST,
+    "antdt.monitor.window": "300ms", "antdt.monitor.persistent-windows": 2,
+    "antdt.controller.interval": "200ms", "antdt.controller.min-workers": 2,
+    "antdt.controller.policies": [
+        {"class": "antdt.controller.RevokeHung"}, {"class": "antdt.controller.ReassignStragglers"},
+        {"class": "antdt.controller.RetirePersistent", "max_fraction": 1.0}],
+}
+"""Windows short enough for a job of seconds, and persistent stragglers retired."""
+
+
+@pytest.mark.slow
+def test_a_persistent_straggler_loses_its_rows_and_is_retired(cluster_job: Path) -> None:
+    """Worker 0 is 6x slower: the controller moves its rows and retires it (its process really
+    exits); the others finish the job without losing a row."""
+    with dask.config.set(STRAGGLER_CONTROL), \
+            LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                         dashboard_address=":0") as local, Client(local) as client:
+        local.wait_for_workers(3)
+        pids = client.run(os.getpid)
+        victim = sorted(pids)[0]
+        job = load_job(cluster_job, ["train.epochs=3", "train.batch_size=256",
+                                     "train.shard_rows=2048", "faults=[{worker: 0, slowdown: 6}]"])
+        summary = train_async(job, scheduler=local.scheduler_address)
+        survivors = client.scheduler_info(n_workers=-1)["workers"]
+
+    assert summary.rows_lost == 0
+    assert summary.rows_trained == 3 * TRAIN_ROWS + summary.rows_duplicated
+    mlflow.set_tracking_uri(job.mlflow.tracking_uri)
+    path = mlflow.artifacts.download_artifacts(run_id=summary.run_id,
+                                               artifact_path="straggler_actions.yaml")
+    actions = yaml.safe_load(Path(path).read_text())
+    assert summary.straggler_actions == len(actions) >= 1
+    assert {a["worker"] for a in actions} == {victim}
+    assert any(a["action"] == "retire" and "persistent" in a["reason"] for a in actions)
+    assert victim not in survivors
+    assert not psutil.pid_exists(pids[victim]) or \
+        psutil.Process(pids[victim]).status() == psutil.STATUS_ZOMBIE
+    assert_timeline(summary.run_id)
 
 
 @pytest.mark.slow
