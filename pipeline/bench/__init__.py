@@ -15,7 +15,10 @@ import click
 
 COMMANDS = {
     "data": "pipeline.bench.data",
+    "quality": "pipeline.bench.quality",
+    "scaling": "pipeline.bench.scaling",
     "sharding": "pipeline.bench.sharding",
+    "stragglers": "pipeline.bench.stragglers",
     "train": "pipeline.bench.train",
 }
 

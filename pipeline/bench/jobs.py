@@ -1,0 +1,92 @@
+"""What the distributed benchmarks share: their data, their job, and one run of it.
+
+Each run starts its own LocalCluster (like ``antdt train --workers N``), so the runs of a
+benchmark are independent and measured the same way: ``train_s`` from the first agent's start to
+the last agent's end, rows from the ledger. The runs go to the MLflow experiment ``antdt-bench``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import click
+
+from data.synth import generate
+from pipeline.config import FaultConfig, JobConfig, Sharding, job_from_dict, load_job
+from pipeline.driver import AsyncRun, Slot, connect
+from pipeline.local import prepare_data
+from pipeline.report import JobSummary
+
+logger = logging.getLogger(__name__)
+
+EXPERIMENT = "antdt-bench"
+
+
+def synthetic_job(folder: str, *, rows: int, days: int = 4, seed: int = 0,
+                  batch_size: int = 4096) -> JobConfig:
+    """A DLRM job on ``rows`` synthetic rows in ``folder`` (made once, then reused): the last
+    day validates, the others train."""
+    schema = os.path.join(folder, "schema.yaml")
+    if not os.path.exists(os.path.join(folder, "oracle.json")):
+        generate(folder, rows=rows, days=days, seed=seed, files_per_day=2,
+                 row_group_rows=16_384)
+    days_found = sorted(d for d in os.listdir(folder) if d.startswith("date="))
+    return job_from_dict({
+        "name": f"bench-{rows}",
+        "data": {"train": [os.path.join(folder, d) for d in days_found[:-1]],
+                 "validation": os.path.join(folder, days_found[-1]), "schema": schema},
+        "model": {"arch": "dlrm", "embedding_dim": 16},
+        "train": {"batch_size": batch_size, "seed": seed, "sync_period": 0.1,
+                  "shard_rows": 4 * batch_size},
+        "mlflow": {"experiment": EXPERIMENT},
+    }, source=f"benchmark job on {folder}")
+
+
+def default_job(path: str) -> JobConfig:
+    """The job at ``path`` (tracked in the benchmark experiment); a clear error when its data
+    is missing."""
+    job = load_job(path, ["mlflow.experiment=" + EXPERIMENT])
+    if not os.path.exists(job.data.schema):
+        raise click.UsageError(f"{path}: its schema {job.data.schema} does not exist; make the "
+                               "demo data first (`make demo-data`)")
+    return job
+
+
+def with_train(job: JobConfig, *, sharding: Sharding | None = None,
+               faults: Sequence[FaultConfig] = (), **train: Any) -> JobConfig:
+    """``job`` with ``train`` fields (and ``sharding``) replaced and ``faults`` injected."""
+    if sharding is not None:
+        train["sharding"] = sharding
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, **train),
+                               faults=tuple(faults))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One benchmark run: its summary, its agents (rows, busy seconds, start and end), when
+    each worker's first lease started (seconds after training started) and why the driver
+    stopped it, if it did."""
+
+    summary: JobSummary
+    slots: list[Slot]
+    first_lease: dict[str, float]
+    stopped: str | None
+
+
+def run_async(job: JobConfig, workers: int, *, deadline_s: float | None = None) -> Outcome:
+    """Train ``job`` on a new LocalCluster of ``workers`` single-threaded workers."""
+    data = prepare_data(job)
+    with connect(workers) as client:
+        run = AsyncRun(job, client, data=data, deadline_s=deadline_s)
+        summary = run.run()
+    return Outcome(summary, run.slots, run.first_leases(), run.stopped)
+
+
+def echo(message: str, quiet: bool) -> None:
+    """A progress line on stderr (not with ``--json``, whose stdout is one JSON object)."""
+    if not quiet:
+        click.echo(message, err=True)

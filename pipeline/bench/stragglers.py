@@ -1,0 +1,170 @@
+"""`antdt bench stragglers`: the same job three ways under an injected fault, on real workers.
+
+Ways (``train.sharding``): ``static`` deals each worker a fixed 1/N of the shards up front;
+``pull`` leases shards dynamically with the controller off; ``antdt`` leases dynamically with
+the straggler controller on. Scenarios (faults on worker 0, by fault injection, so rates are
+known: the slowdown sleeps in proportion to the measured compute):
+
+* ``none``        no fault;
+* ``persistent``  worker 0 is ``--slowdown`` (4) times slower for the whole job;
+* ``transient``   worker 0 is ``--slowdown`` times slower for its first quarter of its share;
+* ``hang``        worker 0 stops for good at 20% of its share (20% into the epoch);
+* ``crash``       worker 0's process exits at 30% of its share (the nanny starts a new one).
+
+``ideal_s`` is what perfect sharing of the measured capacity would take: every agent trains at
+its measured rate (rows / busy seconds, injected slowness included) from its first lease (its
+model built) until it hangs or dies (for good: never), and the rows are shared so that all
+finish together. The monitor's window is ``--monitor-window`` (2 s: these jobs last tens of
+seconds; the default 10 s suits jobs of hours).
+``efficiency = ideal_s / wall_s`` with ``wall_s`` the training seconds. A way that cannot finish
+(a hang under ``static`` or ``pull``) is stopped after ``--deadline-factor`` x the ``antdt``
+way's time: it reports ``finished: false``, efficiency 0 and the rows it lost.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import click
+import dask
+
+from data.files import expand, row_groups
+from pipeline.bench import emit
+from pipeline.bench.jobs import Outcome, echo, run_async, synthetic_job, with_train
+from pipeline.config import FaultConfig, JobConfig, Sharding
+
+SCENARIOS = ("none", "persistent", "transient", "hang", "crash")
+WAYS: tuple[Sharding, ...] = ("antdt", "pull", "static")
+
+
+def scenario_faults(scenario: str, share: int, slowdown: float) -> list[FaultConfig]:
+    """The faults of ``scenario`` on worker 0, whose share of the rows is ``share``."""
+    if scenario == "persistent":
+        return [FaultConfig(worker=0, slowdown=slowdown)]
+    if scenario == "transient":
+        return [FaultConfig(worker=0, slowdown=slowdown, slow_for_rows=share // 4)]
+    if scenario == "hang":
+        return [FaultConfig(worker=0, hang_after_rows=share // 5)]
+    if scenario == "crash":
+        return [FaultConfig(worker=0, crash_after_rows=3 * share // 10)]
+    return []
+
+
+def ideal_seconds(outcome: Outcome, rows: int, faults: list[FaultConfig]) -> float:
+    """The training time of perfect sharing of the measured capacity (module docstring)."""
+    hanging = {f.worker for f in faults if f.hang_after_rows is not None}
+    windows = []
+    for slot in outcome.slots:
+        start = outcome.first_lease.get(slot.worker)
+        if slot.rows <= 0 or slot.busy_s <= 0 or start is None:
+            continue
+        end = math.inf
+        if slot.index in hanging and not slot.join:
+            end = start + slot.busy_s
+        elif slot.dead and slot.ended is not None:
+            end = slot.ended
+        windows.append((slot.rows / slot.busy_s, start, end))
+    if not windows:
+        return math.nan
+
+    def done(t: float) -> float:
+        return sum(rate * max(0.0, min(t, end) - start) for rate, start, end in windows)
+
+    low, high = 0.0, 1.0
+    while done(high) < rows:
+        high *= 2
+        if high > 1e9:
+            return math.nan
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if done(mid) < rows else (low, mid)
+    return high
+
+
+def others_rate(outcome: Outcome) -> float:
+    """Rows per second of the workers other than worker 0 (their rows from their first lease
+    to their end)."""
+    total = 0.0
+    for slot in outcome.slots:
+        start = outcome.first_lease.get(slot.worker)
+        if slot.index != 0 and not slot.join and slot.ended is not None and start is not None \
+                and slot.ended > start:
+            total += slot.rows / (slot.ended - start)
+    return total
+
+
+def run_way(job: JobConfig, way: Sharding, workers: int, faults: list[FaultConfig],
+            deadline_s: float | None) -> dict[str, Any]:
+    outcome = run_async(with_train(job, sharding=way, faults=faults), workers,
+                        deadline_s=deadline_s)
+    summary = outcome.summary
+    rows = summary.rows_trained - summary.rows_duplicated + summary.rows_lost
+    ideal = ideal_seconds(outcome, rows, faults)
+    finished = outcome.stopped is None
+    return {
+        "wall_s": round(summary.train_s, 2), "finished": finished,
+        "ideal_s": round(ideal, 2),
+        "efficiency": round(ideal / summary.train_s, 3) if finished else 0.0,
+        "rows_trained": summary.rows_trained, "rows_lost": summary.rows_lost,
+        "rows_duplicated": summary.rows_duplicated,
+        "samples_per_s": round(summary.samples_per_s),
+        "others_samples_per_s": round(others_rate(outcome)),
+        "straggler_actions": summary.straggler_actions, "run_id": summary.run_id}
+
+
+def run_scenario(job: JobConfig, name: str, ways: list[Sharding], workers: int,
+                 faults: list[FaultConfig], deadline_factor: float,
+                 quiet: bool) -> dict[str, Any]:
+    """Every way of one scenario; the ``antdt`` way's time sets the others' deadline."""
+    out: dict[str, Any] = {}
+    deadline = None
+    for way in ways:
+        echo(f"{name}: {way}", quiet)
+        out[way] = run_way(job, way, workers, faults, deadline)
+        if way == "antdt":
+            deadline = deadline_factor * out[way]["wall_s"] + 30.0
+    return out
+
+
+@click.command("stragglers")
+@click.option("--scenario", "scenarios", default="persistent", show_default=True,
+              help=f"Comma-separated scenarios among {', '.join(SCENARIOS)}.")
+@click.option("--workers", type=click.IntRange(min=2), default=4, show_default=True)
+@click.option("--rows", type=click.IntRange(min=10_000), default=600_000, show_default=True)
+@click.option("--data", "data_dir", default=".antdt-bench/stragglers", show_default=True,
+              help="Where the synthetic data is made (then reused).")
+@click.option("--slowdown", type=click.FloatRange(min=1.0), default=4.0, show_default=True)
+@click.option("--ways", default=",".join(WAYS), show_default=True,
+              help="Comma-separated ways to run (antdt first: it sets the others' deadline).")
+@click.option("--deadline-factor", type=click.FloatRange(min=1.0), default=3.0,
+              show_default=True)
+@click.option("--monitor-window", default="2s", show_default=True,
+              help="antdt.monitor.window of the runs.")
+@click.option("--json", "as_json", is_flag=True)
+def command(scenarios: str, workers: int, rows: int, data_dir: str, slowdown: float, ways: str,
+            deadline_factor: float, monitor_window: str, as_json: bool) -> None:
+    """Static, pull and antdt sharding under a straggler, a hang or a crash (efficiency =
+    ideal_s / wall_s; targets with 4 workers: persistent >= 0.90, hang >= 0.85)."""
+    names = scenarios.split(",")
+    for name in names:
+        if name not in SCENARIOS:
+            raise click.BadParameter(f"unknown scenario {name!r}; expected one of "
+                                     f"{list(SCENARIOS)}", param_hint="--scenario")
+    chosen = [w for w in WAYS if w in ways.split(",")]
+    job = with_train(synthetic_job(data_dir, rows=rows), mode="async")
+    train_rows = sum(g.num_rows for g in row_groups(expand(list(job.data.train))))
+    result: dict[str, Any] = {"workers": workers, "rows": rows, "slowdown": slowdown,
+                              "monitor_window": monitor_window, "scenarios": {}}
+    with dask.config.set({"antdt.monitor.window": monitor_window}):
+        for name in names:
+            result["scenarios"][name] = run_scenario(job, name, chosen, workers,
+                                                     scenario_faults(name, train_rows // workers,
+                                                                     slowdown),
+                                                     deadline_factor, as_json)
+    runs = result["scenarios"]
+    if "none" in runs and "persistent" in runs and "antdt" in chosen:
+        before = runs["none"]["antdt"]["others_samples_per_s"]
+        result["straggler_tolerance"] = round(
+            runs["persistent"]["antdt"]["others_samples_per_s"] / before, 3) if before else None
+    emit(result, as_json)
