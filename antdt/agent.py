@@ -323,7 +323,8 @@ class Agent:
                                        self.trainer.tables())
             self.sync = BackgroundSync(self.replica, spec.job, worker=self.worker,
                                        period_s=spec.sync_period_s)
-        self._leasing = False
+        self._lease_reads: int | None = None
+        """While leasing: how often the ShardClient read the synced rows (None: not leasing)."""
         self.shards = ShardClient(spec.job, worker=self.worker,
                                   synced_rows=None if self.sync is None else self._synced_rows)
         self.rows = self.batches = self.leases = 0
@@ -379,11 +380,11 @@ class Agent:
 
     def _train(self) -> Outcome:
         while not self.cancelled.is_set():
-            self._leasing = True
+            self._lease_reads = 0
             try:
                 lease = self.shards.lease()
             finally:
-                self._leasing = False
+                self._lease_reads = None
             if lease is None:
                 return "finished" if self._job_state() == "finished" else "stopped"
             self.leases += 1
@@ -452,15 +453,19 @@ class Agent:
     def _synced_rows(self) -> int:
         """The ShardClient's synced-rows source in the async mode.
 
-        While waiting for a lease (every trained row is in the ledger) the agent publishes its
-        newest deltas itself, instead of only in group exchanges: a worker without live peers
-        (the others died) is never grouped, yet its rows are synced as soon as they are
-        published, and without this its last leases would never complete.
+        While waiting for a lease (the ledger said "wait" at least once: every trained row is in
+        the ledger) the agent publishes its newest deltas itself, instead of only in group
+        exchanges: a worker without live peers (the others died) is never grouped, yet its rows
+        are synced as soon as they are published, and without this its last leases would never
+        complete. The first read of a lease call does not publish: leasing the next shard must
+        not wait for a copy of the touched rows.
         """
         assert self.sync is not None and self.replica is not None
-        if self._leasing:
-            with self.replica.lock:
-                self.replica.log.publish(self.replica.rows_offset)
+        if self._lease_reads is not None:
+            if self._lease_reads:
+                with self.replica.lock:
+                    self.replica.log.publish(self.replica.rows_offset)
+            self._lease_reads += 1
         return self.sync.synced_offset
 
     # ---- faults -------------------------------------------------------------------------------

@@ -121,14 +121,17 @@ class ShardClient:
 
     def lease(self) -> Lease | None:
         """The next lease, sending pending commits with the request; None when the job is over
-        (finished or stopped). Waits (server side, then again) while rows may still come back."""
+        (finished or stopped). While rows may still come back it asks again, waiting server side
+        (the first request does not wait: a "wait" reply lets the synced-rows source publish)."""
         if self._current is not None:
             raise LedgerError(f"job {self.job!r}: lease {self._current.lease.lease_id} is not "
                               f"finished; commit up to its end before leasing again")
+        wait_s = 0.0
         while True:
             self._sync_to(None)
             reply = self._rpc("antdt_lease", worker=self.address, commits=self._pending(),
-                              claim_rows=self._claim_rows(), wait_s=self.lease_wait_s)
+                              claim_rows=self._claim_rows(), wait_s=wait_s)
+            wait_s = self.lease_wait_s
             msg = reply["lease"]
             if msg["kind"] == "stop":
                 logger.info("job %s: %s stops leasing (%s)", self.job, self.address,
