@@ -9,7 +9,7 @@ FBGEMM ?= fbgemm-gpu-cpu==1.8.0
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 STAMP  := $(VENV)/.antdt-installed
 
-.PHONY: setup demo test test-fast bench typecheck clean constraints
+.PHONY: setup demo demo-data test test-fast bench typecheck clean constraints
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt Makefile
@@ -25,6 +25,8 @@ DEMO_DATA := demo-data/synthetic
 demo: setup $(DEMO_DATA)/oracle.json
 	$(BIN)/antdt train jobs/synthetic.yaml --mode async --workers 2
 
+demo-data: $(DEMO_DATA)/oracle.json
+
 $(DEMO_DATA)/oracle.json: | $(STAMP)
 	$(BIN)/antdt data synth $(DEMO_DATA) --rows 2800000 --days 7 --seed 0
 
@@ -34,10 +36,13 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
-bench: setup
+bench: setup $(DEMO_DATA)/oracle.json
 	$(BIN)/antdt bench data --json
 	$(BIN)/antdt bench train --json
 	$(BIN)/antdt bench sharding --json
+	$(BIN)/antdt bench quality --json
+	$(BIN)/antdt bench scaling --json
+	$(BIN)/antdt bench stragglers --scenario none,persistent,transient,hang,crash --json
 
 typecheck: setup
 	$(BIN)/python -m mypy antdt

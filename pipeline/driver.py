@@ -14,7 +14,7 @@ It reads top to bottom like the local trainer, with a cluster in the middle::
          of leases and actions) ─► summary
 
 The training step and the reader reach the workers as small picklable recipes
-(:class:`TrainerRecipe`, :class:`ReaderRecipe`); ``antdt`` never imports this package.
+(:mod:`pipeline.recipes`); ``antdt`` never imports this package.
 """
 
 from __future__ import annotations
@@ -34,20 +34,17 @@ from typing import Any
 import torch
 from distributed import Client, Future, LocalCluster, wait
 from distributed.scheduler import KilledWorker
-from torchrec.datasets.utils import Batch
 
 from antdt import agent, controller, service, sync_service
 from antdt.errors import AntdtError, DataError
 from antdt.sharding import QuarantineSpec
 from data.files import RowGroup, expand, row_groups
 from data.reader import ShardReader
-from data.schema import Schema
-from models.config import ModelConfig, OptimConfig
 from models.evaluate import evaluate
-from models.ranking import dense_parameters, embedding_tables
 from models.train_step import TrainStep
 from pipeline.config import JobConfig
 from pipeline.local import PreparedData, iterate_batches, prepare_data
+from pipeline.recipes import ReaderRecipe, TrainerRecipe
 from pipeline.report import JobSummary, ProgressSink, oracle_auc
 from pipeline.serving import log_ranking_model
 from pipeline.timeline import ActionMark, LeaseSpan, render_timeline
@@ -58,63 +55,6 @@ logger = logging.getLogger(__name__)
 TICK_S = 1.0
 """The driver's watch loop: how often it reads the ledger, the controller's actions, the agents'
 events and the workers."""
-
-
-# ---- what travels to the workers -------------------------------------------------------------
-
-
-class RankingTrainer:
-    """:class:`antdt.agent.Trainer` over a :class:`TrainStep`: the tables the async mode syncs
-    are the fused embedding tables (views of the FBGEMM storage), one per sparse feature, named
-    like the features of a batch's ``KeyedJaggedTensor``."""
-
-    def __init__(self, train_step: TrainStep) -> None:
-        self.train_step = train_step
-        self._dense = [p for _, p in dense_parameters(train_step.model)]
-        self._tables = embedding_tables(train_step.model)
-
-    def step(self, batch: Batch) -> float:
-        return self.train_step.step(batch)
-
-    def touched(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Per feature, the bucket ids ``(k,)`` int64 of the batch (duplicates included)."""
-        kjt = batch.sparse_features
-        return dict(zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key())))
-
-    def dense(self) -> list[torch.Tensor]:
-        return list(self._dense)
-
-    def tables(self) -> dict[str, torch.Tensor]:
-        return dict(self._tables)
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """The model's weights on the CPU (no optimiser state: what serving needs)."""
-        return {k: v.detach().cpu().clone() for k, v in self.train_step.model.state_dict().items()}
-
-
-@dataclass(frozen=True)
-class TrainerRecipe:
-    """Builds a :class:`RankingTrainer` on a worker; the seed makes every replica start equal."""
-
-    schema: Schema
-    model: ModelConfig
-    optim: OptimConfig
-    seed: int
-
-    def __call__(self, device: torch.device) -> RankingTrainer:
-        return RankingTrainer(TrainStep(self.schema, self.model, self.optim, device=device,
-                                        seed=self.seed))
-
-
-@dataclass(frozen=True)
-class ReaderRecipe:
-    """Builds the worker's :class:`ShardReader` (converting with ``threads`` threads)."""
-
-    schema: Schema
-    threads: int
-
-    def __call__(self) -> ShardReader:
-        return ShardReader(self.schema, threads=self.threads)
 
 
 # ---- the ledger's view of the data -------------------------------------------------------------
@@ -298,7 +238,7 @@ class AsyncRun:
         ensure_plugins(self.client)
         # Import the training stack (torch, TorchRec, the recipes' modules) on every worker now,
         # not while the agents start: seconds per process that are not training.
-        self.client.run(importlib.import_module, __name__)
+        self.client.run(importlib.import_module, "pipeline.recipes")
         initial = sorted(_workers(self.client))
         if not initial:
             raise AntdtError("the cluster has no workers; expected at least one")
