@@ -26,10 +26,12 @@ logger = logging.getLogger(__name__)
 EXPERIMENT = "antdt-bench"
 
 
-def synthetic_job(folder: str, *, rows: int, days: int = 4, seed: int = 0,
+def synthetic_job(folder: str | None, *, rows: int, days: int = 4, seed: int = 0,
                   batch_size: int = 4096) -> JobConfig:
-    """A DLRM job on ``rows`` synthetic rows in ``folder`` (made once, then reused): the last
-    day validates, the others train."""
+    """A DLRM job on ``rows`` synthetic rows in ``folder`` (default
+    ``.antdt-bench/synthetic-ROWS``; made once, then reused): the last day validates, the others
+    train."""
+    folder = folder or os.path.join(".antdt-bench", f"synthetic-{rows}")
     schema = os.path.join(folder, "schema.yaml")
     if not os.path.exists(os.path.join(folder, "oracle.json")):
         generate(folder, rows=rows, days=days, seed=seed, files_per_day=2,

@@ -19,15 +19,16 @@ from pipeline.local import train_local
               help="The job to train (its data must exist: `make demo-data`).")
 @click.option("--rows", type=click.IntRange(min=10_000), default=None,
               help="Instead of --job, a synthetic job of this many rows (made in --data).")
-@click.option("--data", "data_dir", default=".antdt-bench/quality", show_default=True,
-              help="Where --rows makes (and then reuses) its synthetic data.")
+@click.option("--data", "data_dir", default=None,
+              help="Where --rows makes its synthetic data, then reused (default: "
+                   ".antdt-bench/synthetic-ROWS).")
 @click.option("--workers", default="2,4", show_default=True,
               help="Comma-separated worker counts of the async runs.")
 @click.option("--tolerance", type=float, default=0.005, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def command(job_path: str, rows: int | None, data_dir: str, workers: str, tolerance: float,
-            as_json: bool) -> None:
-    """Async AUC with 2 and 4 workers versus the single-process reference (target: >= ref - 0.005)."""
+def command(job_path: str, rows: int | None, data_dir: str | None, workers: str,
+            tolerance: float, as_json: bool) -> None:
+    """Async AUC with 2 and 4 workers next to the local reference (target: >= ref - 0.005)."""
     counts = [int(w) for w in workers.split(",")]
     job = synthetic_job(data_dir, rows=rows) if rows is not None else default_job(job_path)
     echo(f"reference: {job.name} in the local mode", as_json)

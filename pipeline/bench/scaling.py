@@ -15,14 +15,15 @@ from pipeline.local import train_local
 
 
 @click.command("scaling")
-@click.option("--rows", type=click.IntRange(min=10_000), default=800_000, show_default=True)
-@click.option("--data", "data_dir", default=".antdt-bench/scaling", show_default=True,
-              help="Where the synthetic data is made (then reused).")
+@click.option("--rows", type=click.IntRange(min=10_000), default=1_200_000, show_default=True)
+@click.option("--data", "data_dir", default=None,
+              help="Where the synthetic data is made, then reused (default: "
+                   ".antdt-bench/synthetic-ROWS).")
 @click.option("--workers", default="1,2", show_default=True,
               help="Comma-separated worker counts; the ratio is the last over the first.")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def command(rows: int, data_dir: str, workers: str, repeats: int, as_json: bool) -> None:
+def command(rows: int, data_dir: str | None, workers: str, repeats: int, as_json: bool) -> None:
     """Samples/s of the async mode with 1 and 2 workers (target: 2 workers >= 1.7x one)."""
     counts = [int(w) for w in workers.split(",")]
     job = with_train(synthetic_job(data_dir, rows=rows), mode="async")

@@ -131,19 +131,20 @@ def run_scenario(job: JobConfig, name: str, ways: list[Sharding], workers: int,
 @click.option("--scenario", "scenarios", default="persistent", show_default=True,
               help=f"Comma-separated scenarios among {', '.join(SCENARIOS)}.")
 @click.option("--workers", type=click.IntRange(min=2), default=4, show_default=True)
-@click.option("--rows", type=click.IntRange(min=10_000), default=600_000, show_default=True)
-@click.option("--data", "data_dir", default=".antdt-bench/stragglers", show_default=True,
-              help="Where the synthetic data is made (then reused).")
+@click.option("--rows", type=click.IntRange(min=10_000), default=1_200_000, show_default=True)
+@click.option("--data", "data_dir", default=None,
+              help="Where the synthetic data is made, then reused (default: "
+                   ".antdt-bench/synthetic-ROWS).")
 @click.option("--slowdown", type=click.FloatRange(min=1.0), default=4.0, show_default=True)
 @click.option("--ways", default=",".join(WAYS), show_default=True,
               help="Comma-separated ways to run (antdt first: it sets the others' deadline).")
-@click.option("--deadline-factor", type=click.FloatRange(min=1.0), default=3.0,
+@click.option("--deadline-factor", type=click.FloatRange(min=1.0), default=2.0,
               show_default=True)
 @click.option("--monitor-window", default="2s", show_default=True,
               help="antdt.monitor.window of the runs.")
 @click.option("--json", "as_json", is_flag=True)
-def command(scenarios: str, workers: int, rows: int, data_dir: str, slowdown: float, ways: str,
-            deadline_factor: float, monitor_window: str, as_json: bool) -> None:
+def command(scenarios: str, workers: int, rows: int, data_dir: str | None, slowdown: float,
+            ways: str, deadline_factor: float, monitor_window: str, as_json: bool) -> None:
     """Static, pull and antdt sharding under a straggler, a hang or a crash (efficiency =
     ideal_s / wall_s; targets with 4 workers: persistent >= 0.90, hang >= 0.85)."""
     names = scenarios.split(",")
