@@ -74,6 +74,9 @@ from antdt.sync import (
 
 logger = logging.getLogger(__name__)
 
+MEMBER_CHECK_S = 1.0
+"""A pull unanswered this long makes the puller check that the peer is still a member."""
+
 PLUGIN_NAME = "antdt-sync"
 """Name of both halves: ``scheduler.plugins[PLUGIN_NAME]`` and ``worker.plugins[PLUGIN_NAME]``."""
 
@@ -698,14 +701,28 @@ class BackgroundSync:
 
     async def _fetch_all(self, round: int,
                          since: Mapping[str, int]) -> dict[str, PeerPayload | BaseException]:
-        """Pull every peer at once; a peer's failure is its result, not the exchange's."""
+        """Pull every peer at once; a peer's failure is its result, not the exchange's. A pull
+        that is slow to answer is given up as soon as the peer is no longer a member (its worker
+        left the cluster, e.g. retired while hung), not only after ``rpc_timeout_s``."""
         async def fetch(peer: str) -> PeerPayload:
-            msg = await asyncio.wait_for(
-                self.worker.rpc(peer).antdt_sync_pull(job=self.job,
-                                                      requester=self.worker.address,
-                                                      round=round, since_seq=since[peer]),
-                self.rpc_timeout_s)
-            return msg_to_payload(msg)
+            pull = asyncio.ensure_future(self.worker.rpc(peer).antdt_sync_pull(
+                job=self.job, requester=self.worker.address, round=round,
+                since_seq=since[peer]))
+            deadline = time() + self.rpc_timeout_s
+            try:
+                while True:
+                    left = deadline - time()
+                    if left <= 0:
+                        raise TimeoutError(f"{peer} did not answer in {self.rpc_timeout_s:g}s")
+                    done, _ = await asyncio.wait([pull], timeout=min(left, MEMBER_CHECK_S))
+                    if done:
+                        return msg_to_payload(pull.result())
+                    members: MembersMsg = await self.worker.scheduler.antdt_sync_members(
+                        job=self.job)
+                    if peer not in members["members"]:
+                        raise SyncError(f"{peer} left the job's members while we pulled")
+            finally:
+                pull.cancel()
 
         results = await asyncio.gather(*(fetch(peer) for peer in since), return_exceptions=True)
         out: dict[str, PeerPayload | BaseException] = {}
