@@ -203,19 +203,26 @@ class Monitor:
 
     def observe(self, event: CommitEvent) -> None:
         """Account one commit (a ledger listener: O(1), never raises for a well-formed event)."""
-        track = self._tracks.get(event.worker)
+        worker, rows, stats, now = event.worker, event.rows, event.stats, event.time
+        track = self._tracks.get(worker)
         if track is None:
-            track = self._tracks[event.worker] = _Track(event.time, self.settings.history)
-        start = track.since if track.last_commit is None else max(track.last_commit, track.since)
-        if event.rows > 0:
-            elapsed = max(0.0, event.time - start)
-            if track.last_commit is not None:
-                track.gap = elapsed if track.gap is None else \
-                    GAP_WEIGHT * elapsed + (1 - GAP_WEIGHT) * track.gap
-            track.rows += event.rows
-            track.busy += float(event.stats.get(BUSY, elapsed))
-            track.batches += float(event.stats.get(BATCHES, event.rows / self.batch_rows))
-        track.last_commit = event.time
+            track = self._tracks[worker] = _Track(now, self.settings.history)
+        last = track.last_commit
+        if rows > 0:
+            since = track.since
+            elapsed = max(0.0, now - (since if last is None or since > last else last))
+            if last is not None:
+                gap = track.gap
+                track.gap = elapsed if gap is None else \
+                    GAP_WEIGHT * elapsed + (1 - GAP_WEIGHT) * gap
+            track.rows += rows
+            if stats:
+                track.busy += float(stats.get(BUSY, elapsed))
+                track.batches += float(stats.get(BATCHES, rows / self.batch_rows))
+            else:  # the common case, without a lookup per stat
+                track.busy += elapsed
+                track.batches += rows / self.batch_rows
+        track.last_commit = now
 
     def update(self, holders: Iterable[str], training: Callable[[str], bool] = _always) -> None:
         """Close the windows that ended by now and re-check hangs.
@@ -230,29 +237,30 @@ class Monitor:
             self._close_window(self._window_end, set(holding), training)
             self._window_end += self.settings.window_s
         self._updates += 1
-        settings = self.settings
-        for worker in holding:
-            track = self._tracks.get(worker)
+        updates, tracks, settings = self._updates, self._tracks, self.settings
+        floor, factor, median_gap = settings.hang_floor_s, settings.hang_factor, self.median_gap
+        for worker in holding:  # every holder at every tick: hot, hence the locals
+            track = tracks.get(worker)
             if track is None:
-                track = self._tracks[worker] = _Track(now, settings.history)
-            elif track.seen_update != self._updates - 1:
+                track = tracks[worker] = _Track(now, settings.history)
+            elif track.seen_update != updates - 1:
                 track.since = now  # it (re)became a holder since the last update
-            track.seen_update = self._updates
-            last = track.since if track.last_commit is None else max(track.last_commit,
-                                                                     track.since)
-            track.silent = now - last
-            gap = track.gap if track.gap is not None else self.median_gap
-            track.timeout = settings.hang_floor_s if gap is None else \
-                max(settings.hang_floor_s, settings.hang_factor * gap)
-            hung = track.silent > track.timeout and training(worker)
+            track.seen_update = updates
+            since, last = track.since, track.last_commit
+            silent = track.silent = now - (since if last is None or since > last else last)
+            gap = track.gap
+            if gap is None:
+                gap = median_gap
+            timeout = track.timeout = floor if gap is None else max(floor, factor * gap)
+            hung = silent > timeout and training(worker)
             if hung != track.hung:
                 track.hung = hung
                 if hung:
                     logger.info("worker %s hung: no commit for %.1fs (timeout %.1fs)", worker,
                                 track.silent, track.timeout)
                 self._flag(worker, track)
-        for worker in [w for w in self._flagged if self._tracks[w].seen_update != self._updates]:
-            track = self._tracks[worker]  # no longer a holder: cannot be hung
+        for worker in [w for w in self._flagged if tracks[w].seen_update != updates]:
+            track = tracks[worker]  # no longer a holder: cannot be hung
             if track.hung:
                 track.hung = False
                 self._flag(worker, track)

@@ -31,7 +31,7 @@ leases with a claim of ``claim-intervals`` intervals of training at its measured
 at the first batch end after each ``commit-interval`` (or when its claim is used up), rides the
 final commit of a lease on the next lease call, and obeys ``Revoked``. Rows are committed as
 synced at once (local mode). A waiting worker (``Wait``) is woken when rows are queued again.
-The simulation is event-driven: a heap of (time, worker) events, so its cost grows with the
+The simulation is event-driven: a queue of (time, worker) events, so its cost grows with the
 number of commits, not with workers x time.
 
 Efficiency
@@ -53,15 +53,18 @@ must report every row done, none lost, ``rows_trained == rows_done + rows_duplic
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import multiprocessing
 import time
+from array import array
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from functools import partial
+from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
@@ -75,6 +78,7 @@ from antdt.sharding import (Claim, CommitEvent, Finished, Lease, Revoked, RowGro
 
 Strategy = Literal["static", "pull", "antdt"]
 STRATEGIES: tuple[Strategy, ...] = ("static", "pull", "antdt")
+"""Every strategy, cheapest to simulate first."""
 SHARDS_PER_GROUP = 10
 GROUPS_PER_FILE = 100
 
@@ -253,7 +257,97 @@ def static_makespan(scenario: Scenario, workers: Sequence[Profile]) -> float:
 
 # ---- dynamic leasing --------------------------------------------------------------------------
 
-_WORK, _DIE, _RESTART, _TICK = 0, 1, 2, 3
+
+class _Worker:
+    """A simulated worker: its speed profile and what its ShardClient knows. A worker that
+    leaves the cluster is ``gone`` (its pending events are void); its restart is a new
+    ``_Worker`` of the next ``generation``.
+
+    It keeps the step of its profile in force at its latest RPC (``_since`` to ``_until``, at
+    ``_speed``, ``_done`` to ``_done_until`` rows of work): steps last many RPCs, so most
+    look-ups need no search. They return exactly what the :class:`Profile` methods return."""
+
+    __slots__ = ("index", "generation", "name", "profile", "lease", "shard", "offset", "claim",
+                 "base", "last_rpc", "rate", "gone", "_since", "_until", "_speed", "_done",
+                 "_done_until")
+
+    def __init__(self, index: int, generation: int, profile: Profile, now: float) -> None:
+        self.index = index
+        self.generation = generation
+        self.name = f"w{index}.{generation}" if generation else f"w{index}"
+        self.profile = profile
+        self.lease: Lease | None = None
+        self.shard = 0
+        """The lease's shard (its index in the simulator's tally)."""
+        self.offset = 0
+        """The lease's committed offset."""
+        self.claim = 0
+        """The end of the lease's claim."""
+        self.base = 0.0
+        """The profile's work (rows) accounted for by commits and leases so far."""
+        self.last_rpc = now
+        self.rate = 0.0
+        """Rows/s measured between RPCs, as the ShardClient does (0: none yet)."""
+        self.gone = False
+        self._step(now)
+
+    def _step(self, t: float) -> None:
+        """Keep the step in force at ``t``."""
+        profile = self.profile
+        i = bisect_right(profile.times, t) - 1
+        last = i + 1 == len(profile.times)
+        self._since, self._speed, self._done = profile.times[i], profile.rates[i], profile.cum[i]
+        self._until = math.inf if last else profile.times[i + 1]
+        self._done_until = math.inf if last else profile.cum[i + 1]
+
+    def move(self, t: float) -> float:
+        """Move to ``t`` (no earlier than the last move); returns ``profile.work(t)``."""
+        if not t < self._until:
+            self._step(t)
+        return self._done + self._speed * (t - self._since)
+
+    def work(self, t: float) -> float:
+        """``profile.work(t)``."""
+        if self._since <= t < self._until:
+            return self._done + self._speed * (t - self._since)
+        return self.profile.work(t)
+
+    def time_at(self, work: float) -> float:
+        """``profile.time_at(work)``."""
+        if self._done <= work < self._done_until and self._speed > 0:
+            return self._since + (work - self._done) / self._speed
+        return self.profile.time_at(work)
+
+
+_Event: TypeAlias = _Worker | Callable[[], None]
+"""A worker (its next RPC is due) or a cluster event (death, restart, controller tick)."""
+
+
+class _Events:
+    """The event queue: events by virtual time, those due at the same time in the order they
+    were put. A heap of the distinct due times plus a list of events per time: a heap step
+    compares two floats rather than two tuples, and an event costs no tuple."""
+
+    def __init__(self) -> None:
+        self._times: list[float] = []
+        self._due: dict[float, list[_Event]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._times)
+
+    def put(self, t: float, event: _Event) -> None:
+        due = self._due.get(t)
+        if due is None:
+            self._due[t] = [event]
+            heapq.heappush(self._times, t)
+        else:
+            due.append(event)
+
+    def pop(self) -> tuple[float, list[_Event]]:
+        """The earliest due time and its events; events put for that time from now on come
+        out of a later call."""
+        t = heapq.heappop(self._times)
+        return t, self._due.pop(t)
 
 
 class _Dynamic:
@@ -263,36 +357,28 @@ class _Dynamic:
     def __init__(self, scenario: Scenario, workers: Sequence[Profile], controlled: bool,
                  policies: Sequence[ControllerPolicy] | None) -> None:
         self.s = scenario
-        self.profiles = workers
         self.now = 0.0
-        n = scenario.workers
-        self.ledger = ShardLedger(scenario.row_groups(), shard_rows=scenario.shard_rows,
+        row_groups = scenario.row_groups()
+        self.ledger = ShardLedger(row_groups, shard_rows=scenario.shard_rows,
                                   batch_rows=scenario.batch_rows, clock=self.clock,
                                   max_claim_rows=scenario.shard_rows, job="sim",
                                   seed=scenario.seed)
-        self.first_group = {path: g for g, (path, number, _) in enumerate(scenario.row_groups())
+        self.first_group = {path: g for g, (path, number, _) in enumerate(row_groups)
                             if number == 0}
-        self.names = [f"w{i}" for i in range(n)]
-        self.index = {name: i for i, name in enumerate(self.names)}
-        self.shard = [0] * n
-        self.lease: list[Lease | None] = [None] * n
-        self.offset = [0] * n
-        self.claim = [0] * n
-        self.base = [0.0] * n
-        self.last_rpc = [0.0] * n
-        self.since_rpc = [0] * n
-        self.rate = [0.0] * n
-        self.gen = [0] * n
-        self.alive = set(self.names)
-        self.waiting: list[tuple[int, int]] = []
-        self.heap: list[tuple[float, int, int, int, int]] = []
-        self.seq = 0
-        self.tally = [0] * scenario.shards
+        self.workers = [_Worker(i, 0, profile, 0.0) for i, profile in enumerate(workers)]
+        """The workers as they start."""
+        self.by_name = {worker.name: worker for worker in self.workers}
+        self.alive = set(self.by_name)
+        self.waiting: list[_Worker] = []
+        self.events = _Events()
+        self.tally = array("q", [0]) * scenario.shards
         self.total_rows = scenario.total_rows
+        self.shard_rows = scenario.shard_rows
         self.batch = scenario.batch_rows
         assert scenario.commit_s is not None and scenario.claim_intervals is not None
         self.commit_s = scenario.commit_s
         self.claim_s = scenario.commit_s * scenario.claim_intervals
+        self.tick_s = scenario.tick_s or 1.0
         self.ops = 0
         self.rpcs = 0
         self.finished_at: float | None = None
@@ -310,27 +396,22 @@ class _Dynamic:
         return self.now
 
     def run(self) -> dict[str, Any]:
-        for i, profile in enumerate(self.profiles):
-            self._push(0.0, _WORK, i)
-            for t in profile.deaths:
-                self._push(t, _DIE, i)
+        for worker in self.workers:
+            self.events.put(0.0, worker)
+            for t in worker.profile.deaths:
+                self.events.put(t, partial(self._die, worker))
         if self.controller is not None:
-            self._push(self.s.tick_s or 1.0, _TICK, -1)
-        heap = self.heap
-        work = self._work
-        while heap and self.finished_at is None:
-            t, _, kind, i, gen = heapq.heappop(heap)
-            self.now = t
-            if kind == _TICK:
-                self._tick()
-            elif gen != self.gen[i]:
-                continue
-            elif kind == _WORK:
-                work(i, t)
-            elif kind == _DIE:
-                self._die(i)
-            else:
-                self._restart(i)
+            self.events.put(self.tick_s, self._tick)
+        collecting = gc.isenabled()
+        # The loop leaves no cyclic garbage, but it keeps a few live objects per worker (its
+        # lease, the ledger's state of it, its next event) that every collection would traverse
+        # again and again: with 10,000 workers collections took ~9% of an antdt run.
+        gc.disable()
+        try:
+            self._loop()
+        finally:
+            if collecting:
+                gc.enable()
         if self.finished_at is None:
             raise AccountingError(f"the simulated job never finished: {self.ledger.summary()}")
         self._check()
@@ -338,129 +419,129 @@ class _Dynamic:
                 "control_s": self.control_s, **{k: v for k, v in self.ledger.summary().items()
                                                 if k.startswith("rows_")}}
 
+    def _loop(self) -> None:
+        """Carry out the events in time order until the job is done or nothing is left."""
+        events = self.events
+        work = self._work
+        while events:
+            t, due = events.pop()
+            self.now = t
+            for event in due:
+                if isinstance(event, _Worker):
+                    if not event.gone:
+                        work(event, t)
+                else:
+                    event()
+                if self.finished_at is not None:
+                    return
+
     # ---- worker behaviour ---------------------------------------------------------------------
 
-    def _push(self, t: float, kind: int, i: int) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, kind, i, self.gen[i] if i >= 0 else 0))
-
-    def _claim_rows(self, i: int) -> int | None:
-        rate = self.rate[i]
-        return max(1, int(rate * self.claim_s)) if rate > 0 else None
-
-    def _rpc(self, i: int, t: float) -> None:
-        """Measure the rate between RPCs as the ShardClient does."""
+    def _work(self, worker: _Worker, t: float) -> None:
+        """The worker's RPC at ``t``: a commit of what it trained since the last one (the final
+        commit of a lease rides on the next lease call), or a lease call. Like the ShardClient
+        it asks for a claim at the rate measured before this RPC, then measures the rate over
+        the rows this RPC commits."""
+        rate = worker.rate
+        claim_rows = max(1, int(rate * self.claim_s)) if rate > 0 else None
         self.rpcs += 1
-        elapsed = t - self.last_rpc[i]
-        if elapsed > 0 and self.since_rpc[i]:
-            rate = self.since_rpc[i] / elapsed
-            self.rate[i] = rate if self.rate[i] <= 0 else 0.5 * (self.rate[i] + rate)
-        self.last_rpc[i] = t
-        self.since_rpc[i] = 0
-
-    def _work(self, i: int, t: float) -> None:
-        lease = self.lease[i]
-        claim_rows = self._claim_rows(i)
+        elapsed = t - worker.last_rpc
+        worker.last_rpc = t
+        done = worker.move(t)
+        lease = worker.lease
         if lease is None:
-            self._rpc(i, t)
-            self._lease(i, t, claim_rows)
+            self._lease(worker, t, claim_rows, done)
             return
         batch = self.batch
-        offset = self.offset[i]
-        base = self.base[i]
-        rows = min(int((self.profiles[i].work(t) - base + 1e-6) // batch) * batch,
-                   self.claim[i] - offset)
+        offset = worker.offset
+        base = worker.base
+        rows = min(int((done - base + 1e-6) // batch) * batch, worker.claim - offset)
         end = offset + rows
         self.ops += 1
         ledger = self.ledger
         reply = ledger.commit(lease.lease_id, lease.token, end, end, None, claim_rows)
-        self.since_rpc[i] += rows
-        self._rpc(i, t)
-        self.base[i] = base + rows
-        self.offset[i] = end
-        self.tally[self.shard[i]] += rows
+        if elapsed > 0 and rows:
+            measured = rows / elapsed
+            worker.rate = measured if rate <= 0 else 0.5 * (rate + measured)
+        base += rows
+        worker.base = base
+        worker.offset = end
+        self.tally[worker.shard] += rows
         if ledger.rows_done == self.total_rows:
             self.finished_at = t
             return
         if isinstance(reply, Claim):
-            self.claim[i] = reply.stop
+            worker.claim = reply.stop
         elif isinstance(reply, Revoked) and end < reply.stop:
-            self.claim[i] = reply.stop
+            worker.claim = reply.stop
         elif isinstance(reply, (Finished, Revoked)):
-            self.lease[i] = None
-            self._lease(i, t, claim_rows)
+            worker.lease = None
+            self._lease(worker, t, claim_rows, done)
             return
         else:
-            self.alive.discard(self.names[i])
+            self.alive.discard(worker.name)
             return
-        self._schedule(i, t)
+        self._schedule(worker, t, base)
 
-    def _lease(self, i: int, t: float, claim_rows: int | None) -> None:
+    def _lease(self, worker: _Worker, t: float, claim_rows: int | None, done: float) -> None:
+        """Lease at ``t``, when the worker's profile has done ``done`` rows of work."""
         self.ops += 1
-        reply = self.ledger.lease(self.names[i], claim_rows)
+        reply = self.ledger.lease(worker.name, claim_rows)
         if isinstance(reply, Lease):
-            self.lease[i] = reply
-            self.offset[i] = reply.start
-            self.claim[i] = reply.claim_stop
-            self.shard[i] = (self.first_group[reply.path] + reply.row_group) \
-                * SHARDS_PER_GROUP + reply.start // self.s.shard_rows
-            self.base[i] = self.profiles[i].work(t)
-            self._schedule(i, t)
+            worker.lease = reply
+            worker.offset = reply.start
+            worker.claim = reply.claim_stop
+            worker.shard = (self.first_group[reply.path] + reply.row_group) * SHARDS_PER_GROUP \
+                + reply.start // self.shard_rows
+            worker.base = done
+            self._schedule(worker, t, done)
         elif isinstance(reply, Wait):
-            self.waiting.append((i, self.gen[i]))
+            self.waiting.append(worker)
         else:
-            self.alive.discard(self.names[i])
+            self.alive.discard(worker.name)
 
-    def _schedule(self, i: int, t: float) -> None:
-        """Next commit: the claim used up, or the first batch end after the commit interval."""
-        profile = self.profiles[i]
-        base = self.base[i]
+    def _schedule(self, worker: _Worker, t: float, base: float) -> None:
+        """Its next commit after the RPC at ``t``, ``base`` rows of work accounted for: when
+        the claim is used up, or at the first batch end after the commit interval."""
         batch = self.batch
-        due = profile.work(self.last_rpc[i] + self.commit_s) - base
-        at = profile.time_at(base + min(max(1, math.ceil(due / batch - 1e-9)) * batch,
-                                        self.claim[i] - self.offset[i]))
+        due = worker.work(t + self.commit_s) - base
+        at = worker.time_at(base + min(max(1, math.ceil(due / batch - 1e-9)) * batch,
+                                       worker.claim - worker.offset))
         if at < math.inf:
-            self.seq += 1
-            heapq.heappush(self.heap, (max(at, t), self.seq, _WORK, i, self.gen[i]))
+            self.events.put(max(at, t), worker)
 
     def _wake(self) -> None:
         """Rows were queued again: every waiting worker asks for a lease (as the service wakes
         its waiting lease calls)."""
         waiting, self.waiting = self.waiting, []
-        for i, gen in waiting:
-            if gen == self.gen[i]:
-                self._push(self.now, _WORK, i)
+        for worker in waiting:
+            if not worker.gone:
+                self.events.put(self.now, worker)
 
     # ---- cluster events -----------------------------------------------------------------------
 
-    def _leave(self, i: int) -> None:
-        name = self.names[i]
-        self.gen[i] += 1
-        self.lease[i] = None
-        self.alive.discard(name)
+    def _leave(self, worker: _Worker) -> None:
+        worker.gone = True
+        self.alive.discard(worker.name)
         if self.monitor is not None:
-            self.monitor.forget(name)
-        if self.ledger.remove_worker(name):
+            self.monitor.forget(worker.name)
+        if self.ledger.remove_worker(worker.name):
             self._wake()
 
-    def _die(self, i: int) -> None:
-        if self.names[i] not in self.alive:
+    def _die(self, worker: _Worker) -> None:
+        if worker.name not in self.alive:
             return
-        self._leave(i)
-        self._push(self.now + self.s.mix.restart_s, _RESTART, i)
+        self._leave(worker)
+        self.events.put(self.now + self.s.mix.restart_s, partial(self._restart, worker))
 
-    def _restart(self, i: int) -> None:
-        name = f"w{i}.{self.gen[i]}"
-        self.names[i] = name
-        self.index[name] = i
-        self.alive.add(name)
-        self.rate[i] = 0.0
-        self.last_rpc[i] = self.now
-        self.since_rpc[i] = 0
-        self._push(self.now, _WORK, i)
+    def _restart(self, dead: _Worker) -> None:
+        worker = _Worker(dead.index, dead.generation + 1, dead.profile, self.now)
+        self.by_name[worker.name] = worker
+        self.alive.add(worker.name)
+        self.events.put(self.now, worker)
 
     def _retire(self, worker: str, stimulus_id: str) -> None:
-        self._leave(self.index[worker])
+        self._leave(self.by_name[worker])
 
     def _observe(self, event: CommitEvent) -> None:
         assert self.monitor is not None
@@ -475,7 +556,7 @@ class _Dynamic:
         self.control_s += time.perf_counter() - start
         if any(record["rows"] for record in applied):
             self._wake()
-        self._push(self.now + (self.s.tick_s or 1.0), _TICK, -1)
+        self.events.put(self.now + self.tick_s, self._tick)
 
     def _check(self) -> None:
         ledger = self.ledger
@@ -512,10 +593,12 @@ def simulate(scenario: Scenario, strategies: Sequence[Strategy] = STRATEGIES,
     ideal = ideal_seconds(scenario.total_rows, profiles(scenario))
     if processes > 1 and len(strategies) > 1:
         context = multiprocessing.get_context("fork")
+        # costliest first (STRATEGIES is in increasing cost): no long run waits for a short one
+        order = sorted(strategies, key=STRATEGIES.index, reverse=True)
         with ProcessPoolExecutor(min(processes, len(strategies)), mp_context=context) as pool:
-            futures = [pool.submit(run_strategy, scenario, strategy, policies)
-                       for strategy in strategies]
-            runs = dict(zip(strategies, [future.result() for future in futures]))
+            futures = {strategy: pool.submit(run_strategy, scenario, strategy, policies)
+                       for strategy in order}
+            runs = {strategy: futures[strategy].result() for strategy in strategies}
     else:
         runs = {strategy: run_strategy(scenario, strategy, policies) for strategy in strategies}
     makespan = {strategy: run.pop("makespan_s") for strategy, run in runs.items()}

@@ -3,15 +3,17 @@ AntDT against the static and pull baselines."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+from functools import partial
 
 import pytest
 from click.testing import CliRunner
 
 from antdt.controller import ReassignStragglers, SplitTail
-from antdt.simulator import (MIXES, Mix, Profile, Scenario, ideal_seconds, profiles, simulate,
-                             static_makespan)
+from antdt.simulator import (MIXES, Mix, Profile, Scenario, _Events, _Worker, ideal_seconds,
+                             profiles, simulate, static_makespan)
 from pipeline.simulate import command
 
 QUIET = MIXES["none"]
@@ -26,6 +28,45 @@ def test_profile_work_and_its_inverse_step_over_a_hang() -> None:
     assert profile.time_at(1250.0) == 25.0
     stopped = Profile([0.0, 10.0], [100.0, 0.0], deaths=[])
     assert stopped.time_at(2000.0) == math.inf
+
+
+def test_worker_keeps_its_step_and_answers_as_its_profile() -> None:
+    # steps, a hang, and a final stop (time_at beyond it is inf)
+    profile = Profile([0.0, 10.0, 20.0, 35.0, 50.0], [100.0, 0.0, 50.0, 200.0, 0.0], deaths=[])
+    worker = _Worker(0, 0, profile, 0.0)
+    for t in [k * 0.7 for k in range(90)]:
+        done = worker.move(t)
+        assert done == profile.work(t)
+        for ahead in (t + 1.0, t + 17.0):
+            assert worker.work(ahead) == profile.work(ahead)
+        for rows in (done, done + 50.0, done + 999.0, done + 5000.0):
+            assert worker.time_at(rows) == profile.time_at(rows)
+
+
+def test_events_come_out_in_time_order_first_in_first_out() -> None:
+    events = _Events()
+    made = {name: partial(str, name) for name in ("a", "b", "c", "d", "late")}
+    for t, name in ((2.0, "c"), (1.0, "a"), (2.0, "d"), (1.0, "b")):
+        events.put(t, made[name])
+    t, due = events.pop()
+    assert t == 1.0 and due == [made["a"], made["b"]]
+    events.put(1.0, made["late"])  # put for the time being carried out: comes out next
+    assert events.pop() == (1.0, [made["late"]])
+    assert events.pop() == (2.0, [made["c"], made["d"]])
+    assert not events
+
+
+def test_simulation_leaves_garbage_collection_as_it_was() -> None:
+    scenario = Scenario(workers=5, shards=50, mix=QUIET)
+    assert gc.isenabled()
+    simulate(scenario, strategies=("antdt",))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        simulate(scenario, strategies=("antdt",))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_ideal_is_total_rows_over_the_summed_rates() -> None:
