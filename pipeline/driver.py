@@ -127,7 +127,11 @@ def ensure_plugins(client: Client) -> None:
 
 
 def _workers(client: Client) -> dict[str, Mapping[str, Any]]:
-    workers: dict[str, Mapping[str, Any]] = client.scheduler_info(n_workers=-1)["workers"]
+    """The scheduler's workers now. Not ``client.scheduler_info()``: the client's periodic
+    refresh may replace its cached identity, whose worker list is empty, between that call's
+    fetch and its return, and every agent would look dead."""
+    identity: dict[str, Any] = client.sync(client.scheduler.identity, n_workers=-1)
+    workers: dict[str, Mapping[str, Any]] = identity["workers"]
     return workers
 
 

@@ -96,7 +96,7 @@ def rpc_throughput(ops: int, shard_rows: int, batch_rows: int) -> float:
         client.register_plugin(ShardingService())
         groups = dataset(max(1, ops), shard_rows)
         register_job(client, "bench", groups, shard_rows=shard_rows, batch_rows=batch_rows)
-        worker = next(iter(client.scheduler_info()["workers"]))
+        worker = next(iter(client.sync(client.scheduler.identity, n_workers=-1)["workers"]))
         lease_op, commit_op = client.scheduler.antdt_lease, client.scheduler.antdt_commit
         lease: dict | None = None
         claim = 0

@@ -123,7 +123,7 @@ def new_job(c: Client, epochs: int = 1, sync: list[str] | None = None) -> str:
 
 
 def workers(c: Client) -> list[str]:
-    return sorted(c.scheduler_info(n_workers=-1)["workers"])
+    return sorted(c.sync(c.scheduler.identity, n_workers=-1)["workers"])
 
 
 def start(c: Client, job: str, worker: str, *, sync_period_s: float | None = None,

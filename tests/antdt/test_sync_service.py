@@ -380,6 +380,12 @@ def victim_prefix(seed: int, leftover: dict[str, torch.Tensor], limit: int = 200
     return -1
 
 
+def workers_now(client: Client) -> list[str]:
+    """The scheduler's workers now (``client.scheduler_info()`` can race the client's own
+    refresh and return none)."""
+    return list(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
 @pytest.mark.slow
 def test_a_killed_worker_process_and_its_replacement_end_identical() -> None:
     """Three worker processes train; one is SIGKILLed mid-job (its entries reached only some
@@ -393,7 +399,7 @@ def test_a_killed_worker_process_and_its_replacement_end_identical() -> None:
                           dashboard_address=":0") as cluster, Client(cluster) as client:
             cluster.wait_for_workers(3)  # the cluster's view must hold the worker we kill
             client.register_plugin(SyncService(poll_s=1.0))
-            first = sorted(client.scheduler_info()["workers"])
+            first = sorted(workers_now(client))
             start_job(client, "job", first, group_size=3, max_wait_s=0.05)
             victim, survivors = first[0], first[1:]
             futures = {addr: client.submit(process_agent, seed, until="joined", min_merges=4,
@@ -405,7 +411,7 @@ def test_a_killed_worker_process_and_its_replacement_end_identical() -> None:
             pid = client.run(os.getpid, workers=[victim])[victim]
             os.kill(pid, signal.SIGKILL)
             deadline = time() + 60
-            while not (replacements := set(client.scheduler_info()["workers"]) - set(first)):
+            while not (replacements := set(workers_now(client)) - set(first)):
                 assert time() < deadline, "the nanny did not start a replacement worker"
                 client.wait_for_workers(3, timeout=deadline - time())
             newcomer = replacements.pop()

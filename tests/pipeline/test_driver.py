@@ -50,7 +50,7 @@ def cluster() -> Iterator[LocalCluster]:
 def workers_of(cluster: LocalCluster) -> list[str]:
     with Client(cluster.scheduler_address) as client:
         client.wait_for_workers(2, timeout=60)
-        return sorted(client.scheduler_info(n_workers=-1)["workers"])
+        return sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
 
 
 @pytest.mark.slow
@@ -127,7 +127,7 @@ def test_a_persistent_straggler_loses_its_rows_and_is_retired(cluster_job: Path)
         job = load_job(cluster_job, ["train.epochs=3", "train.batch_size=256",
                                      "train.shard_rows=2048", "faults=[{worker: 0, slowdown: 6}]"])
         summary = train_async(job, scheduler=local.scheduler_address)
-        survivors = client.scheduler_info(n_workers=-1)["workers"]
+        survivors = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
 
     assert summary.rows_lost == 0
     assert summary.rows_trained == 3 * TRAIN_ROWS + summary.rows_duplicated
