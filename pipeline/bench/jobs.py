@@ -7,13 +7,19 @@ the last agent's end, rows from the ledger. The runs go to the MLflow experiment
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import click
+from distributed import Client
 
 from data.synth import generate
 from pipeline.config import FaultConfig, JobConfig, Sharding, job_from_dict, load_job
@@ -79,13 +85,41 @@ class Outcome:
     stopped: str | None
 
 
-def run_async(job: JobConfig, workers: int, *, deadline_s: float | None = None) -> Outcome:
-    """Train ``job`` on a new LocalCluster of ``workers`` single-threaded workers."""
+def run_async(job: JobConfig, workers: int, *, deadline_s: float | None = None,
+              setting: Callable[[Client], AbstractContextManager[Any]] | None = None) -> Outcome:
+    """Train ``job`` on a new LocalCluster of ``workers`` single-threaded workers; ``setting``
+    (given the client) surrounds the run, e.g. a CPU hog next to one worker."""
     data = prepare_data(job)
-    with connect(workers) as client:
+    with connect(workers) as client, \
+            (setting(client) if setting is not None else contextlib.nullcontext()):
         run = AsyncRun(job, client, data=data, deadline_s=deadline_s)
         summary = run.run()
     return Outcome(summary, run.slots, run.first_leases(), run.stopped)
+
+
+def pin_process(cpus: set[int]) -> None:
+    """Pin every thread of this process to ``cpus`` (threads started later inherit it)."""
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
+@contextlib.contextmanager
+def cpu_hog(client: Client) -> Iterator[None]:
+    """Real CPU contention: the sorted first worker and a busy-looping process share CPU 0, the
+    other workers get the other CPUs (Linux; at least two CPUs)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise click.UsageError(f"the contention scenario needs at least 2 CPUs, found {cpus}")
+    workers = sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+    client.run(pin_process, {cpus[0]}, workers=workers[:1])
+    client.run(pin_process, set(cpus[1:]), workers=workers[1:])
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(hog.pid, {cpus[0]})
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
 
 
 def echo(message: str, quiet: bool) -> None:

@@ -9,7 +9,10 @@ known: the slowdown sleeps in proportion to the measured compute):
 * ``persistent``  worker 0 is ``--slowdown`` (4) times slower for the whole job;
 * ``transient``   worker 0 is ``--slowdown`` times slower for its first quarter of its share;
 * ``hang``        worker 0 stops for good at 20% of its share (20% into the epoch);
-* ``crash``       worker 0's process exits at 30% of its share (the nanny starts a new one).
+* ``crash``       worker 0's process exits at 30% of its share (the nanny starts a new one);
+* ``contention``  no injected fault: real CPU contention. Worker 0 shares CPU 0 with a process
+                  that busy-loops, the other workers get the other CPUs (use ``--workers 2`` on a
+                  2-core machine, so that only worker 0 shares its core).
 
 ``ideal_s`` is what perfect sharing of the measured capacity would take: every agent trains at
 its measured rate (rows / busy seconds, injected slowness included) from its first lease (its
@@ -31,10 +34,10 @@ import dask
 
 from data.files import expand, row_groups
 from pipeline.bench import emit
-from pipeline.bench.jobs import Outcome, echo, run_async, synthetic_job, with_train
+from pipeline.bench.jobs import Outcome, cpu_hog, echo, run_async, synthetic_job, with_train
 from pipeline.config import FaultConfig, JobConfig, Sharding
 
-SCENARIOS = ("none", "persistent", "transient", "hang", "crash")
+SCENARIOS = ("none", "persistent", "transient", "hang", "crash", "contention")
 WAYS: tuple[Sharding, ...] = ("antdt", "pull", "static")
 
 
@@ -95,9 +98,9 @@ def others_rate(outcome: Outcome) -> float:
 
 
 def run_way(job: JobConfig, way: Sharding, workers: int, faults: list[FaultConfig],
-            deadline_s: float | None) -> dict[str, Any]:
+            deadline_s: float | None, contention: bool = False) -> dict[str, Any]:
     outcome = run_async(with_train(job, sharding=way, faults=faults), workers,
-                        deadline_s=deadline_s)
+                        deadline_s=deadline_s, setting=cpu_hog if contention else None)
     summary = outcome.summary
     rows = summary.rows_trained - summary.rows_duplicated + summary.rows_lost
     ideal = ideal_seconds(outcome, rows, faults)
@@ -121,7 +124,7 @@ def run_scenario(job: JobConfig, name: str, ways: list[Sharding], workers: int,
     deadline = None
     for way in ways:
         echo(f"{name}: {way}", quiet)
-        out[way] = run_way(job, way, workers, faults, deadline)
+        out[way] = run_way(job, way, workers, faults, deadline, contention=name == "contention")
         if way == "antdt":
             deadline = deadline_factor * out[way]["wall_s"] + 30.0
     return out
