@@ -461,6 +461,7 @@ class Agent:
         not wait for a copy of the touched rows.
         """
         assert self.sync is not None and self.replica is not None
+        self.sync.raise_if_failed()  # a dead sync thread would leave the leases draining forever
         if self._lease_reads is not None:
             if self._lease_reads:
                 with self.replica.lock:

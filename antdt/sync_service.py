@@ -543,7 +543,7 @@ class BackgroundSync:
         except (OSError, TimeoutError) as exc:  # the scheduler drops us when we go anyway
             logger.warning("sync job %s: could not leave (scheduler unreachable): %r", self.job,
                            exc)
-        self._raise_thread_error()
+        self.raise_if_failed()
 
     def finish(self, timeout_s: float | None = None) -> ExchangeReport:
         """Stop the periodic exchanges and take part in the final all-member round.
@@ -556,7 +556,7 @@ class BackgroundSync:
         if timeout_s is None:
             timeout_s = config.seconds("antdt.sync.final-timeout")
         self._halt()
-        self._raise_thread_error()
+        self.raise_if_failed()
         deadline = time() + timeout_s
         report: ExchangeReport | None = None
         try:
@@ -647,8 +647,12 @@ class BackgroundSync:
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.period_s):
-                self._round(final=False)
-        except BaseException as exc:  # handed to the agent by stop()/finish()
+                try:
+                    self._round(final=False)
+                except PEER_FAILURES as exc:  # a background round is only retried later
+                    logger.warning("sync job %s: round failed, next one in %gs: %r", self.job,
+                                   self.period_s, exc)
+        except BaseException as exc:  # handed to the agent (raise_if_failed, stop, finish)
             logger.error("sync thread of job %s failed", self.job, exc_info=True)
             self._error = exc
 
@@ -657,7 +661,8 @@ class BackgroundSync:
         if self._thread.is_alive():
             self._thread.join()
 
-    def _raise_thread_error(self) -> None:
+    def raise_if_failed(self) -> None:
+        """Raise :class:`SyncError` if the background thread died (its error is the cause)."""
         if self._error is not None:
             raise SyncError(f"sync thread of job {self.job} failed") from self._error
 

@@ -136,8 +136,9 @@ def test_a_persistent_straggler_loses_its_rows_and_is_retired(cluster_job: Path)
                                                artifact_path="straggler_actions.yaml")
     actions = yaml.safe_load(Path(path).read_text())
     assert summary.straggler_actions == len(actions) >= 1
-    assert {a["worker"] for a in actions} == {victim}
-    assert any(a["action"] == "retire" and "persistent" in a["reason"] for a in actions)
+    # others may be flagged for a window on a loaded machine, but only the victim is retired
+    assert [(a["worker"], "persistent" in a["reason"]) for a in actions
+            if a["action"] == "retire"] == [(victim, True)]
     assert victim not in survivors
     assert not psutil.pid_exists(pids[victim]) or \
         psutil.Process(pids[victim]).status() == psutil.STATUS_ZOMBIE
