@@ -50,7 +50,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.utils import sync
 
 from antdt import config
-from antdt.device import pick_device
+from antdt.device import pick_device, prepare_process
 from antdt.errors import AntdtError, ConfigError
 from antdt.monitor import BATCHES, BUSY
 from antdt.shard_client import ShardClient
@@ -311,7 +311,7 @@ class Agent:
         self.worker = worker if worker is not None else get_worker()
         self._plugin = _plugin(self.worker)
         self.cancelled = self._plugin.cancelled(spec.job)
-        torch.set_num_threads(spec.threads)
+        prepare_process(spec.threads)
         self.device = pick_device(spec.device)
         self.trainer = make_trainer(self.device)
         self.reader = make_reader()

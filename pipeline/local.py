@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
-import torch
 from torchrec.datasets.utils import Batch
 
+from antdt.device import prepare_process
 from antdt.prefetch import Prefetcher
 from data.files import RowGroup, expand, row_groups
 from data.reader import ShardReader
@@ -86,7 +86,7 @@ def epoch_order(groups: list[RowGroup], seed: int, epoch: int) -> list[RowGroup]
 def train_local(job: JobConfig, progress: ProgressSink | None = None) -> JobSummary:
     """Train ``job`` in this process, evaluate it, and track it in MLflow."""
     started = time.perf_counter()
-    torch.set_num_threads(job.train.threads)
+    prepare_process(job.train.threads)
     data = prepare_data(job)
     total_rows = sum(g.num_rows for g in data.train) * job.train.epochs
     logger.info("training on %d rows (%d row groups x %d epochs), validating on %d rows",

@@ -14,6 +14,7 @@ import click
 import torch
 from torchrec.datasets.utils import Batch
 
+from antdt.device import prepare_process
 from antdt.prefetch import Prefetcher
 from data.files import expand, row_groups
 from data.reader import ShardReader
@@ -58,7 +59,7 @@ def framework_pass(step: TrainStep, reader: ShardReader, groups: list, batch_siz
 @click.option("--json", "as_json", is_flag=True)
 def command(rows: int, batch_size: int, arch: str, repeats: int, as_json: bool) -> None:
     """TrainStep fed by the reader versus a plain in-memory TorchRec loop (target ratio >= 0.9)."""
-    torch.set_num_threads(1)
+    prepare_process(1)
     model_cfg = ModelConfig(arch=arch)  # type: ignore[arg-type]
     optim_cfg = OptimConfig()
     with tempfile.TemporaryDirectory(prefix="antdt-bench-train-") as tmp:
