@@ -31,8 +31,9 @@ in order; :attr:`ShardClient.trained_rows`), how many are already in the shared 
 ``rows_offset`` of :mod:`antdt.sync`. The client maps it back to each lease's synced offset, and
 keeps reporting for leases that are fully trained but not yet synced ("draining"). ``None`` means
 "everything trained is synced" (local and synchronous modes), unless the client was given a
-``synced_rows`` source to read. While ``lease`` waits for rows it re-reads that source, so a
-worker's own draining leases (which keep the job from finishing) complete as its sync advances.
+``synced_rows`` source to read. While ``lease`` waits for rows it re-reads that source (at least
+every ``antdt.sharding.drain-wait``), so a worker's own draining leases (which keep the job from
+finishing) complete as its sync advances.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class ShardClient:
     def __init__(self, job: str, *, worker: Worker | None = None, client: Client | None = None,
                  worker_address: str | None = None, commit_interval_s: float | None = None,
                  claim_intervals: float | None = None, lease_wait_s: float | None = None,
+                 drain_wait_s: float | None = None,
                  synced_rows: Callable[[], int] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.job = job
@@ -105,6 +107,8 @@ class ShardClient:
                                 if claim_intervals is None else claim_intervals)
         self.lease_wait_s = (config.seconds("antdt.sharding.lease-wait")
                              if lease_wait_s is None else lease_wait_s)
+        self.drain_wait_s = (config.seconds("antdt.sharding.drain-wait")
+                             if drain_wait_s is None else drain_wait_s)
         self._clock = clock
         self._held: dict[int, _Held] = {}
         self._current: _Held | None = None
@@ -122,7 +126,10 @@ class ShardClient:
     def lease(self) -> Lease | None:
         """The next lease, sending pending commits with the request; None when the job is over
         (finished or stopped). While rows may still come back it asks again, waiting server side
-        (the first request does not wait: a "wait" reply lets the synced-rows source publish)."""
+        (the first request does not wait: a "wait" reply lets the synced-rows source publish).
+        While leases of this worker are draining, a request waits at most ``drain_wait_s``: the
+        scheduler cannot see this worker's sync advance, and the job may be waiting only for
+        it, so the next request must carry it soon."""
         if self._current is not None:
             raise LedgerError(f"job {self.job!r}: lease {self._current.lease.lease_id} is not "
                               f"finished; commit up to its end before leasing again")
@@ -131,7 +138,7 @@ class ShardClient:
             self._sync_to(None)
             reply = self._rpc("antdt_lease", worker=self.address, commits=self._pending(),
                               claim_rows=self._claim_rows(), wait_s=wait_s)
-            wait_s = self.lease_wait_s
+            wait_s = self.drain_wait_s if self.draining else self.lease_wait_s
             msg = reply["lease"]
             if msg["kind"] == "stop":
                 logger.info("job %s: %s stops leasing (%s)", self.job, self.address,

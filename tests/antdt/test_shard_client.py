@@ -39,13 +39,14 @@ class LaggingSync:
         return synced
 
 
-def agent(job: str, batch_rows: int, batch_s: float, lag_rows: int = 0) -> dict[str, Any]:
+def agent(job: str, batch_rows: int, batch_s: float, lag_rows: int = 0,
+          lease_wait_s: float = 0.0, drain_wait_s: float = 0.0) -> dict[str, Any]:
     """A minimal agent: train batches of ``batch_s`` simulated seconds while the model sync lags
     ``lag_rows`` behind, then sync everything at the end."""
     clock = StepClock()
     source = LaggingSync(lag_rows)
-    shards = ShardClient(job, commit_interval_s=1.0, lease_wait_s=0.0, clock=clock,
-                         synced_rows=source)
+    shards = ShardClient(job, commit_interval_s=1.0, lease_wait_s=lease_wait_s,
+                         drain_wait_s=drain_wait_s, clock=clock, synced_rows=source)
     source.shards = shards
     commits = 0
     most_draining = 0
@@ -109,6 +110,19 @@ async def test_lagging_synced_rows_keep_leases_draining_until_flushed(
     assert state["state"] == "finished", state
     assert state["rows_done"] == 300 and state["rows_duplicated"] == 0
     assert plugin.jobs["j"].leases() == []
+
+
+@gen_cluster(client=True, timeout=60)
+async def test_a_draining_worker_does_not_sit_out_the_lease_wait(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    # Only this worker's own sync can finish the job, and the scheduler cannot see it advance:
+    # with an hour-long lease wait the job ends only because draining requests wait drain_wait_s.
+    await register(c, s, row_groups=[["f", 0, 300]], shard_rows=50, batch_rows=10)
+    result = await c.submit(agent, "j", 10, 0.01, lag_rows=70, lease_wait_s=3600.0,
+                            drain_wait_s=0.0, workers=[a.address], pure=False)
+    assert result["trained"] == 300 and result["lag_left"] == 0
+    state = await c.scheduler.antdt_job_state(job="j")
+    assert state["state"] == "finished" and state["rows_done"] == 300
 
 
 def revoked_agent(job: str) -> list[str]:
