@@ -457,8 +457,10 @@ class Agent:
         the ledger) the agent publishes its newest deltas itself, instead of only in group
         exchanges: a worker without live peers (the others died) is never grouped, yet its rows
         are synced as soon as they are published, and without this its last leases would never
-        complete. The first read of a lease call does not publish: leasing the next shard must
-        not wait for a copy of the touched rows.
+        complete. It also hurries the background sync (:meth:`BackgroundSync.hurry`): the job
+        may be waiting only for these rows, and the next periodic round can be a second away.
+        The first read of a lease call does neither: leasing the next shard must not wait for a
+        copy of the touched rows.
         """
         assert self.sync is not None and self.replica is not None
         self.sync.raise_if_failed()  # a dead sync thread would leave the leases draining forever
@@ -466,6 +468,7 @@ class Agent:
             if self._lease_reads:
                 with self.replica.lock:
                     self.replica.log.publish(self.replica.rows_offset)
+                self.sync.hurry()
             self._lease_reads += 1
         return self.sync.synced_offset
 

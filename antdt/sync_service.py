@@ -507,6 +507,7 @@ class BackgroundSync:
         self._plugin = plugin
         self._members_version = -1
         self._stop = threading.Event()
+        self._hurry = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"antdt-sync-{job}", daemon=True)
 
@@ -644,9 +645,18 @@ class BackgroundSync:
         return msg_to_snapshot(self._call(fetch, callback_timeout=timeout_s + self.rpc_timeout_s))
 
     # -- the thread ----------------------------------------------------------------------------
+    def hurry(self) -> None:
+        """Start the next round now rather than at the end of the period (e.g. the worker is
+        idle, waiting for its rows to be synced)."""
+        self._hurry.set()
+
     def _run(self) -> None:
         try:
-            while not self._stop.wait(self.period_s):
+            while True:
+                self._hurry.wait(self.period_s)
+                self._hurry.clear()
+                if self._stop.is_set():
+                    break
                 try:
                     self._round(final=False)
                 except PEER_FAILURES as exc:  # a background round is only retried later
@@ -658,6 +668,7 @@ class BackgroundSync:
 
     def _halt(self) -> None:
         self._stop.set()
+        self._hurry.set()
         if self._thread.is_alive():
             self._thread.join()
 

@@ -95,19 +95,23 @@ class Agent:
     def run(self, min_merges: int, together: threading.Barrier | None = None, die: bool = False,
             timeout_s: float = 30.0, *, join: bool = False,
             until: Callable[[], bool] | None = None,
-            ready: Callable[[], object] | None = None) -> ExchangeReport | None:
+            ready: Callable[[], object] | None = None, period_s: float = 0.01,
+            hurry: bool = False) -> ExchangeReport | None:
         """Train until the background thread merged ``min_merges`` peers (then call ``ready``)
         and ``until()`` holds, wait for the agents sharing ``together`` (still syncing: a
         finished worker only takes the final round, so the last one would find no partner), then
         take part in the final round; with ``die``, stop syncing instead (the worker is about to
-        be killed). ``join``: join the running job first."""
+        be killed). ``join``: join the running job first. ``hurry``: ask for a round after every
+        step (as an agent waiting for its rows to sync does)."""
         sync = self.sync = BackgroundSync(self.replica, "job", worker=self.worker,
-                                          period_s=0.01, rpc_timeout_s=10.0)
+                                          period_s=period_s, rpc_timeout_s=10.0)
         self.peer = sync.start(join=join)
         deadline = time() + timeout_s
         while sync.peers_merged < min_merges:
             assert time() < deadline, "no background exchange happened"
             self.step()
+            if hurry:
+                sync.hurry()
         if ready is not None:
             ready()
         while until is not None and not until():
@@ -202,6 +206,23 @@ async def test_background_rounds_then_final_round_give_identical_replicas(
     assert all(not served(w) for w in workers)  # after the job, replicas are no longer served
     await c.scheduler.antdt_sync_stop(job="job")
     assert "job" not in service(s).jobs
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
+async def test_hurry_starts_a_round_before_the_period_ends(c: Client, s: Scheduler,
+                                                          *workers: Worker) -> None:
+    await start_service(c, s, workers, group_size=2, max_wait_s=5.0)
+    agents = [Agent(w, seed=i) for i, w in enumerate(workers)]
+    loop = asyncio.get_running_loop()
+    together = threading.Barrier(len(agents))
+    run = functools.partial(Agent.run, min_merges=1, together=together, period_s=3600.0,
+                            hurry=True)
+    with ThreadPoolExecutor(len(agents)) as pool:
+        reports = await asyncio.gather(*[loop.run_in_executor(pool, run, a) for a in agents])
+    # an hour-long period: every background exchange was a hurried one
+    assert all(a.sync is not None and a.sync.exchanges >= 2 for a in agents)
+    assert all(r is not None and r.failed == [] for r in reports)
+    assert_bit_identical([a.replica for a in agents])
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=90)
