@@ -22,7 +22,8 @@ import click
 from distributed import Client
 
 from data.synth import generate
-from pipeline.config import FaultConfig, JobConfig, Sharding, job_from_dict, load_job
+from pipeline.config import (FaultConfig, JobConfig, Sharding, apply_override, job_from_dict,
+                             load_job)
 from pipeline.driver import AsyncRun, Slot, connect
 from pipeline.local import prepare_data
 from pipeline.report import JobSummary
@@ -32,18 +33,21 @@ logger = logging.getLogger(__name__)
 EXPERIMENT = "antdt-bench"
 
 
+SET_HELP = "Override a job setting, e.g. --set train.sync_period=0.5 (repeatable)."
+
+
 def synthetic_job(folder: str | None, *, rows: int, days: int = 4, seed: int = 0,
-                  batch_size: int = 4096) -> JobConfig:
+                  batch_size: int = 4096, overrides: Sequence[str] = ()) -> JobConfig:
     """A DLRM job on ``rows`` synthetic rows in ``folder`` (default
     ``.antdt-bench/synthetic-ROWS``; made once, then reused): the last day validates, the others
-    train."""
+    train. ``overrides`` are ``key.path=value`` settings, as ``antdt train --set`` takes."""
     folder = folder or os.path.join(".antdt-bench", f"synthetic-{rows}")
     schema = os.path.join(folder, "schema.yaml")
     if not os.path.exists(os.path.join(folder, "oracle.json")):
         generate(folder, rows=rows, days=days, seed=seed, files_per_day=2,
                  row_group_rows=16_384)
     days_found = sorted(d for d in os.listdir(folder) if d.startswith("date="))
-    return job_from_dict({
+    raw: dict[str, Any] = {
         "name": f"bench-{rows}",
         "data": {"train": [os.path.join(folder, d) for d in days_found[:-1]],
                  "validation": os.path.join(folder, days_found[-1]), "schema": schema},
@@ -51,13 +55,16 @@ def synthetic_job(folder: str | None, *, rows: int, days: int = 4, seed: int = 0
         "train": {"batch_size": batch_size, "seed": seed, "sync_period": 0.1,
                   "shard_rows": 4 * batch_size},
         "mlflow": {"experiment": EXPERIMENT},
-    }, source=f"benchmark job on {folder}")
+    }
+    for item in overrides:
+        apply_override(raw, item)
+    return job_from_dict(raw, source=f"benchmark job on {folder}")
 
 
-def default_job(path: str) -> JobConfig:
-    """The job at ``path`` (tracked in the benchmark experiment); a clear error when its data
-    is missing."""
-    job = load_job(path, ["mlflow.experiment=" + EXPERIMENT])
+def default_job(path: str, overrides: Sequence[str] = ()) -> JobConfig:
+    """The job at ``path`` (tracked in the benchmark experiment) with ``overrides``; a clear
+    error when its data is missing."""
+    job = load_job(path, [*overrides, "mlflow.experiment=" + EXPERIMENT])
     if not os.path.exists(job.data.schema):
         raise click.UsageError(f"{path}: its schema {job.data.schema} does not exist; make the "
                                "demo data first (`make demo-data`)")

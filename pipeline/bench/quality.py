@@ -10,7 +10,8 @@ from __future__ import annotations
 import click
 
 from pipeline.bench import emit
-from pipeline.bench.jobs import default_job, echo, run_async, synthetic_job, with_train
+from pipeline.bench.jobs import (SET_HELP, default_job, echo, run_async, synthetic_job,
+                                 with_train)
 from pipeline.local import train_local
 
 
@@ -25,12 +26,14 @@ from pipeline.local import train_local
 @click.option("--workers", default="2,4", show_default=True,
               help="Comma-separated worker counts of the async runs.")
 @click.option("--tolerance", type=float, default=0.005, show_default=True)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--json", "as_json", is_flag=True)
 def command(job_path: str, rows: int | None, data_dir: str | None, workers: str,
-            tolerance: float, as_json: bool) -> None:
+            tolerance: float, overrides: tuple[str, ...], as_json: bool) -> None:
     """Async AUC with 2 and 4 workers next to the local reference (target: >= ref - 0.005)."""
     counts = [int(w) for w in workers.split(",")]
-    job = synthetic_job(data_dir, rows=rows) if rows is not None else default_job(job_path)
+    job = (synthetic_job(data_dir, rows=rows, overrides=overrides) if rows is not None
+           else default_job(job_path, overrides))
     echo(f"reference: {job.name} in the local mode", as_json)
     reference = train_local(with_train(job, mode="local"))
     expected = reference.rows_trained
@@ -51,4 +54,5 @@ def command(job_path: str, rows: int | None, data_dir: str | None, workers: str,
           "oracle_auc": None if reference.oracle_auc is None else round(reference.oracle_auc, 4),
           "reference_samples_per_s": round(reference.samples_per_s),
           "rows": expected, "epochs": job.train.epochs, "tolerance": tolerance,
+          "sync_period": job.train.sync_period,
           "async": runs, "passed": all(r["passed"] for r in runs)}, as_json)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from pipeline.bench import emit, median_of
-from pipeline.bench.jobs import echo, run_async, synthetic_job, with_train
+from pipeline.bench.jobs import SET_HELP, echo, run_async, synthetic_job, with_train
 from pipeline.local import train_local
 
 
@@ -22,11 +22,13 @@ from pipeline.local import train_local
 @click.option("--workers", default="1,2", show_default=True,
               help="Comma-separated worker counts; the ratio is the last over the first.")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--json", "as_json", is_flag=True)
-def command(rows: int, data_dir: str | None, workers: str, repeats: int, as_json: bool) -> None:
+def command(rows: int, data_dir: str | None, workers: str, repeats: int,
+            overrides: tuple[str, ...], as_json: bool) -> None:
     """Samples/s of the async mode with 1 and 2 workers (target: 2 workers >= 1.7x one)."""
     counts = [int(w) for w in workers.split(",")]
-    job = with_train(synthetic_job(data_dir, rows=rows), mode="async")
+    job = with_train(synthetic_job(data_dir, rows=rows, overrides=overrides), mode="async")
     rates: dict[int, list[float]] = {count: [] for count in counts}
     local: list[float] = []
     for repeat in range(repeats):
@@ -39,5 +41,6 @@ def command(rows: int, data_dir: str | None, workers: str, repeats: int, as_json
     emit({"samples_per_s": {str(c): round(m) for c, m in medians.items()},
           "local_samples_per_s": round(median_of(local)),
           "ratio": round(medians[counts[-1]] / medians[counts[0]], 3),
-          "workers": counts, "rows": rows, "repeats": repeats, "threads_per_worker": 1},
+          "workers": counts, "rows": rows, "repeats": repeats, "threads_per_worker": 1,
+          "sync_period": job.train.sync_period},
          as_json)

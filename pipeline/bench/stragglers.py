@@ -34,7 +34,8 @@ import dask
 
 from data.files import expand, row_groups
 from pipeline.bench import emit
-from pipeline.bench.jobs import Outcome, cpu_hog, echo, run_async, synthetic_job, with_train
+from pipeline.bench.jobs import (SET_HELP, Outcome, cpu_hog, echo, run_async, synthetic_job,
+                                 with_train)
 from pipeline.config import FaultConfig, JobConfig, Sharding
 
 SCENARIOS = ("none", "persistent", "transient", "hang", "crash", "contention")
@@ -145,9 +146,11 @@ def run_scenario(job: JobConfig, name: str, ways: list[Sharding], workers: int,
               show_default=True)
 @click.option("--monitor-window", default="2s", show_default=True,
               help="antdt.monitor.window of the runs.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--json", "as_json", is_flag=True)
 def command(scenarios: str, workers: int, rows: int, data_dir: str | None, slowdown: float,
-            ways: str, deadline_factor: float, monitor_window: str, as_json: bool) -> None:
+            ways: str, deadline_factor: float, monitor_window: str, overrides: tuple[str, ...],
+            as_json: bool) -> None:
     """Static, pull and antdt sharding under a straggler, a hang or a crash (efficiency =
     ideal_s / wall_s; targets with 4 workers: persistent >= 0.90, hang >= 0.85)."""
     names = scenarios.split(",")
@@ -156,7 +159,7 @@ def command(scenarios: str, workers: int, rows: int, data_dir: str | None, slowd
             raise click.BadParameter(f"unknown scenario {name!r}; expected one of "
                                      f"{list(SCENARIOS)}", param_hint="--scenario")
     chosen = [w for w in WAYS if w in ways.split(",")]
-    job = with_train(synthetic_job(data_dir, rows=rows), mode="async")
+    job = with_train(synthetic_job(data_dir, rows=rows, overrides=overrides), mode="async")
     train_rows = sum(g.num_rows for g in row_groups(expand(list(job.data.train))))
     result: dict[str, Any] = {"workers": workers, "rows": rows, "slowdown": slowdown,
                               "monitor_window": monitor_window, "scenarios": {}}
