@@ -72,12 +72,13 @@ def default_job(path: str, overrides: Sequence[str] = ()) -> JobConfig:
 
 
 def with_train(job: JobConfig, *, sharding: Sharding | None = None,
-               faults: Sequence[FaultConfig] = (), **train: Any) -> JobConfig:
-    """``job`` with ``train`` fields (and ``sharding``) replaced and ``faults`` injected."""
+               faults: Sequence[FaultConfig] | None = None, **train: Any) -> JobConfig:
+    """``job`` with ``train`` fields (and ``sharding``) replaced and, if given, ``faults``
+    instead of its own."""
     if sharding is not None:
         train["sharding"] = sharding
     return dataclasses.replace(job, train=dataclasses.replace(job.train, **train),
-                               faults=tuple(faults))
+                               faults=job.faults if faults is None else tuple(faults))
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,9 @@ def command(scenarios: str, workers: int, rows: int, data_dir: str | None, slowd
                                      f"{list(SCENARIOS)}", param_hint="--scenario")
     chosen = [w for w in WAYS if w in ways.split(",")]
     job = with_train(synthetic_job(data_dir, rows=rows, overrides=overrides), mode="async")
+    if job.faults:
+        raise click.BadParameter("each scenario injects its own faults; leave faults out",
+                                 param_hint="--set")
     train_rows = sum(g.num_rows for g in row_groups(expand(list(job.data.train))))
     result: dict[str, Any] = {"workers": workers, "rows": rows, "slowdown": slowdown,
                               "monitor_window": monitor_window, "scenarios": {}}
