@@ -182,8 +182,9 @@ class ShardClient:
     def flush(self, synced_rows: int | None = None) -> None:
         """Send every pending commit now (e.g. the synced offsets after the final sync round)."""
         self._sync_to(synced_rows)
-        if self._pending():
-            self._rpc("antdt_commit", commits=self._pending())
+        pending = self._pending()
+        if pending:
+            self._rpc("antdt_commit", commits=pending)
 
     def close(self, synced_rows: int | None = None) -> None:
         """Flush, then give back the leases still held (their unsynced rows are queued again)."""
@@ -223,19 +224,22 @@ class ShardClient:
             held.synced = held.lease.start + max(0, min(synced - held.cum_start, trained))
 
     def _pending(self) -> list[dict[str, Any]]:
-        pending = []
-        for held in self._held.values():
-            carries_stats = held is self._current or self._current is None
-            if (held.offset, held.synced) != (held.sent_offset, held.sent_synced) or \
-                    (carries_stats and self._stats):
-                item: dict[str, Any] = {"lease_id": held.lease.lease_id,
-                                        "token": held.lease.token, "offset": held.offset,
-                                        "synced_offset": held.synced,
-                                        "claim_rows": self._claim_rows()}
-                if carries_stats and self._stats:
-                    item["stats"] = self._stats
-                    self._stats = {}
-                pending.append(item)
+        """A commit item for every held lease with news. The stats gathered since the last RPC
+        are shared among the items that report new rows, in proportion to them: each commit
+        event carries the busy time of its own rows, so the monitor's BPT stays exact when a
+        lease's last rows ride a lease request beside a draining lease's synced offset."""
+        news = [held for held in self._held.values()
+                if (held.offset, held.synced) != (held.sent_offset, held.sent_synced)]
+        pending: list[dict[str, Any]] = [
+            {"lease_id": held.lease.lease_id, "token": held.lease.token, "offset": held.offset,
+             "synced_offset": held.synced, "claim_rows": self._claim_rows()} for held in news]
+        total = sum(held.offset - held.sent_offset for held in news)
+        if total > 0 and self._stats:
+            for held, item in zip(news, pending):
+                if held.offset > held.sent_offset:
+                    share = (held.offset - held.sent_offset) / total
+                    item["stats"] = {key: value * share for key, value in self._stats.items()}
+            self._stats = {}
         return pending
 
     def _claim_rows(self) -> int | None:

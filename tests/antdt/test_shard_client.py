@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from distributed import Client, Scheduler, Worker, get_worker
 from distributed.utils import sync
 from distributed.utils_test import gen_cluster
 
+from antdt.monitor import BATCHES, BUSY
 from antdt.service import PLUGIN_NAME, ShardingService
 from antdt.shard_client import ShardClient
-from antdt.sharding import Claim, Revoked
+from antdt.sharding import Claim, CommitEvent, Revoked
 
 
 class StepClock:
@@ -55,8 +57,9 @@ def agent(job: str, batch_rows: int, batch_s: float, lag_rows: int = 0,
         offset, stop = lease.start, lease.claim_stop
         while True:
             end = min(offset + batch_rows, stop)
+            before = clock.now
             clock.now += batch_s * (end - offset) / batch_rows
-            reply = shards.commit(end, stats={"rows": end - offset})
+            reply = shards.commit(end, stats={BUSY: clock.now - before, BATCHES: 1.0})
             commits += 1
             replies.add(type(reply).__name__)
             most_draining = max(most_draining, len(shards.draining))
@@ -110,6 +113,24 @@ async def test_lagging_synced_rows_keep_leases_draining_until_flushed(
     assert state["state"] == "finished", state
     assert state["rows_done"] == 300 and state["rows_duplicated"] == 0
     assert plugin.jobs["j"].leases() == []
+
+
+@gen_cluster(client=True)
+async def test_each_commit_carries_the_busy_time_of_its_own_rows(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    # With the sync lagging, a lease's last rows ride the next lease request beside draining
+    # leases' synced offsets: the stats must go with the rows, or the monitor sees a BPT of ~0.
+    plugin = await register(c, s, row_groups=[["f", 0, 300]], shard_rows=50, batch_rows=10)
+    events: list[CommitEvent] = []
+    plugin.subscribe(lambda job, event: events.append(event))
+    result = await c.submit(agent, "j", 10, 0.01, lag_rows=70, workers=[a.address], pure=False)
+    assert result["trained"] == 300 and result["most_draining"] >= 1
+    trained = [e for e in events if e.rows > 0]
+    assert sum(e.rows for e in trained) == 300
+    for event in trained:
+        assert event.stats[BUSY] == pytest.approx(0.01 * event.rows / 10), event
+        assert event.stats[BATCHES] == pytest.approx(event.rows / 10), event
+    assert sum(e.stats.get(BATCHES, 0.0) for e in events) == pytest.approx(30)
 
 
 @gen_cluster(client=True, timeout=60)
