@@ -432,9 +432,13 @@ def test_a_killed_worker_process_and_its_replacement_end_identical() -> None:
             pid = client.run(os.getpid, workers=[victim])[victim]
             os.kill(pid, signal.SIGKILL)
             deadline = time() + 60
-            while not (replacements := set(workers_now(client)) - set(first)):
-                assert time() < deadline, "the nanny did not start a replacement worker"
-                client.wait_for_workers(3, timeout=deadline - time())
+            # wait through a client of its own: ``client`` would hand the wait to the cluster,
+            # which then swaps its view for a snapshot that may already lack the victim, and
+            # the kill's late "remove" message for it fails the cluster's close (KeyError)
+            with Client(cluster.scheduler_address) as watcher:
+                while not (replacements := set(workers_now(client)) - set(first)):
+                    assert time() < deadline, "the nanny did not start a replacement worker"
+                    watcher.wait_for_workers(3, timeout=deadline - time())
             newcomer = replacements.pop()
             joiner = client.submit(process_agent, 3, join=True, ready="joined", min_merges=2,
                                    workers=[newcomer], pure=False)
