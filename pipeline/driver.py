@@ -20,6 +20,7 @@ The training step and the reader reach the workers as small picklable recipes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import logging
 import math
@@ -217,7 +218,10 @@ class AsyncRun:
         self.client.subscribe_topic(topic, self._events.inbox.append)
         try:
             sync_service.start_job(self.client, self.job_id, initial)
-            with Tracker(self.job, mode="async", tags={"antdt.job_id": self.job_id}) as tracker:
+            # the run records the workers that trained (--workers, or the cluster's own)
+            tracked = dataclasses.replace(self.job, train=dataclasses.replace(
+                self.job.train, workers=len(initial)))
+            with Tracker(tracked, mode="async", tags={"antdt.job_id": self.job_id}) as tracker:
                 tracker.artifact_yaml(self.data.schema.to_dict(), "schema.yaml")
                 if plan.quarantine:
                     tracker.artifact_yaml([list(q) for q in plan.quarantine], "quarantine.yaml")

@@ -136,6 +136,8 @@ def test_a_persistent_straggler_loses_its_rows_and_is_retired(cluster_job: Path)
                                                artifact_path="straggler_actions.yaml")
     actions = yaml.safe_load(Path(path).read_text())
     assert summary.straggler_actions == len(actions) >= 1
+    # the run records the cluster's 3 workers, not the job file's train.workers (2)
+    assert mlflow.get_run(summary.run_id).data.params["train.workers"] == "3"
     # others may be flagged for a window on a loaded machine, but only the victim is retired
     assert [(a["worker"], "persistent" in a["reason"]) for a in actions
             if a["action"] == "retire"] == [(victim, True)]
