@@ -163,9 +163,11 @@ class EmbeddingDeltaLog:
         for name, ids in touched.items():
             if ids.numel() == 0:
                 continue
-            current = self.tables[name].detach()[ids]
-            rows[name] = (ids, current - self._base[name][ids])
-            self._base[name][ids] = current
+            # ids are unique (a mask's nonzero): select/copy, about twice as fast as indexing
+            base = self._base[name]
+            current = self.tables[name].detach().index_select(0, ids)
+            rows[name] = (ids, current - base.index_select(0, ids))
+            base.index_copy_(0, ids, current)
         if not rows and rows_offset == self._published_offset:
             return None
         with self._lock:
