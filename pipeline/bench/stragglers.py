@@ -22,11 +22,14 @@ seconds; the default 10 s suits jobs of hours).
 ``efficiency = ideal_s / wall_s`` with ``wall_s`` the training seconds. A way that cannot finish
 (a hang under ``static`` or ``pull``) is stopped after ``--deadline-factor`` x the ``antdt``
 way's time: it reports ``finished: false``, efficiency 0 and the rows it lost.
+With ``--repeats N`` every way runs N times per scenario, interleaved with the other ways; a
+way's figures are those of its median run (by efficiency), ``efficiencies`` lists every run's.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 import click
@@ -117,18 +120,29 @@ def run_way(job: JobConfig, way: Sharding, workers: int, faults: list[FaultConfi
         "straggler_actions": summary.straggler_actions, "run_id": summary.run_id}
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median efficiency (the lower middle one of an even count), with every run's
+    efficiency under ``efficiencies`` in the order they ran."""
+    efficiencies = [run["efficiency"] for run in runs]
+    middle = statistics.median_low(efficiencies)
+    return {**runs[efficiencies.index(middle)], "efficiencies": efficiencies}
+
+
 def run_scenario(job: JobConfig, name: str, ways: list[Sharding], workers: int,
-                 faults: list[FaultConfig], deadline_factor: float,
+                 faults: list[FaultConfig], deadline_factor: float, repeats: int,
                  quiet: bool) -> dict[str, Any]:
-    """Every way of one scenario; the ``antdt`` way's time sets the others' deadline."""
-    out: dict[str, Any] = {}
-    deadline = None
-    for way in ways:
-        echo(f"{name}: {way}", quiet)
-        out[way] = run_way(job, way, workers, faults, deadline, contention=name == "contention")
-        if way == "antdt":
-            deadline = deadline_factor * out[way]["wall_s"] + 30.0
-    return out
+    """Every way of one scenario, ``repeats`` times interleaved, each way's median run; in each
+    repeat the ``antdt`` way's time sets the others' deadline."""
+    runs: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
+    for repeat in range(repeats):
+        deadline = None
+        for way in ways:
+            echo(f"{name}: {way} (repeat {repeat + 1}/{repeats})", quiet)
+            run = run_way(job, way, workers, faults, deadline, contention=name == "contention")
+            runs[way].append(run)
+            if way == "antdt":
+                deadline = deadline_factor * run["wall_s"] + 30.0
+    return {way: median_run(way_runs) for way, way_runs in runs.items()}
 
 
 @click.command("stragglers")
@@ -146,11 +160,14 @@ def run_scenario(job: JobConfig, name: str, ways: list[Sharding], workers: int,
               show_default=True)
 @click.option("--monitor-window", default="2s", show_default=True,
               help="antdt.monitor.window of the runs.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs of every way per scenario, interleaved; each way reports its median "
+                   "run (by efficiency) and every run's efficiency.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--json", "as_json", is_flag=True)
 def command(scenarios: str, workers: int, rows: int, data_dir: str | None, slowdown: float,
-            ways: str, deadline_factor: float, monitor_window: str, overrides: tuple[str, ...],
-            as_json: bool) -> None:
+            ways: str, deadline_factor: float, monitor_window: str, repeats: int,
+            overrides: tuple[str, ...], as_json: bool) -> None:
     """Static, pull and antdt sharding under a straggler, a hang or a crash (efficiency =
     ideal_s / wall_s; targets with 4 workers: persistent >= 0.90, hang >= 0.85)."""
     names = scenarios.split(",")
@@ -165,13 +182,14 @@ def command(scenarios: str, workers: int, rows: int, data_dir: str | None, slowd
                                  param_hint="--set")
     train_rows = sum(g.num_rows for g in row_groups(expand(list(job.data.train))))
     result: dict[str, Any] = {"workers": workers, "rows": rows, "slowdown": slowdown,
-                              "monitor_window": monitor_window, "scenarios": {}}
+                              "monitor_window": monitor_window, "repeats": repeats,
+                              "scenarios": {}}
     with dask.config.set({"antdt.monitor.window": monitor_window}):
         for name in names:
             result["scenarios"][name] = run_scenario(job, name, chosen, workers,
                                                      scenario_faults(name, train_rows // workers,
                                                                      slowdown),
-                                                     deadline_factor, as_json)
+                                                     deadline_factor, repeats, as_json)
     runs = result["scenarios"]
     if "none" in runs and "persistent" in runs and "antdt" in chosen:
         before = runs["none"]["antdt"]["others_samples_per_s"]

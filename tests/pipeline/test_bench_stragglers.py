@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from pipeline.bench.jobs import Outcome
-from pipeline.bench.stragglers import SCENARIOS, ideal_seconds, others_rate, scenario_faults
+from pipeline.bench.stragglers import (SCENARIOS, ideal_seconds, median_run, others_rate,
+                                       scenario_faults)
 from pipeline.config import FaultConfig
 from pipeline.driver import Slot
 from pipeline.report import JobSummary
@@ -64,3 +65,13 @@ def test_every_scenario_faults_worker_zero_only() -> None:
     assert scenario_faults("hang", 1000, 4.0)[0].hang_after_rows == 200
     assert scenario_faults("transient", 1000, 4.0)[0].slow_for_rows == 250
     assert scenario_faults("crash", 1000, 4.0)[0].crash_after_rows == 300
+
+
+def test_a_way_reports_its_median_run_and_every_efficiency() -> None:
+    runs = [{"efficiency": 0.9, "run_id": "a"}, {"efficiency": 0.7, "run_id": "b"},
+            {"efficiency": 0.8, "run_id": "c"}]
+    assert median_run(runs) == {"efficiency": 0.8, "run_id": "c",
+                                "efficiencies": [0.9, 0.7, 0.8]}
+    # an even count takes the lower middle run, a real run rather than an average
+    assert median_run(runs[:2])["run_id"] == "b"
+    assert median_run(runs[:1]) == {**runs[0], "efficiencies": [0.9]}
