@@ -233,12 +233,13 @@ class ShardClient:
         pending: list[dict[str, Any]] = [
             {"lease_id": held.lease.lease_id, "token": held.lease.token, "offset": held.offset,
              "synced_offset": held.synced, "claim_rows": self._claim_rows()} for held in news]
-        total = sum(held.offset - held.sent_offset for held in news)
+        rows = [held.offset - held.sent_offset for held in news]
+        total = sum(rows)
         if total > 0 and self._stats:
-            for held, item in zip(news, pending):
-                if held.offset > held.sent_offset:
-                    share = (held.offset - held.sent_offset) / total
-                    item["stats"] = {key: value * share for key, value in self._stats.items()}
+            for item, item_rows in zip(pending, rows):
+                if item_rows > 0:
+                    item["stats"] = {key: value * item_rows / total
+                                     for key, value in self._stats.items()}
             self._stats = {}
         return pending
 
