@@ -55,7 +55,7 @@ from antdt.errors import AntdtError, ConfigError
 from antdt.monitor import BATCHES, BUSY
 from antdt.shard_client import ShardClient
 from antdt.sharding import Claim, Finished, Lease, Revoked, Stop
-from antdt.sync import ReplicaSync, SyncError
+from antdt.sync import ReplicaSync, SyncError, SyncPeriod
 from antdt.sync_service import BackgroundSync
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class Faults:
 class AgentSpec:
     """What one agent does: train ``job``'s leases in batches of ``batch_rows`` rows.
 
-    ``sync_period_s``: the async mode's background sync period; None trains without model sync
+    ``sync_period``: the async mode's background sync period; None trains without model sync
     (every trained row counts as synced: one model per worker, for tests and the local modes).
     ``join``: the worker joined a running job; it copies a live member's model before training
     (:meth:`antdt.sync_service.BackgroundSync.start`). ``threads``: torch threads. ``device``:
@@ -160,7 +160,7 @@ class AgentSpec:
 
     job: str
     batch_rows: int
-    sync_period_s: float | None = 1.0
+    sync_period: SyncPeriod | None = SyncPeriod(seconds=1.0)
     join: bool = False
     threads: int = 1
     device: str | None = None
@@ -170,9 +170,9 @@ class AgentSpec:
         if isinstance(self.batch_rows, bool) or not isinstance(self.batch_rows, int) \
                 or self.batch_rows < 1:
             raise ConfigError(f"agent batch_rows must be an int >= 1, found {self.batch_rows!r}")
-        if self.sync_period_s is not None and not self.sync_period_s > 0:
-            raise ConfigError(f"agent sync_period_s must be > 0 or None, found "
-                              f"{self.sync_period_s!r}")
+        if self.sync_period is not None and not isinstance(self.sync_period, SyncPeriod):
+            raise ConfigError(f"agent sync_period must be a SyncPeriod or None, found "
+                              f"{self.sync_period!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ConfigError(f"agent threads must be an int >= 1, found {self.threads!r}")
 
@@ -318,11 +318,11 @@ class Agent:
         self.joined_from: str | None = None
         self.replica: ReplicaSync | None = None
         self.sync: BackgroundSync | None = None
-        if spec.sync_period_s is not None:
+        if spec.sync_period is not None:
             self.replica = ReplicaSync(self.worker.address, self.trainer.dense(),
                                        self.trainer.tables())
             self.sync = BackgroundSync(self.replica, spec.job, worker=self.worker,
-                                       period_s=spec.sync_period_s)
+                                       period=spec.sync_period)
         self._lease_reads: int | None = None
         """While leasing: how often the ShardClient read the synced rows (None: not leasing)."""
         self.shards = ShardClient(spec.job, worker=self.worker,
@@ -448,6 +448,8 @@ class Agent:
         with self.replica.lock:
             loss = self.trainer.step(batch)
         self.replica.touch(touched, self.shards.trained_rows + rows)
+        assert self.sync is not None
+        self.sync.batch_done()
         return loss
 
     def _synced_rows(self) -> int:

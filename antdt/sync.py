@@ -48,15 +48,18 @@ import collections
 import enum
 import itertools
 import logging
+import math
+import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+import dask.utils
 import torch
 
 from antdt import config
-from antdt.errors import AntdtError
+from antdt.errors import AntdtError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -352,6 +355,75 @@ def average_dense(dense: Sequence[torch.Tensor], own: Sequence[torch.Tensor],
             for peer in peers:
                 total += peer[i]
             param.add_(total.mul_(scale).sub_(mine))
+
+
+# ---- the period of the background sync --------------------------------------------------------
+
+_BATCHES = re.compile(r"\s*(\d+)\s*batch(?:es)?\s*")
+
+
+@dataclass(frozen=True)
+class SyncPeriod:
+    """How often a worker's background sync starts a round: every ``seconds`` of wall time, or
+    whenever its training thread finished ``batches`` batches since the last round began.
+    Exactly one of the two is set.
+
+    A period in batches bounds the staleness (the steps a replica takes between exchanges)
+    whatever the speed of the machine; a period in seconds bounds the share of the CPU the
+    exchanges take. Either way training never waits: a round that takes longer than the period
+    is followed by the next one at once.
+
+    >>> SyncPeriod.parse(0.5), SyncPeriod.parse("250ms"), SyncPeriod.parse("4 batches")
+    (SyncPeriod(seconds=0.5, batches=None), SyncPeriod(seconds=0.25, batches=None), \
+SyncPeriod(seconds=None, batches=4))
+    >>> str(SyncPeriod(seconds=0.5)), str(SyncPeriod(batches=1))
+    ('0.5s', '1 batch')
+    """
+
+    seconds: float | None = None
+    batches: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.seconds is None) == (self.batches is None):
+            raise ConfigError(f"sync period: expected seconds or batches (one of them), found "
+                              f"seconds={self.seconds!r}, batches={self.batches!r}")
+        if self.seconds is not None and (isinstance(self.seconds, bool)
+                                         or not isinstance(self.seconds, (int, float))
+                                         or not math.isfinite(self.seconds)
+                                         or self.seconds <= 0):
+            raise ConfigError(f"sync period: seconds must be a finite number > 0, found "
+                              f"{self.seconds!r}")
+        if self.batches is not None and (isinstance(self.batches, bool)
+                                         or not isinstance(self.batches, int)
+                                         or self.batches < 1):
+            raise ConfigError(f"sync period: batches must be an int >= 1, found {self.batches!r}")
+
+    @classmethod
+    def parse(cls, value: object, where: str = "sync_period") -> SyncPeriod:
+        """A number of seconds (``0.5``), a duration (``"500ms"``, ``"2s"``) or a number of
+        batches (``"4 batches"``, ``"1 batch"``); a :class:`ConfigError` naming ``where``
+        otherwise."""
+        expected = "seconds > 0 (0.5, '500ms') or batches ('4 batches')"
+        if isinstance(value, str):
+            match = _BATCHES.fullmatch(value)
+            if match:
+                batches = int(match.group(1))
+                if batches < 1:
+                    raise ConfigError(f"{where}: expected {expected}, found {value!r}")
+                return cls(batches=batches)
+            try:
+                value = dask.utils.parse_timedelta(value, default="seconds")
+            except (TypeError, ValueError, KeyError):
+                raise ConfigError(f"{where}: expected {expected}, found {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{where}: expected {expected}, found {value!r}")
+        return cls(seconds=float(value))
+
+    def __str__(self) -> str:
+        if self.batches is not None:
+            return f"{self.batches} batch{'es' if self.batches != 1 else ''}"
+        return f"{self.seconds:g}s"
 
 
 # ---- one worker's side ----------------------------------------------------------------------

@@ -5,7 +5,7 @@ plugin that serves a replica to peers, and the background thread that exchanges.
  driver ── antdt_sync_start(job, workers) ──► SyncService (SchedulerPlugin, scheduler process)
                                                 one SyncScheduler per job
  worker A: BackgroundSync thread
-   every period_s: antdt_sync_group(job, A, progress, members_version) ──► {kind: group, ...}
+   every period: antdt_sync_group(job, A, progress, members_version) ──► {kind: group, ...}
    for each peer P in the group: worker_A.rpc(P).antdt_sync_pull(job, A, round, since_seq)
                                    ──► SyncWorkerPlugin on P: entries + dense snapshot
    apply under the replica lock (short); a peer that fails is skipped and logged
@@ -69,6 +69,7 @@ from antdt.sync import (
     ReplicaSnapshot,
     ReplicaSync,
     SyncError,
+    SyncPeriod,
     SyncScheduler,
 )
 
@@ -76,6 +77,9 @@ logger = logging.getLogger(__name__)
 
 MEMBER_CHECK_S = 1.0
 """A pull unanswered this long makes the puller check that the peer is still a member."""
+
+LEADER_RETRY_S = 0.5
+"""After a failed fetch of the final leader's state, wait this long before asking again."""
 
 PLUGIN_NAME = "antdt-sync"
 """Name of both halves: ``scheduler.plugins[PLUGIN_NAME]`` and ``worker.plugins[PLUGIN_NAME]``."""
@@ -463,8 +467,9 @@ class SyncWorkerPlugin(WorkerPlugin):
 
 
 class BackgroundSync:
-    """ShadowSync's background thread on one worker: every ``period_s`` ask the scheduler for a
-    group and exchange with it, while the training thread goes on.
+    """ShadowSync's background thread on one worker: every ``period`` (seconds, or batches the
+    training thread reports with :meth:`batch_done`) ask the scheduler for a group and exchange
+    with it, while the training thread goes on.
 
     The agent builds the :class:`~antdt.sync.ReplicaSync`, calls :meth:`start` (``join=True``
     on a worker that joins a running job; see the module docstring) before its first training
@@ -473,19 +478,18 @@ class BackgroundSync:
     all-member round), or :meth:`stop` to abandon the job. An error in the thread that is not a
     peer's or the scheduler's failure is re-raised there.
 
-    ``worker`` defaults to the worker running the calling task; ``period_s`` and
-    ``rpc_timeout_s`` to ``antdt.sync.period`` and ``antdt.sync.rpc-timeout``.
+    ``worker`` defaults to the worker running the calling task; ``period`` and
+    ``rpc_timeout_s`` to ``antdt.sync.period`` (seconds) and ``antdt.sync.rpc-timeout``.
     """
 
     def __init__(self, replica: ReplicaSync, job: str, *, worker: Worker | None = None,
-                 period_s: float | None = None, rpc_timeout_s: float | None = None) -> None:
-        if period_s is None:
-            period_s = config.seconds("antdt.sync.period")
+                 period: SyncPeriod | None = None, rpc_timeout_s: float | None = None) -> None:
+        if period is None:
+            period = SyncPeriod(seconds=config.seconds("antdt.sync.period"))
         if rpc_timeout_s is None:
             rpc_timeout_s = config.seconds("antdt.sync.rpc-timeout")
-        if period_s <= 0 or rpc_timeout_s <= 0:
-            raise SyncError(f"period_s and rpc_timeout_s must be > 0, found {period_s} and "
-                            f"{rpc_timeout_s}")
+        if rpc_timeout_s <= 0:
+            raise SyncError(f"rpc_timeout_s must be > 0, found {rpc_timeout_s}")
         self.worker = worker if worker is not None else get_worker()
         plugin = self.worker.plugins.get(PLUGIN_NAME)
         if not isinstance(plugin, SyncWorkerPlugin):
@@ -496,7 +500,7 @@ class BackgroundSync:
                             f"{self.worker.address!r}")
         self.replica = replica
         self.job = job
-        self.period_s = period_s
+        self.period = period
         self.rpc_timeout_s = rpc_timeout_s
         self.exchanges = 0  # exchanges done (regular and final)
         self.peers_merged = 0  # peers merged over all exchanges
@@ -508,6 +512,8 @@ class BackgroundSync:
         self._members_version = -1
         self._stop = threading.Event()
         self._hurry = threading.Event()
+        self._batches = 0  # batches trained since the last round began (a period in batches)
+        self._batches_lock = threading.Lock()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"antdt-sync-{job}", daemon=True)
 
@@ -628,7 +634,7 @@ class BackgroundSync:
                     logger.warning("sync job %s: no final state from leader %s: %r", self.job,
                                    leader, exc)
                     # back off: the scheduler names a new leader once it notices the death
-                    threading.Event().wait(self.period_s)
+                    threading.Event().wait(LEADER_RETRY_S)
             if time() > deadline:
                 logger.warning("sync job %s: members still finishing after the final timeout; "
                                "stop serving anyway", self.job)
@@ -650,18 +656,31 @@ class BackgroundSync:
         idle, waiting for its rows to be synced)."""
         self._hurry.set()
 
+    def batch_done(self) -> None:
+        """The training thread finished a batch. With a period in batches, the period's last
+        batch starts the next round (at once if the thread is idle, else when its round ends)."""
+        if self.period.batches is None:
+            return
+        with self._batches_lock:
+            self._batches += 1
+            due = self._batches >= self.period.batches
+        if due:
+            self._hurry.set()
+
     def _run(self) -> None:
         try:
             while True:
-                self._hurry.wait(self.period_s)
+                self._hurry.wait(self.period.seconds)  # None (batches): until batch_done
                 self._hurry.clear()
                 if self._stop.is_set():
                     break
+                with self._batches_lock:
+                    self._batches = 0
                 try:
                     self._round(final=False)
                 except PEER_FAILURES as exc:  # a background round is only retried later
-                    logger.warning("sync job %s: round failed, next one in %gs: %r", self.job,
-                                   self.period_s, exc)
+                    logger.warning("sync job %s: round failed, next one in %s: %r", self.job,
+                                   self.period, exc)
         except BaseException as exc:  # handed to the agent (raise_if_failed, stop, finish)
             logger.error("sync thread of job %s failed", self.job, exc_info=True)
             self._error = exc

@@ -9,7 +9,7 @@
       on_bad_data: fail            # or quarantine: skip bad row groups, report their rows
     model: {arch: dlrm, embedding_dim: 16}
     train: {batch_size: 4096, epochs: 1, seed: 0, sparse_lr: 0.05, dense_lr: 0.001,
-            mode: async, workers: 2, sync_period: 1.0, shard_rows: 32768, sharding: antdt}
+            mode: async, workers: 2, sync_period: 1s, shard_rows: 32768, sharding: antdt}
     mlflow: {experiment: antdt, tracking_uri: null}
     faults:                        # injected faults (tests, benchmarks); none by default
       - {worker: 1, slowdown: 3.0}             # worker 1 takes 3x as long per batch
@@ -17,7 +17,9 @@
       - {worker: 2, slowdown: 4, slow_for_rows: 100000}  # 4x slower for its first 100k rows
 
 ``train.mode``: ``async`` (default) trains on a Dask cluster, one replica per worker with
-background model sync; ``local`` trains in this process. ``train.shard_rows`` defaults to
+background model sync; ``local`` trains in this process. ``train.sync_period`` (async mode) is
+how often a worker starts a sync round: seconds (``0.5``, ``500ms``) or batches (``4 batches``:
+the same staleness on a slow machine as on a fast one). ``train.shard_rows`` defaults to
 8 x ``batch_size``. ``train.sharding`` (async mode): ``antdt`` (default) leases shards dynamically
 and runs the straggler controller; ``pull`` leases dynamically without the controller; ``static``
 deals each worker a fixed 1/N of the shards up front (the baselines of ``antdt bench
@@ -38,6 +40,7 @@ from typing import Any, Literal, Mapping, Sequence
 import yaml
 
 from antdt.errors import ConfigError
+from antdt.sync import SyncPeriod
 from data.schema import read_yaml
 from models.config import ModelConfig, OptimConfig
 
@@ -68,7 +71,7 @@ class TrainConfig:
     log_every: int = 50
     mode: Mode = "async"
     workers: int = 2
-    sync_period: float = 1.0
+    sync_period: SyncPeriod = SyncPeriod(seconds=1.0)
     shard_rows: int = SHARD_BATCHES * 4096
     sharding: Sharding = "antdt"
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -105,6 +108,7 @@ class JobConfig:
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data (what is logged to MLflow and written back as YAML)."""
         train = {k: v for k, v in dataclasses.asdict(self.train).items() if k != "optim"}
+        train["sync_period"] = str(self.train.sync_period)
         train.update(self.train.optim.to_dict())
         return {
             "name": self.name,
@@ -240,8 +244,8 @@ def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
         log_every=_positive_int(raw, "log_every", defaults.log_every, where),
         mode=mode,
         workers=_positive_int(raw, "workers", defaults.workers, where),
-        sync_period=_number(raw, "sync_period", defaults.sync_period, where, minimum=0.0,
-                            inclusive=False),
+        sync_period=SyncPeriod.parse(raw.get("sync_period", defaults.sync_period.seconds),
+                                     where=f"{where}.sync_period"),
         shard_rows=_positive_int(raw, "shard_rows", SHARD_BATCHES * batch_size, where),
         sharding=sharding,
         optim=optim,

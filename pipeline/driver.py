@@ -333,7 +333,7 @@ class AsyncRun:
 
     def _start(self, worker: str, index: int, join: bool = False) -> None:
         spec = agent.AgentSpec(job=self.job_id, batch_rows=self.job.train.batch_size,
-                               sync_period_s=self.job.train.sync_period, join=join,
+                               sync_period=self.job.train.sync_period, join=join,
                                threads=self.job.train.threads,
                                faults=self._faults.get(index, agent.Faults()))
         future = agent.start_agent(self.client, worker, spec, self._trainer, self._reader)
@@ -509,15 +509,17 @@ class AsyncRun:
         self._ticks += 1
 
     def _agent_metrics(self) -> dict[str, float]:
-        """Final per-agent figures (rows, busy seconds, mean loss) and the agents' fates (dead,
-        started on a worker that joined mid-job)."""
+        """Final per-agent figures (rows, batches, busy seconds, sync exchanges, mean loss) and
+        the agents' fates (dead, started on a worker that joined mid-job)."""
         out: dict[str, float] = {"agents_dead": sum(s.dead for s in self.slots),
                                  "agents_joined": sum(s.join for s in self.slots)}
         for slot in self.slots:
             if slot.report is not None:
                 name = f"worker{slot.index}"
                 out[f"{name}.rows"] = slot.report.rows
+                out[f"{name}.batches"] = slot.report.batches
                 out[f"{name}.busy_s"] = slot.report.busy_s
+                out[f"{name}.sync_exchanges"] = slot.report.exchanges
                 if not math.isnan(slot.report.loss):
                     out[f"{name}.loss"] = slot.report.loss
         return out

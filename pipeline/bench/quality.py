@@ -54,5 +54,5 @@ def command(job_path: str, rows: int | None, data_dir: str | None, workers: str,
           "oracle_auc": None if reference.oracle_auc is None else round(reference.oracle_auc, 4),
           "reference_samples_per_s": round(reference.samples_per_s),
           "rows": expected, "epochs": job.train.epochs, "tolerance": tolerance,
-          "sync_period": job.train.sync_period,
+          "sync_period": str(job.train.sync_period),
           "async": runs, "passed": all(r["passed"] for r in runs)}, as_json)

@@ -42,5 +42,5 @@ def command(rows: int, data_dir: str | None, workers: str, repeats: int,
           "local_samples_per_s": round(median_of(local)),
           "ratio": round(medians[counts[-1]] / medians[counts[0]], 3),
           "workers": counts, "rows": rows, "repeats": repeats, "threads_per_worker": 1,
-          "sync_period": job.train.sync_period},
+          "sync_period": str(job.train.sync_period)},
          as_json)

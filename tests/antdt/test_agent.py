@@ -19,6 +19,7 @@ from distributed import Client, LocalCluster
 from antdt import agent, service, sync_service
 from antdt.agent import AgentPlugin, AgentReport, AgentSpec, Faults
 from antdt.errors import AntdtError, ConfigError
+from antdt.sync import SyncPeriod
 
 Range = tuple[str, int, int, int]
 """A trivial batch: ``(path, row_group, start, stop)``."""
@@ -26,6 +27,7 @@ Range = tuple[str, int, int, int]
 GROUPS = [("a.parquet", 0, 100), ("b.parquet", 0, 60)]
 FIRST_ID = {("a.parquet", 0): 0, ("b.parquet", 0): 100}
 TOTAL = 160
+EVERY_20MS = SyncPeriod(seconds=0.02)
 SHARD_ROWS, BATCH_ROWS = 20, 8
 
 GATES: dict[str, threading.Event] = {}
@@ -126,10 +128,10 @@ def workers(c: Client) -> list[str]:
     return sorted(c.sync(c.scheduler.identity, n_workers=-1)["workers"])
 
 
-def start(c: Client, job: str, worker: str, *, sync_period_s: float | None = None,
+def start(c: Client, job: str, worker: str, *, sync_period: SyncPeriod | None = None,
           join: bool = False, faults: Faults = Faults(), gate: str | None = None,
           step_s: float = 0.0) -> Any:
-    spec = AgentSpec(job=job, batch_rows=BATCH_ROWS, sync_period_s=sync_period_s, join=join,
+    spec = AgentSpec(job=job, batch_rows=BATCH_ROWS, sync_period=sync_period, join=join,
                      faults=faults)
     return agent.start_agent(c, worker, spec, MakeTrainer(step_s), MakeReader(gate))
 
@@ -177,9 +179,11 @@ def test_agents_train_every_row_once_per_epoch_and_count_exactly(client: Client)
     assert all(m["outcome"] == "finished" and m["time"] >= m["start"] for m in spans)
 
 
-def test_async_agents_end_with_identical_replicas_holding_every_update(client: Client) -> None:
+@pytest.mark.parametrize("period", [EVERY_20MS, SyncPeriod(batches=2)], ids=str)
+def test_async_agents_end_with_identical_replicas_holding_every_update(
+        client: Client, period: SyncPeriod) -> None:
     job = new_job(client, epochs=2, sync=workers(client))
-    futures = [start(client, job, w, sync_period_s=0.02, step_s=0.002) for w in workers(client)]
+    futures = [start(client, job, w, sync_period=period, step_s=0.002) for w in workers(client)]
     reports: list[AgentReport] = client.gather(futures)
 
     assert [r.outcome for r in reports] == ["finished", "finished"]
@@ -199,9 +203,9 @@ def test_a_joiner_copies_the_model_trains_and_ends_identical(client: Client) -> 
     first, joiner = workers(client)
     job = new_job(client, epochs=2, sync=[first])
     GATES[job] = threading.Event()
-    futures = [start(client, job, first, sync_period_s=0.02, gate=job)]
+    futures = [start(client, job, first, sync_period=EVERY_20MS, gate=job)]
     until(lambda: len(service.job_state(client, job, leases=True)["live"]) == 1)
-    futures.append(start(client, job, joiner, sync_period_s=0.02, join=True))
+    futures.append(start(client, job, joiner, sync_period=EVERY_20MS, join=True))
     until(lambda: service.job_state(client, job)["rows_trained"] > 0)  # the joiner trains
     GATES[job].set()
     reports: list[AgentReport] = client.gather(futures)
@@ -219,8 +223,8 @@ def test_a_joiner_copies_the_model_trains_and_ends_identical(client: Client) -> 
 
 def test_a_joiner_declines_a_job_whose_sync_is_over(client: Client) -> None:
     job = new_job(client, sync=[workers(client)[0]])
-    assert start(client, job, workers(client)[0], sync_period_s=0.02).result().rows == TOTAL
-    report: AgentReport = start(client, job, workers(client)[1], sync_period_s=0.02,
+    assert start(client, job, workers(client)[0], sync_period=EVERY_20MS).result().rows == TOTAL
+    report: AgentReport = start(client, job, workers(client)[1], sync_period=EVERY_20MS,
                                 join=True).result()
     assert (report.outcome, report.rows, report.leases) == ("declined", 0, 0)
 
@@ -322,5 +326,5 @@ def test_faults_are_validated(faults: dict[str, Any], message: str) -> None:
 def test_spec_is_validated() -> None:
     with pytest.raises(ConfigError, match="batch_rows must be an int >= 1, found 0"):
         AgentSpec(job="j", batch_rows=0)
-    with pytest.raises(ConfigError, match="sync_period_s must be > 0 or None, found 0"):
-        AgentSpec(job="j", batch_rows=1, sync_period_s=0)
+    with pytest.raises(ConfigError, match="sync_period must be a SyncPeriod or None, found 0"):
+        AgentSpec(job="j", batch_rows=1, sync_period=0)  # type: ignore[arg-type]

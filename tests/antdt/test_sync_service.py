@@ -30,6 +30,7 @@ from antdt.sync import (
     ReplicaSnapshot,
     ReplicaSync,
     SyncError,
+    SyncPeriod,
 )
 from antdt.sync_service import (
     PLUGIN_NAME,
@@ -91,11 +92,14 @@ class Agent:
                 p += d
             self.rows += 32
             self.replica.touch({name: ids for name, (ids, _) in rows.items()}, self.rows)
+        if self.sync is not None:
+            self.sync.batch_done()
 
     def run(self, min_merges: int, together: threading.Barrier | None = None, die: bool = False,
             timeout_s: float = 30.0, *, join: bool = False,
             until: Callable[[], bool] | None = None,
-            ready: Callable[[], object] | None = None, period_s: float = 0.01,
+            ready: Callable[[], object] | None = None,
+            period: SyncPeriod = SyncPeriod(seconds=0.01),
             hurry: bool = False) -> ExchangeReport | None:
         """Train until the background thread merged ``min_merges`` peers (then call ``ready``)
         and ``until()`` holds, wait for the agents sharing ``together`` (still syncing: a
@@ -104,7 +108,7 @@ class Agent:
         be killed). ``join``: join the running job first. ``hurry``: ask for a round after every
         step (as an agent waiting for its rows to sync does)."""
         sync = self.sync = BackgroundSync(self.replica, "job", worker=self.worker,
-                                          period_s=period_s, rpc_timeout_s=10.0)
+                                          period=period, rpc_timeout_s=10.0)
         self.peer = sync.start(join=join)
         deadline = time() + timeout_s
         while sync.peers_merged < min_merges:
@@ -215,12 +219,29 @@ async def test_hurry_starts_a_round_before_the_period_ends(c: Client, s: Schedul
     agents = [Agent(w, seed=i) for i, w in enumerate(workers)]
     loop = asyncio.get_running_loop()
     together = threading.Barrier(len(agents))
-    run = functools.partial(Agent.run, min_merges=1, together=together, period_s=3600.0,
-                            hurry=True)
+    run = functools.partial(Agent.run, min_merges=1, together=together,
+                            period=SyncPeriod(seconds=3600.0), hurry=True)
     with ThreadPoolExecutor(len(agents)) as pool:
         reports = await asyncio.gather(*[loop.run_in_executor(pool, run, a) for a in agents])
     # an hour-long period: every background exchange was a hurried one
     assert all(a.sync is not None and a.sync.exchanges >= 2 for a in agents)
+    assert all(r is not None and r.failed == [] for r in reports)
+    assert_bit_identical([a.replica for a in agents])
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
+async def test_a_period_in_batches_starts_rounds_as_batches_are_trained(
+        c: Client, s: Scheduler, *workers: Worker) -> None:
+    await start_service(c, s, workers, group_size=2, max_wait_s=5.0)
+    agents = [Agent(w, seed=i) for i, w in enumerate(workers)]
+    loop = asyncio.get_running_loop()
+    together = threading.Barrier(len(agents))
+    run = functools.partial(Agent.run, min_merges=2, together=together,
+                            period=SyncPeriod(batches=3))
+    with ThreadPoolExecutor(len(agents)) as pool:
+        reports = await asyncio.gather(*[loop.run_in_executor(pool, run, a) for a in agents])
+    # no period in seconds and no hurry: only finished batches started the background rounds
+    assert all(a.sync is not None and a.sync.exchanges >= 3 for a in agents)
     assert all(r is not None and r.failed == [] for r in reports)
     assert_bit_identical([a.replica for a in agents])
 
@@ -363,7 +384,7 @@ async def test_defaults_come_from_dask_config(c: Client, s: Scheduler, a: Worker
                               worker=a)
     assert service(s).poll_s == 3.0
     assert (service(s).jobs["job"].group_size, service(s).jobs["job"].max_wait_s) == (3, 0.1)
-    assert (sync.period_s, sync.rpc_timeout_s) == (0.02, 7.0)
+    assert (sync.period, sync.rpc_timeout_s) == (SyncPeriod(seconds=0.02), 7.0)
 
 
 # ---- a real process death -----------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from antdt.errors import ConfigError
+from antdt.sync import SyncPeriod
 from pipeline.config import load_job
 
 MINIMAL = {"data": {"train": "d/train/*.parquet", "validation": ["d/val"], "schema": "d/schema.yaml"}}
@@ -72,17 +73,20 @@ def test_missing_data_section_and_bad_override(tmp_path: Path) -> None:
 
 def test_distributed_defaults_and_faults(tmp_path: Path) -> None:
     job = load_job(write(tmp_path, MINIMAL), ["train.batch_size=256"])
-    assert (job.train.mode, job.train.workers, job.train.sync_period) == ("async", 2, 1.0)
+    assert (job.train.mode, job.train.workers, job.train.sync_period) == \
+        ("async", 2, SyncPeriod(seconds=1.0))
     assert job.train.shard_rows == 8 * 256
     assert job.train.sharding == "antdt"
     assert job.faults == ()
     faulty = load_job(write(tmp_path, MINIMAL), [
         "faults=[{worker: 1, slowdown: 2.5}, {worker: 0, crash_after_rows: 100}]",
-        "train.shard_rows=1000", "train.mode=local", "train.sharding=static"])
+        "train.shard_rows=1000", "train.mode=local", "train.sharding=static",
+        "train.sync_period=4 batches"])
     assert [(f.worker, f.slowdown, f.crash_after_rows) for f in faulty.faults] == \
         [(1, 2.5, None), (0, 1.0, 100)]
     assert (faulty.train.shard_rows, faulty.train.mode, faulty.train.sharding) == \
         (1000, "local", "static")
+    assert faulty.train.sync_period == SyncPeriod(batches=4)
     again = load_job(write(tmp_path, faulty.to_dict()))
     assert again.to_dict() == faulty.to_dict()
 
@@ -92,7 +96,11 @@ def test_distributed_defaults_and_faults(tmp_path: Path) -> None:
     ("train.workers=0", "train.workers: expected an integer >= 1, found 0"),
     ("train.sharding=random", "train.sharding: expected one of ['antdt', 'pull', 'static'], "
                               "found 'random'"),
-    ("train.sync_period=0", "train.sync_period: expected a finite number > 0.0, found 0"),
+    ("train.sync_period=0", "train.sync_period: expected seconds > 0 (0.5, '500ms') or "
+                            "batches ('4 batches'), found 0"),
+    ("train.sync_period=0 batches", "('4 batches'), found '0 batches'"),
+    ("train.sync_period=soon", "train.sync_period: expected seconds > 0 (0.5, '500ms') or "
+                               "batches ('4 batches'), found 'soon'"),
     ("train.shard_rows=-5", "train.shard_rows: expected an integer >= 1, found -5"),
     ("faults={worker: 0}", "faults: expected a list"),
     ("faults=[{slowdown: 2}]", "faults[0]: missing key 'worker'"),

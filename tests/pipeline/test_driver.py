@@ -57,7 +57,8 @@ def workers_of(cluster: LocalCluster) -> list[str]:
 def test_cli_trains_async_on_two_workers_and_tracks_the_run(cluster_job: Path) -> None:
     with dask.config.set(FAST):
         result = CliRunner().invoke(cli, ["train", str(cluster_job), "--workers", "2", "--json",
-                                          "--set", "train.epochs=2"])
+                                          "--set", "train.epochs=2",
+                                          "--set", "train.sync_period=2 batches"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert {"run_id", "auc", "logloss", "oracle_auc", "rows_trained", "rows_lost",
@@ -87,6 +88,11 @@ def test_cli_trains_async_on_two_workers_and_tracks_the_run(cluster_job: Path) -
     assert {"samples_per_s.worker0", "samples_per_s.worker1"} & set(run.data.metrics)
     assert {"worker0.rows", "worker1.rows"} <= set(run.data.metrics)
     assert run.data.metrics["worker0.rows"] + run.data.metrics["worker1.rows"] == 2 * TRAIN_ROWS
+    assert run.data.params["train.sync_period"] == "2 batches"
+    assert run.data.metrics["worker0.batches"] + run.data.metrics["worker1.batches"] >= \
+        2 * TRAIN_ROWS / job.train.batch_size
+    # rounds started by trained batches, plus the final round
+    assert min(run.data.metrics[f"worker{i}.sync_exchanges"] for i in (0, 1)) >= 2
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(summary["run_id"])}
     assert {"job.yaml", "schema.yaml"} <= artifacts
     model = mlflow.pyfunc.load_model(f"runs:/{summary['run_id']}/model")
