@@ -485,7 +485,8 @@ class BackgroundSync:
     def __init__(self, replica: ReplicaSync, job: str, *, worker: Worker | None = None,
                  period: SyncPeriod | None = None, rpc_timeout_s: float | None = None) -> None:
         if period is None:
-            period = SyncPeriod(seconds=config.seconds("antdt.sync.period"))
+            period = SyncPeriod.parse(config.seconds("antdt.sync.period"),
+                                      where="dask config antdt.sync.period")
         if rpc_timeout_s is None:
             rpc_timeout_s = config.seconds("antdt.sync.rpc-timeout")
         if rpc_timeout_s <= 0:

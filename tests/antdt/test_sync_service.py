@@ -23,6 +23,7 @@ from distributed.metrics import time
 from distributed.protocol import dumps, loads
 from distributed.utils_test import gen_cluster
 
+from antdt.errors import ConfigError
 from antdt.sync import (
     ExchangeReport,
     LogEntry,
@@ -385,6 +386,13 @@ async def test_defaults_come_from_dask_config(c: Client, s: Scheduler, a: Worker
     assert service(s).poll_s == 3.0
     assert (service(s).jobs["job"].group_size, service(s).jobs["job"].max_wait_s) == (3, 0.1)
     assert (sync.period, sync.rpc_timeout_s) == (SyncPeriod(seconds=0.02), 7.0)
+
+
+def test_a_bad_period_in_dask_config_names_the_key() -> None:
+    replica = ReplicaSync("tcp://127.0.0.1:1", initial_dense(), initial_tables())
+    with dask.config.set({"antdt.sync.period": "0s"}), pytest.raises(
+            ConfigError, match=r"dask config antdt.sync.period: expected seconds > 0 .*found 0"):
+        BackgroundSync(replica, "job")
 
 
 # ---- a real process death -----------------------------------------------------------------
