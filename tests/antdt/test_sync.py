@@ -21,6 +21,7 @@ from antdt.sync import (
     ReplicaSnapshot,
     ReplicaSync,
     SyncError,
+    SyncPeriod,
     SyncScheduler,
     average_dense,
 )
@@ -628,3 +629,26 @@ def test_ten_thousand_workers_are_cheap_and_groups_are_disjoint() -> None:
     elapsed = time.perf_counter() - started
     assert elapsed < 5.0
     assert sizes and min(sizes) >= 2 and max(sizes) == 4
+
+
+# ---- SyncPeriod ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("period", [SyncPeriod(seconds=0.25), SyncPeriod(seconds=3.0),
+                                    SyncPeriod(batches=1), SyncPeriod(batches=16)], ids=str)
+def test_a_sync_period_reads_back_what_it_writes(period: SyncPeriod) -> None:
+    assert SyncPeriod.parse(str(period)) == period
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({}, "expected seconds or batches (one of them)"),
+    ({"seconds": 1.0, "batches": 2}, "expected seconds or batches (one of them)"),
+    ({"seconds": float("inf")}, "seconds must be a finite number > 0, found inf"),
+    ({"batches": 0}, "batches must be an int >= 1, found 0"),
+    ({"batches": 1.5}, "batches must be an int >= 1, found 1.5"),
+])
+def test_a_sync_period_refuses_what_it_cannot_mean(kwargs: dict[str, float],
+                                                   message: str) -> None:
+    with pytest.raises(antdt.errors.ConfigError) as info:
+        SyncPeriod(**kwargs)  # type: ignore[arg-type]
+    assert message in str(info.value)
