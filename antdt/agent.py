@@ -160,7 +160,7 @@ class AgentSpec:
 
     job: str
     batch_rows: int
-    sync_period: SyncPeriod | None = SyncPeriod(seconds=1.0)
+    sync_period: SyncPeriod | None = SyncPeriod(batches=1)
     join: bool = False
     threads: int = 1
     device: str | None = None

@@ -9,7 +9,7 @@
       on_bad_data: fail            # or quarantine: skip bad row groups, report their rows
     model: {arch: dlrm, embedding_dim: 16}
     train: {batch_size: 4096, epochs: 1, seed: 0, sparse_lr: 0.05, dense_lr: 0.001,
-            mode: async, workers: 2, sync_period: 1s, shard_rows: 32768, sharding: antdt}
+            mode: async, workers: 2, sync_period: 1 batch, shard_rows: 32768, sharding: antdt}
     mlflow: {experiment: antdt, tracking_uri: null}
     faults:                        # injected faults (tests, benchmarks); none by default
       - {worker: 1, slowdown: 3.0}             # worker 1 takes 3x as long per batch
@@ -18,8 +18,8 @@
 
 ``train.mode``: ``async`` (default) trains on a Dask cluster, one replica per worker with
 background model sync; ``local`` trains in this process. ``train.sync_period`` (async mode) is
-how often a worker starts a sync round: seconds (``0.5``, ``500ms``) or batches (``4 batches``:
-the same staleness on a slow machine as on a fast one). ``train.shard_rows`` defaults to
+how often a worker starts a sync round: batches (default ``1 batch``: the same staleness on a
+slow machine as on a fast one) or seconds (``0.5``, ``500ms``: a bounded share of the CPU). ``train.shard_rows`` defaults to
 8 x ``batch_size``. ``train.sharding`` (async mode): ``antdt`` (default) leases shards dynamically
 and runs the straggler controller; ``pull`` leases dynamically without the controller; ``static``
 deals each worker a fixed 1/N of the shards up front (the baselines of ``antdt bench
@@ -71,7 +71,7 @@ class TrainConfig:
     log_every: int = 50
     mode: Mode = "async"
     workers: int = 2
-    sync_period: SyncPeriod = SyncPeriod(seconds=1.0)
+    sync_period: SyncPeriod = SyncPeriod(batches=1)
     shard_rows: int = SHARD_BATCHES * 4096
     sharding: Sharding = "antdt"
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -244,7 +244,7 @@ def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
         log_every=_positive_int(raw, "log_every", defaults.log_every, where),
         mode=mode,
         workers=_positive_int(raw, "workers", defaults.workers, where),
-        sync_period=SyncPeriod.parse(raw.get("sync_period", defaults.sync_period.seconds),
+        sync_period=SyncPeriod.parse(raw.get("sync_period", str(defaults.sync_period)),
                                      where=f"{where}.sync_period"),
         shard_rows=_positive_int(raw, "shard_rows", SHARD_BATCHES * batch_size, where),
         sharding=sharding,

@@ -74,7 +74,7 @@ def test_missing_data_section_and_bad_override(tmp_path: Path) -> None:
 def test_distributed_defaults_and_faults(tmp_path: Path) -> None:
     job = load_job(write(tmp_path, MINIMAL), ["train.batch_size=256"])
     assert (job.train.mode, job.train.workers, job.train.sync_period) == \
-        ("async", 2, SyncPeriod(seconds=1.0))
+        ("async", 2, SyncPeriod(batches=1))
     assert job.train.shard_rows == 8 * 256
     assert job.train.sharding == "antdt"
     assert job.faults == ()
