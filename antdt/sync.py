@@ -404,20 +404,21 @@ SyncPeriod(seconds=None, batches=4))
         batches (``"4 batches"``, ``"1 batch"``); a :class:`ConfigError` naming ``where``
         otherwise."""
         expected = "seconds > 0 (0.5, '500ms') or batches ('4 batches')"
+        found = value
         if isinstance(value, str):
             match = _BATCHES.fullmatch(value)
             if match:
                 batches = int(match.group(1))
                 if batches < 1:
-                    raise ConfigError(f"{where}: expected {expected}, found {value!r}")
+                    raise ConfigError(f"{where}: expected {expected}, found {found!r}")
                 return cls(batches=batches)
             try:
                 value = dask.utils.parse_timedelta(value, default="seconds")
             except (TypeError, ValueError, KeyError):
-                raise ConfigError(f"{where}: expected {expected}, found {value!r}") from None
+                raise ConfigError(f"{where}: expected {expected}, found {found!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"{where}: expected {expected}, found {value!r}")
+            raise ConfigError(f"{where}: expected {expected}, found {found!r}")
         return cls(seconds=float(value))
 
     def __str__(self) -> str:

@@ -479,13 +479,13 @@ class BackgroundSync:
     peer's or the scheduler's failure is re-raised there.
 
     ``worker`` defaults to the worker running the calling task; ``period`` and
-    ``rpc_timeout_s`` to ``antdt.sync.period`` (seconds) and ``antdt.sync.rpc-timeout``.
+    ``rpc_timeout_s`` to ``antdt.sync.period`` and ``antdt.sync.rpc-timeout``.
     """
 
     def __init__(self, replica: ReplicaSync, job: str, *, worker: Worker | None = None,
                  period: SyncPeriod | None = None, rpc_timeout_s: float | None = None) -> None:
         if period is None:
-            period = SyncPeriod.parse(config.seconds("antdt.sync.period"),
+            period = SyncPeriod.parse(config.get("antdt.sync.period"),
                                       where="dask config antdt.sync.period")
         if rpc_timeout_s is None:
             rpc_timeout_s = config.seconds("antdt.sync.rpc-timeout")

@@ -391,7 +391,7 @@ async def test_defaults_come_from_dask_config(c: Client, s: Scheduler, a: Worker
 def test_a_bad_period_in_dask_config_names_the_key() -> None:
     replica = ReplicaSync("tcp://127.0.0.1:1", initial_dense(), initial_tables())
     with dask.config.set({"antdt.sync.period": "0s"}), pytest.raises(
-            ConfigError, match=r"dask config antdt.sync.period: expected seconds > 0 .*found 0"):
+            ConfigError, match=r"dask config antdt.sync.period: expected seconds > 0 .*found '0s'"):
         BackgroundSync(replica, "job")
 
 
