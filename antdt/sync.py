@@ -403,23 +403,16 @@ SyncPeriod(seconds=None, batches=4))
         """A number of seconds (``0.5``), a duration (``"500ms"``, ``"2s"``) or a number of
         batches (``"4 batches"``, ``"1 batch"``); a :class:`ConfigError` naming ``where``
         otherwise."""
-        expected = "seconds > 0 (0.5, '500ms') or batches ('4 batches')"
-        found = value
-        if isinstance(value, str):
-            match = _BATCHES.fullmatch(value)
-            if match:
-                batches = int(match.group(1))
-                if batches < 1:
-                    raise ConfigError(f"{where}: expected {expected}, found {found!r}")
-                return cls(batches=batches)
-            try:
-                value = dask.utils.parse_timedelta(value, default="seconds")
-            except (TypeError, ValueError, KeyError):
-                raise ConfigError(f"{where}: expected {expected}, found {found!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"{where}: expected {expected}, found {found!r}")
-        return cls(seconds=float(value))
+        try:
+            if isinstance(value, str):
+                match = _BATCHES.fullmatch(value)
+                if match:
+                    return cls(batches=int(match.group(1)))
+                return cls(seconds=dask.utils.parse_timedelta(value, default="seconds"))
+            return cls(seconds=value)  # type: ignore[arg-type]  # checked on construction
+        except (ConfigError, TypeError, ValueError, KeyError):
+            raise ConfigError(f"{where}: expected seconds > 0 (0.5, '500ms') or batches "
+                              f"('4 batches'), found {value!r}") from None
 
     def __str__(self) -> str:
         if self.batches is not None:

@@ -19,8 +19,8 @@
 ``train.mode``: ``async`` (default) trains on a Dask cluster, one replica per worker with
 background model sync; ``local`` trains in this process. ``train.sync_period`` (async mode) is
 how often a worker starts a sync round: batches (default ``1 batch``: the same staleness on a
-slow machine as on a fast one) or seconds (``0.5``, ``500ms``: a bounded share of the CPU). ``train.shard_rows`` defaults to
-8 x ``batch_size``. ``train.sharding`` (async mode): ``antdt`` (default) leases shards dynamically
+slow machine as on a fast one) or seconds (``0.5``, ``500ms``: a bounded share of the CPU).
+``train.shard_rows`` defaults to 8 x ``batch_size``. ``train.sharding`` (async mode): ``antdt`` (default) leases shards dynamically
 and runs the straggler controller; ``pull`` leases dynamically without the controller; ``static``
 deals each worker a fixed 1/N of the shards up front (the baselines of ``antdt bench
 stragglers``). A fault's ``worker`` is the index of a worker in the job's sorted initial
@@ -244,8 +244,8 @@ def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
         log_every=_positive_int(raw, "log_every", defaults.log_every, where),
         mode=mode,
         workers=_positive_int(raw, "workers", defaults.workers, where),
-        sync_period=SyncPeriod.parse(raw.get("sync_period", str(defaults.sync_period)),
-                                     where=f"{where}.sync_period"),
+        sync_period=(SyncPeriod.parse(raw["sync_period"], where=f"{where}.sync_period")
+                     if "sync_period" in raw else defaults.sync_period),
         shard_rows=_positive_int(raw, "shard_rows", SHARD_BATCHES * batch_size, where),
         sharding=sharding,
         optim=optim,
