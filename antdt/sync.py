@@ -7,8 +7,9 @@ central, the tensors travel worker to worker) and exchanges with them:
 
 * **Embeddings** keep parameter-server semantics. Each worker keeps a ``base`` copy of its tables
   and publishes, per exchange, one sequence-numbered :class:`LogEntry` holding ``current - base``
-  for the rows it touched. Peers pull the entries they have not applied yet and add them in place
-  (to ``current`` *and* ``base``, so a peer's update is never re-published as one's own).
+  for the rows it touched, addressed in the :class:`RowSpace` of all tables end to end. Peers
+  pull the entries they have not applied yet and add them in place (to ``current`` *and*
+  ``base``, so a peer's update is never re-published as one's own).
   Addition commutes, so every replica converges to ``initial + sum of all deltas`` whatever the
   grouping or order: a row learned by one worker is not diluted, nothing is counted twice.
 * **Dense parameters** are averaged in the group as ``x += mean(snapshots) - own snapshot``; the
@@ -51,7 +52,7 @@ import logging
 import math
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -63,11 +64,6 @@ from antdt.errors import AntdtError, ConfigError
 
 logger = logging.getLogger(__name__)
 
-TableRows = tuple[torch.Tensor, torch.Tensor]
-"""``(ids, deltas)`` of one table in one log entry: ids ``(k,)`` int64 unique row ids, deltas
-``(k, dim)`` in the table's dtype."""
-
-
 class SyncError(AntdtError):
     """A sync call is invalid: unknown worker or job, a cursor the log can no longer serve."""
 
@@ -75,15 +71,116 @@ class SyncError(AntdtError):
 class LogEntry(NamedTuple):
     """One published batch of embedding deltas of one worker.
 
-    ``seq`` counts from 1 per worker without gaps; ``rows`` maps a table name to ``(ids, deltas)``
-    (``ids`` ``(k,)`` int64, unique; ``deltas`` ``(k, dim)``); ``rows_offset`` is the worker's
-    training progress (rows trained, an opaque non-decreasing int chosen by the agent) when the
-    entry was cut: every row up to it has its embedding effect in this entry or an earlier one.
+    ``seq`` counts from 1 per worker without gaps; ``ids`` ``(k,)`` int64, strictly increasing,
+    are rows of the log's :class:`RowSpace` (every table end to end) and ``deltas`` ``(k, dim)``
+    their changes; ``rows_offset`` is the worker's training progress (rows trained, an opaque
+    non-decreasing int chosen by the agent) when the entry was cut: every row up to it has its
+    embedding effect in this entry or an earlier one.
     """
 
     seq: int
-    rows: dict[str, TableRows]
+    ids: torch.Tensor
+    deltas: torch.Tensor
     rows_offset: int
+
+
+class RowSpace:
+    """Embedding tables laid end to end: row ``r`` of table ``name`` is row ``start[name] + r``.
+
+    Every table is ``(num_rows, dim)`` with the same ``dim``, dtype and device. Deltas travel as
+    ids of this space, one id array and one delta matrix per log entry however many tables there
+    are, so publishing, sending and applying them costs a few tensor operations, not a few per
+    table. When the tables are consecutive views of one storage (a ``FusedEmbeddingBagCollection``
+    keeps all of its tables in one FBGEMM buffer) :attr:`flat` is a ``(rows, dim)`` view over all
+    of them and a gather or an add is one kernel; otherwise the work is split by table.
+
+    >>> storage = torch.zeros(5, 2)
+    >>> space = RowSpace({"a": storage[:2], "b": storage[2:]})
+    >>> space.start, space.rows, space.flat is not None
+    ({'a': 0, 'b': 2}, 5, True)
+    >>> RowSpace({"b": storage[2:], "a": storage[:2]}).flat is None  # not in storage order
+    True
+    """
+
+    def __init__(self, tables: Mapping[str, torch.Tensor]) -> None:
+        first = next(iter(tables.values()), torch.zeros(0, 0))
+        for name, table in tables.items():
+            if table.dim() != 2:
+                raise SyncError(f"embedding table {name!r} must be 2-d (num_rows, dim), "
+                                f"found shape {tuple(table.shape)}")
+            if (table.shape[1], table.dtype, table.device) != (first.shape[1], first.dtype,
+                                                               first.device):
+                raise SyncError(
+                    f"embedding table {name!r} is ({table.shape[1]}, {table.dtype}, "
+                    f"{table.device}) in (dim, dtype, device); every table must match the first "
+                    f"one's ({first.shape[1]}, {first.dtype}, {first.device})")
+        self.tables: dict[str, torch.Tensor] = {name: t.detach() for name, t in tables.items()}
+        sizes = [t.shape[0] for t in self.tables.values()]
+        self.start = dict(zip(self.tables, itertools.accumulate([0, *sizes[:-1]])))
+        self.rows = sum(sizes)
+        self.dim, self.dtype, self.device = first.shape[1], first.dtype, first.device
+        sized = ";".join(f"{name}:{size}" for name, size in zip(self.tables, sizes))
+        self.layout = f"{sized}x{self.dim}"
+        """Names and sizes in order: replicas whose ids mean the same rows have equal layouts."""
+        self._bounds = torch.tensor(list(itertools.accumulate([0, *sizes])), device=self.device)
+        self.flat = _end_to_end(list(self.tables.values()), self.rows)
+        """A ``(rows, dim)`` view over every table, or None when they are not end to end."""
+
+    def split(self, space: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per table, its rows of ``space`` (first dimension :attr:`rows`), as views."""
+        return {name: space[start:start + table.shape[0]]
+                for (name, start), table in zip(self.start.items(), self.tables.values())}
+
+    def concat(self) -> torch.Tensor:
+        """A copy of every table, end to end: ``(rows, dim)``."""
+        if self.flat is not None:
+            return self.flat.clone()
+        out = torch.empty(self.rows, self.dim, dtype=self.dtype, device=self.device)
+        for name, part in self.split(out).items():
+            part.copy_(self.tables[name])
+        return out
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (``(k,)`` int64, increasing) of the tables: ``(k, dim)``."""
+        if self.flat is not None:
+            return self.flat.index_select(0, ids)
+        out = torch.empty(len(ids), self.dim, dtype=self.dtype, device=self.device)
+        for table, lo, hi, start in self._parts(ids):
+            out[lo:hi] = table.index_select(0, ids[lo:hi] - start)
+        return out
+
+    def add_(self, ids: torch.Tensor, deltas: torch.Tensor) -> None:
+        """Add ``deltas`` ``(k, dim)`` to rows ``ids`` (``(k,)`` int64, increasing), in place."""
+        if self.flat is not None:
+            self.flat.index_add_(0, ids, deltas)
+            return
+        for table, lo, hi, start in self._parts(ids):
+            table.index_add_(0, ids[lo:hi] - start, deltas[lo:hi])
+
+    def _parts(self, ids: torch.Tensor) -> Iterator[tuple[torch.Tensor, int, int, int]]:
+        """Per table that ``ids`` (increasing) reach: the table, the slice of ``ids`` in it and
+        the table's start."""
+        cuts = torch.searchsorted(ids, self._bounds).tolist()
+        for (table, start), lo, hi in zip(zip(self.tables.values(), self.start.values()),
+                                          cuts, cuts[1:]):
+            if hi > lo:
+                yield table, lo, hi, start
+
+
+def _end_to_end(tables: Sequence[torch.Tensor], rows: int) -> torch.Tensor | None:
+    """A ``(rows, dim)`` view over ``tables`` if they are contiguous and follow each other in
+    one storage, in this order; else None."""
+    if not tables:
+        return None
+    first = tables[0]
+    storage, dim = first.untyped_storage().data_ptr(), first.shape[1]
+    offset = first.storage_offset()
+    for table in tables:
+        if not table.is_contiguous() or table.untyped_storage().data_ptr() != storage \
+                or table.storage_offset() != offset:
+            return None
+        offset += table.shape[0] * dim
+    return first.as_strided((rows, dim), (dim, 1))
 
 
 class EmbeddingDeltaLog:
@@ -91,7 +188,8 @@ class EmbeddingDeltaLog:
 
     ``tables`` maps a name to a ``(num_rows, dim)`` tensor that is written in place (for a
     ``FusedEmbeddingBagCollection`` the ``state_dict()`` weights are views of the fused storage,
-    so an ``index_add_`` here is seen by the next forward).
+    so an ``index_add_`` here is seen by the next forward). Entries address rows in the tables'
+    :class:`RowSpace`, so every replica of a job must have the same tables in the same order.
 
     Threads: ``touch`` (training thread) and ``pull`` (peers' requests) may run any time; they
     only take the log's own short lock. ``publish`` and ``apply`` read and write the tables, so
@@ -104,12 +202,12 @@ class EmbeddingDeltaLog:
     acknowledgement rather than a reply sent means a reply lost on the way never makes rows look
     synchronised when they are not (the price: the offset lags by one exchange with each peer).
 
-    >>> log = EmbeddingDeltaLog({"t": torch.zeros(4, 2)}, peers=["b"])
+    >>> log = EmbeddingDeltaLog({"s": torch.zeros(2, 2), "t": torch.zeros(4, 2)}, peers=["b"])
     >>> log.tables["t"][1] += 1.0
     >>> log.touch("t", torch.tensor([1]))
     >>> entry = log.publish(rows_offset=8)
-    >>> entry.seq, entry.rows["t"][0].tolist(), entry.rows["t"][1].tolist()
-    (1, [1], [[1.0, 1.0]])
+    >>> entry.seq, entry.ids.tolist(), entry.deltas.tolist()  # row 1 of t is row 3 of the space
+    (1, [3], [[1.0, 1.0]])
     >>> [e.seq for e in log.pull("b", since_seq=0)], log.synced_offset()
     ([1], 0)
     >>> log.pull("b", since_seq=1), log.synced_offset()
@@ -118,14 +216,11 @@ class EmbeddingDeltaLog:
 
     def __init__(self, tables: Mapping[str, torch.Tensor], peers: Iterable[str] = (),
                  rows_offset: int = 0) -> None:
-        for name, table in tables.items():
-            if table.dim() != 2:
-                raise SyncError(f"embedding table {name!r} must be 2-d (num_rows, dim), "
-                                f"found shape {tuple(table.shape)}")
+        self.space = RowSpace(tables)
         self.tables: dict[str, torch.Tensor] = dict(tables)
-        self._base = {name: t.detach().clone() for name, t in self.tables.items()}
-        self._touched = {name: torch.zeros(t.shape[0], dtype=torch.bool, device=t.device)
-                         for name, t in self.tables.items()}
+        self._base = self.space.concat()
+        self._touched = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
+        self._touched_tables = self.space.split(self._touched)
         self._lock = threading.Lock()
         self._entries: list[LogEntry] = []
         self._last_seq = 0
@@ -142,10 +237,10 @@ class EmbeddingDeltaLog:
         Call it after the optimizer step that changed them (a change made after the mark is
         still published, by the next ``publish`` at the latest).
         """
-        mask = self._touched.get(table)
+        mask = self._touched_tables.get(table)
         if mask is None:
             raise SyncError(f"touch: unknown embedding table {table!r}; "
-                            f"tables are {sorted(self._touched)}")
+                            f"tables are {sorted(self._touched_tables)}")
         with self._lock:
             mask[ids] = True
 
@@ -159,23 +254,17 @@ class EmbeddingDeltaLog:
             raise SyncError(f"publish: rows_offset must not decrease, found {rows_offset} "
                             f"after {self._published_offset}")
         with self._lock:
-            touched = {name: mask.nonzero().squeeze(1) for name, mask in self._touched.items()}
-            for mask in self._touched.values():
-                mask.zero_()
-        rows: dict[str, TableRows] = {}
-        for name, ids in touched.items():
-            if ids.numel() == 0:
-                continue
-            # ids are unique (a mask's nonzero): select/copy, about twice as fast as indexing
-            base = self._base[name]
-            current = self.tables[name].detach().index_select(0, ids)
-            rows[name] = (ids, current - base.index_select(0, ids))
-            base.index_copy_(0, ids, current)
-        if not rows and rows_offset == self._published_offset:
+            ids = self._touched.nonzero().squeeze(1)
+            self._touched.zero_()
+        if ids.numel() == 0 and rows_offset == self._published_offset:
             return None
+        # ids are unique (a mask's nonzero): select/copy, about twice as fast as indexing
+        current = self.space.gather(ids)
+        deltas = current - self._base.index_select(0, ids)
+        self._base.index_copy_(0, ids, current)
         with self._lock:
             self._last_seq += 1
-            entry = LogEntry(self._last_seq, rows, rows_offset)
+            entry = LogEntry(self._last_seq, ids, deltas, rows_offset)
             self._entries.append(entry)
             self._published_offset = rows_offset
             self._drop_acknowledged()
@@ -249,30 +338,41 @@ class EmbeddingDeltaLog:
             raise SyncError(f"apply from {source!r}: expected seqs {expected[0]}..{expected[-1]}"
                             f" without gaps, found {[entry.seq for entry in fresh]}")
         for entry in fresh:
-            unknown = entry.rows.keys() - self.tables.keys()
-            if unknown:
-                raise SyncError(f"apply from {source!r}: unknown tables {sorted(unknown)}")
+            self._check(source, entry)
         added = sum(self._add(entry) for entry in fresh)
         self._applied[source] = fresh[-1].seq
         return added
 
+    def _check(self, source: str, entry: LogEntry) -> None:
+        """Raise :class:`SyncError` unless ``entry`` fits this log's row space."""
+        ids, deltas = entry.ids, entry.deltas
+        where = f"apply from {source!r}, seq {entry.seq}"
+        if ids.dim() != 1 or ids.dtype != torch.int64:
+            raise SyncError(f"{where}: ids must be (k,) int64, found {tuple(ids.shape)} "
+                            f"{ids.dtype}")
+        if tuple(deltas.shape) != (len(ids), self.space.dim):
+            raise SyncError(f"{where}: deltas must be ({len(ids)}, {self.space.dim}), found "
+                            f"{tuple(deltas.shape)}")
+        if len(ids) and not (ids[0] >= 0 and ids[-1] < self.space.rows
+                             and bool((ids[1:] > ids[:-1]).all())):
+            raise SyncError(f"{where}: ids must increase strictly within [0, {self.space.rows})"
+                            f", found {ids[0].item()}..{ids[-1].item()}")
+
     def _add(self, entry: LogEntry) -> int:
         """Add ``entry``'s deltas in place to ``current`` and ``base``; return rows added."""
-        added = 0
-        for name, (ids, deltas) in entry.rows.items():
-            table = self.tables[name].detach()
-            ids, deltas = ids.to(table.device), deltas.to(table.device, table.dtype)
-            table.index_add_(0, ids, deltas)
-            self._base[name].index_add_(0, ids, deltas)
-            added += int(ids.numel())
-        return added
+        ids = entry.ids.to(self.space.device)
+        deltas = entry.deltas.to(self.space.device, self.space.dtype)
+        self.space.add_(ids, deltas)
+        self._base.index_add_(0, ids, deltas)
+        return int(ids.numel())
 
     # -- whole-state copies (joiners, the final adoption) -----------------------------------
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """Copies of ``base`` (the tables without own unpublished changes: every entry this log
         published or applied, nothing else) and the applied seq per source. The caller holds the
         replica lock."""
-        return ({name: base.clone() for name, base in self._base.items()}, dict(self._applied))
+        return ({name: base.clone() for name, base in self.space.split(self._base).items()},
+                dict(self._applied))
 
     def restore(self, tables: Mapping[str, torch.Tensor], applied: Mapping[str, int],
                 own_seq: int) -> None:
@@ -293,11 +393,10 @@ class EmbeddingDeltaLog:
                             f"{self._last_seq}] (entries still held), found {own_seq}")
         with self._lock:
             keep = [entry for entry in self._entries if entry.seq > own_seq]
-            for mask in self._touched.values():
-                mask.zero_()
-        for name, table in self.tables.items():
-            table.detach().copy_(tables[name])
-            self._base[name].copy_(tables[name])
+            self._touched.zero_()
+        for name, base in self.space.split(self._base).items():
+            self.space.tables[name].copy_(tables[name])
+            base.copy_(tables[name])
         for entry in keep:
             self._add(entry)
         self._applied = dict(applied)
@@ -425,12 +524,14 @@ SyncPeriod(seconds=None, batches=4))
 
 @dataclass
 class PeerPayload:
-    """What a peer serves for one exchange: its log entries after the requester's cursor and its
-    dense snapshot for the round (None when it has no dense parameters to share)."""
+    """What a peer serves for one exchange: its log entries after the requester's cursor, its
+    dense snapshot for the round (None when it has no dense parameters to share) and the
+    :attr:`RowSpace.layout` its entries' ids refer to."""
 
     source: str
     entries: list[LogEntry]
     dense: list[torch.Tensor] | None
+    layout: str
 
 
 @dataclass
@@ -574,20 +675,24 @@ class ReplicaSync:
         """A peer's request: our entries after ``since_seq`` and our snapshot of ``round``."""
         snapshot = self.prepare(round)
         entries = self.log.pull(requester, since_seq)
-        return PeerPayload(self.worker, entries, snapshot if self.dense else None)
+        return PeerPayload(self.worker, entries, snapshot if self.dense else None,
+                           self.log.space.layout)
 
     def merge(self, round: int, own: Sequence[torch.Tensor],
               payloads: Sequence[PeerPayload]) -> ExchangeReport:
         """Apply peers' entries and average the dense snapshots, under the replica lock.
 
-        A payload that cannot be applied (gap in the log, unknown table, mismatched shapes) is
-        skipped and reported as failed; the others still merge.
+        A payload that cannot be applied (other tables, a gap in the log, bad ids, mismatched
+        shapes) is skipped and reported as failed; the others still merge.
         """
         report = ExchangeReport(round)
         snapshots: list[list[torch.Tensor]] = []
         with self.lock:
             for payload in payloads:
                 try:
+                    if payload.layout != self.log.space.layout:
+                        raise SyncError(f"its tables are {payload.layout!r}, ours are "
+                                        f"{self.log.space.layout!r}")
                     if payload.dense is not None:
                         check_dense(own, payload.dense)
                     report.rows_applied += self.log.apply(payload.source, payload.entries)

@@ -126,12 +126,13 @@ class FinalMsg(TypedDict):
 
 
 class EntryMsg(TypedDict):
-    """One :class:`~antdt.sync.LogEntry`; ``rows[table] = [ids (k,) int64, deltas (k, dim)]``
-    as numpy arrays (wrapped in ``to_serialize`` on the way out)."""
+    """One :class:`~antdt.sync.LogEntry`: ``ids`` (k,) int64 and ``deltas`` (k, dim) as numpy
+    arrays (wrapped in ``to_serialize`` on the way out)."""
 
     seq: int
     rows_offset: int
-    rows: dict[str, list[Any]]
+    ids: Any
+    deltas: Any
 
 
 class PullMsg(TypedDict):
@@ -140,6 +141,7 @@ class PullMsg(TypedDict):
     source: str
     entries: list[EntryMsg]
     dense: list[Any] | None
+    layout: str
 
 
 class SnapshotMsg(TypedDict):
@@ -152,34 +154,31 @@ class SnapshotMsg(TypedDict):
     applied: dict[str, int]
 
 
-def _array(value: Any) -> np.ndarray:
-    """A received array as a writable numpy array (frames may be read-only buffers)."""
-    return np.array(value, copy=True)
+def _tensor(value: Any) -> torch.Tensor:
+    """A received array as a tensor, copied only when its frame is a read-only buffer."""
+    array = np.asarray(value)
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
 def payload_to_msg(payload: PeerPayload) -> PullMsg:
     """Tensors become numpy arrays, each sent as its own serialized frame."""
     entries: list[EntryMsg] = [
-        {"seq": e.seq, "rows_offset": e.rows_offset,
-         "rows": {t: [to_serialize(ids.cpu().numpy()),
-                      to_serialize(deltas.detach().cpu().numpy())]
-                  for t, (ids, deltas) in e.rows.items()}}
+        {"seq": e.seq, "rows_offset": e.rows_offset, "ids": to_serialize(e.ids.cpu().numpy()),
+         "deltas": to_serialize(e.deltas.detach().cpu().numpy())}
         for e in payload.entries]
     dense = (None if payload.dense is None
              else [to_serialize(t.detach().cpu().numpy()) for t in payload.dense])
-    return {"source": payload.source, "entries": entries, "dense": dense}
+    return {"source": payload.source, "entries": entries, "dense": dense,
+            "layout": payload.layout}
 
 
 def msg_to_payload(msg: PullMsg) -> PeerPayload:
     """Inverse of :func:`payload_to_msg` on the receiving side."""
-    entries = [LogEntry(int(e["seq"]),
-                        {t: (torch.from_numpy(_array(ids)), torch.from_numpy(_array(deltas)))
-                         for t, (ids, deltas) in e["rows"].items()},
+    entries = [LogEntry(int(e["seq"]), _tensor(e["ids"]), _tensor(e["deltas"]),
                         int(e["rows_offset"]))
                for e in msg["entries"]]
-    dense = (None if msg["dense"] is None
-             else [torch.from_numpy(_array(t)) for t in msg["dense"]])
-    return PeerPayload(msg["source"], entries, dense)
+    dense = None if msg["dense"] is None else [_tensor(t) for t in msg["dense"]]
+    return PeerPayload(msg["source"], entries, dense, msg["layout"])
 
 
 def snapshot_to_msg(snapshot: ReplicaSnapshot) -> SnapshotMsg:
@@ -193,8 +192,8 @@ def snapshot_to_msg(snapshot: ReplicaSnapshot) -> SnapshotMsg:
 
 def msg_to_snapshot(msg: SnapshotMsg) -> ReplicaSnapshot:
     """Inverse of :func:`snapshot_to_msg` on the receiving side."""
-    return ReplicaSnapshot(msg["source"], [torch.from_numpy(_array(t)) for t in msg["dense"]],
-                           {name: torch.from_numpy(_array(t)) for name, t in msg["tables"].items()},
+    return ReplicaSnapshot(msg["source"], [_tensor(t) for t in msg["dense"]],
+                           {name: _tensor(t) for name, t in msg["tables"].items()},
                            {source: int(seq) for source, seq in msg["applied"].items()})
 
 

@@ -16,6 +16,7 @@ import antdt.errors
 import antdt.sync
 from antdt.sync import (
     EmbeddingDeltaLog,
+    LogEntry,
     MemberState,
     PeerPayload,
     ReplicaSnapshot,
@@ -114,22 +115,21 @@ def test_publish_pull_apply_moves_a_row_without_dilution() -> None:
     a.touch("t", torch.tensor([2, 2]))
     entry = a.publish(rows_offset=10)
     assert entry is not None and entry.seq == 1 and entry.rows_offset == 10
-    ids, deltas = entry.rows["t"]
-    assert ids.tolist() == [2] and deltas.tolist() == [[1.0, 2.0]]
+    assert entry.ids.tolist() == [2] and entry.deltas.tolist() == [[1.0, 2.0]]
 
     b.tables["t"][2] += torch.tensor([10.0, 0.0])
     b.touch("t", torch.tensor([2]))
     assert b.apply("a", a.pull("b", since_seq=0)) == 1
     assert b.tables["t"][2].tolist() == [11.0, 2.0]  # added, not averaged
     own = b.publish(rows_offset=5)
-    assert own is not None and own.rows["t"][1].tolist() == [[10.0, 0.0]]  # a's delta not re-sent
+    assert own is not None and own.deltas.tolist() == [[10.0, 0.0]]  # a's delta not re-sent
 
 
 def test_publish_without_change_is_none_and_offset_may_not_decrease() -> None:
     log = EmbeddingDeltaLog({"t": torch.zeros(3, 1)})
     assert log.publish(rows_offset=0) is None
     entry = log.publish(rows_offset=4)
-    assert entry is not None and entry.rows == {}
+    assert entry is not None and entry.ids.numel() == 0 and entry.deltas.shape == (0, 1)
     with pytest.raises(SyncError, match="must not decrease"):
         log.publish(rows_offset=3)
     with pytest.raises(SyncError, match="unknown embedding table"):
@@ -182,6 +182,68 @@ def test_without_peers_entries_are_synced_at_once() -> None:
     log.touch("t", torch.tensor([0]))
     log.publish(rows_offset=7)
     assert len(log) == 0 and log.synced_offset() == 7
+
+
+def test_tables_end_to_end_in_one_storage_sync_like_separate_tables() -> None:
+    """The one-kernel path (tables are views of one buffer, as FBGEMM keeps them) and the
+    per-table path publish the same entries and end with the same tables."""
+    separate = make_tables()
+    storage = torch.cat(list(separate.values()))
+    views = dict(zip(separate, storage.split([t.shape[0] for t in separate.values()])))
+    logs = {"views": EmbeddingDeltaLog(views), "separate": EmbeddingDeltaLog(separate)}
+    assert logs["views"].space.flat is not None and logs["separate"].space.flat is None
+    peer = EmbeddingDeltaLog({t: w.clone() for t, w in make_tables().items()}, peers=["me"])
+    gen = torch.Generator().manual_seed(5)
+    for offset in (1, 2, 3):
+        for name in separate:
+            ids = torch.randint(0, separate[name].shape[0], (6,), generator=gen)
+            peer.tables[name][ids] += 1.0
+            peer.touch(name, ids)
+        peer.publish(rows_offset=offset)
+        change = {name: torch.randperm(t.shape[0], generator=gen)[:4] for name, t in
+                  separate.items()}
+        published = []
+        for log in logs.values():
+            for name, ids in change.items():
+                log.tables[name][ids] -= 0.5
+                log.touch(name, ids)
+            published.append(log.publish(rows_offset=offset))
+            assert log.apply("peer", peer.pull("me", since_seq=offset - 1)) > 0
+        assert torch.equal(published[0].ids, published[1].ids)
+        assert torch.equal(published[0].deltas, published[1].deltas)
+    for name in separate:
+        assert torch.equal(views[name], separate[name]), name
+        assert not torch.equal(views[name], make_tables()[name]), name
+    assert logs["views"].state()[0].keys() == separate.keys()
+
+
+@pytest.mark.parametrize(("ids", "deltas", "match"), [
+    (torch.tensor([3, 1]), torch.ones(2, DIM), "increase strictly"),
+    (torch.tensor([1, 1]), torch.ones(2, DIM), "increase strictly"),
+    (torch.tensor([-1, 2]), torch.ones(2, DIM), "increase strictly"),
+    (torch.tensor([2, ROWS + ROWS // 2]), torch.ones(2, DIM), "increase strictly"),
+    (torch.tensor([1, 2]), torch.ones(2, DIM + 1), r"deltas must be \(2, 3\)"),
+    (torch.tensor([1.0, 2.0]), torch.ones(2, DIM), "int64"),
+])
+def test_apply_refuses_ids_outside_the_row_space(ids: torch.Tensor, deltas: torch.Tensor,
+                                                  match: str) -> None:
+    log = EmbeddingDeltaLog(make_tables())
+    before = {name: t.clone() for name, t in log.tables.items()}
+    good = LogEntry(1, torch.tensor([0]), torch.ones(1, DIM, dtype=torch.float64), 1)
+    with pytest.raises(SyncError, match=match):
+        log.apply("peer", [good, LogEntry(2, ids, deltas, 2)])
+    for name, table in log.tables.items():
+        assert torch.equal(table, before[name]), name  # nothing of the batch was applied
+    assert log.applied_seq("peer") == 0
+
+
+def test_tables_of_one_row_space_share_dim_and_dtype() -> None:
+    with pytest.raises(SyncError, match="'b' is \\(2, torch.float64, cpu\\)"):
+        EmbeddingDeltaLog({"a": torch.zeros(3, 4, dtype=torch.float64),
+                           "b": torch.zeros(3, 2, dtype=torch.float64)})
+    with pytest.raises(SyncError, match="'b' is \\(4, torch.float32, cpu\\)"):
+        EmbeddingDeltaLog({"a": torch.zeros(3, 4, dtype=torch.float64),
+                           "b": torch.zeros(3, 4)})
 
 
 # ---- dense averaging -----------------------------------------------------------------------
@@ -400,8 +462,12 @@ def test_a_joiner_snapshots_only_once_every_source_knows_it(wait_for_settle: boo
 def test_payload_that_cannot_be_applied_is_skipped() -> None:
     cluster = Cluster(2)
     a = cluster.replicas["w0"]
-    bad = PeerPayload("w1", [], [torch.zeros(1)])
+    bad = PeerPayload("w1", [], [torch.zeros(1)], a.log.space.layout)
     report = a.merge(1, a.prepare(1), [bad])
+    assert report.failed == ["w1"] and report.merged == []
+    own = a.prepare(1)
+    other_tables = PeerPayload("w1", [], [p.clone() for p in own], "a:40;b:21x3")
+    report = a.merge(1, own, [other_tables])
     assert report.failed == ["w1"] and report.merged == []
     torch.testing.assert_close(a.dense[0], cluster.initial_dense[0])
 

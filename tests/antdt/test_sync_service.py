@@ -169,11 +169,12 @@ def assert_bit_identical(replicas: list[ReplicaSync]) -> None:
 
 
 def test_payload_roundtrip_through_messages() -> None:
-    payload = PeerPayload("w", [LogEntry(3, {"t": (torch.tensor([1, 4]), torch.ones(2, 5))}, 9)],
-                          [torch.arange(6.0).reshape(2, 3)])
+    payload = PeerPayload("w", [LogEntry(3, torch.tensor([1, 4]), torch.ones(2, 5), 9)],
+                          [torch.arange(6.0).reshape(2, 3)], "t:8x5")
     back = msg_to_payload(loads(dumps(payload_to_msg(payload))))  # as a comm does
     assert back.source == "w" and back.entries[0].seq == 3 and back.entries[0].rows_offset == 9
-    ids, deltas = back.entries[0].rows["t"]
+    assert back.layout == "t:8x5"
+    ids, deltas = back.entries[0].ids, back.entries[0].deltas
     assert ids.tolist() == [1, 4] and ids.dtype == torch.int64
     assert torch.equal(deltas, torch.ones(2, 5))
     assert back.dense is not None and torch.equal(back.dense[0], torch.arange(6.0).reshape(2, 3))
@@ -276,18 +277,19 @@ async def test_a_dead_worker_leaves_and_its_synced_offset_is_safe(
     assert [r.merged for r in reports] == [[survivors[1].worker.address],
                                            [survivors[0].worker.address]]
     # each survivor holds initial + every survivor's deltas + a prefix of the dead one's log
-    base = {name: initial_tables()[name].double() + sum(a.total[name] for a in survivors)
-            for name in initial_tables()}
+    space = survivors[0].replica.log.space  # the tables end to end, as entries address them
+    base = torch.cat([initial_tables()[name].double() + sum(a.total[name] for a in survivors)
+                      for name in space.tables])
     applied = []
     for agent in survivors:
         seq = agent.replica.log.applied_seq(workers[0].address)
         applied.append(seq)
-        expected = {name: t.clone() for name, t in base.items()}
+        expected = base.clone()
         for entry in published[:seq]:
-            for name, (ids, deltas) in entry.rows.items():
-                expected[name].index_add_(0, ids, deltas.double())
-        for name, table in agent.replica.tables.items():
-            torch.testing.assert_close(table.double(), expected[name], rtol=0, atol=1e-5)
+            expected.index_add_(0, entry.ids, entry.deltas.double())
+        for name, part in space.split(expected).items():
+            torch.testing.assert_close(agent.replica.tables[name].double(), part, rtol=0,
+                                       atol=1e-5)
     assert max(applied) > 0  # the dead worker did contribute before dying
     # the ledger is never told more than every survivor applied: rows after it are re-queued
     synced = dying.replica.synced_offset()
