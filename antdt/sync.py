@@ -217,7 +217,7 @@ class EmbeddingDeltaLog:
     def __init__(self, tables: Mapping[str, torch.Tensor], peers: Iterable[str] = (),
                  rows_offset: int = 0) -> None:
         self.space = RowSpace(tables)
-        self.tables: dict[str, torch.Tensor] = dict(tables)
+        self.tables = self.space.tables
         self._base = self.space.concat()
         self._touched = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
         self._touched_tables = self.space.split(self._touched)
@@ -395,7 +395,7 @@ class EmbeddingDeltaLog:
             keep = [entry for entry in self._entries if entry.seq > own_seq]
             self._touched.zero_()
         for name, base in self.space.split(self._base).items():
-            self.space.tables[name].copy_(tables[name])
+            self.tables[name].copy_(tables[name])
             base.copy_(tables[name])
         for entry in keep:
             self._add(entry)
