@@ -3,15 +3,69 @@
 Every worker count trains the same synthetic job on a fresh LocalCluster; samples/s is rows
 trained over training seconds (first agent started to last agent ended). Repeats are interleaved
 and the medians compared; the single-process local mode (one thread) is measured beside them.
+
+The machine's own ceiling for this workload is measured in the same run: as many bare processes
+as workers, each reading and training its share of the row groups the way an agent does (read,
+then step, in one thread, one torch thread) with no Dask, no ledger and no model sync around it,
+all started together. ``machine_ratio`` is what the hardware gives two such processes over one
+(memory bandwidth and shared caches decide it, not our code); ``efficiency`` is the async ratio
+over it, the share of the machine's scaling the framework keeps.
 """
 
 from __future__ import annotations
+
+import multiprocessing
+import time
+from multiprocessing.synchronize import Barrier
 
 import click
 
 from pipeline.bench import emit, median_of
 from pipeline.bench.jobs import SET_HELP, echo, run_async, synthetic_job, with_train
+from pipeline.config import JobConfig
 from pipeline.local import train_local
+
+
+def _bare_trainer(job: JobConfig, share: int, of: int, start: Barrier) -> tuple[int, float]:
+    """One bare process: build the model, wait for the others, then read and train row groups
+    ``share, share + of, ...`` of the job's training data for the job's epochs; return (rows,
+    seconds)."""
+    from antdt.device import prepare_process
+    from data.reader import ShardReader
+    from models.train_step import TrainStep
+    from pipeline.local import prepare_data
+
+    prepare_process(job.train.threads)
+    data = prepare_data(job)
+    step = TrainStep(data.schema, job.model, job.train.optim, seed=job.train.seed)
+    reader = ShardReader(data.schema)
+    batch = job.train.batch_size
+    start.wait()
+    began = time.perf_counter()
+    rows = 0
+    for _ in range(job.train.epochs):
+        for group in data.train[share::of]:
+            for offset in range(0, group.num_rows, batch):
+                end = min(offset + batch, group.num_rows)
+                step.step(reader.read(group.path, group.index, offset, end))
+                rows += end - offset
+    return rows, time.perf_counter() - began
+
+
+def bare_run(job: JobConfig, processes: int) -> list[tuple[int, float]]:
+    """(rows, seconds) of each of ``processes`` bare trainers started together, each on its
+    share of the row groups (every training row once per epoch, over all of them)."""
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, context.Pool(processes) as pool:
+        start = manager.Barrier(processes)
+        return pool.starmap(_bare_trainer,
+                            [(job, share, processes, start) for share in range(processes)])
+
+
+def machine_samples_per_s(job: JobConfig, processes: int) -> float:
+    """Rows over seconds (first start to last end) of :func:`bare_run`."""
+    results = bare_run(job, processes)
+    return sum(rows for rows, _ in results) / max(seconds for _, seconds in results)
 
 
 @click.command("scaling")
@@ -26,21 +80,31 @@ from pipeline.local import train_local
 @click.option("--json", "as_json", is_flag=True)
 def command(rows: int, data_dir: str | None, workers: str, repeats: int,
             overrides: tuple[str, ...], as_json: bool) -> None:
-    """Samples/s of the async mode with 1 and 2 workers (target: 2 workers >= 1.7x one)."""
+    """Samples/s of the async mode with 1 and 2 workers (target: 2 workers >= 1.7x one), next
+    to the machine's own ceiling for the same work."""
     counts = [int(w) for w in workers.split(",")]
     job = with_train(synthetic_job(data_dir, rows=rows, overrides=overrides), mode="async")
     rates: dict[int, list[float]] = {count: [] for count in counts}
+    machine: dict[int, list[float]] = {count: [] for count in counts}
     local: list[float] = []
     for repeat in range(repeats):
         for count in counts:
             echo(f"repeat {repeat + 1}/{repeats}: {count} worker(s)", as_json)
             rates[count].append(run_async(job, count).summary.samples_per_s)
+        for count in counts:
+            echo(f"repeat {repeat + 1}/{repeats}: {count} bare process(es)", as_json)
+            machine[count].append(machine_samples_per_s(job, count))
         echo(f"repeat {repeat + 1}/{repeats}: local mode", as_json)
         local.append(train_local(with_train(job, mode="local")).samples_per_s)
     medians = {count: median_of(samples) for count, samples in rates.items()}
+    bare = {count: median_of(samples) for count, samples in machine.items()}
+    ratio = medians[counts[-1]] / medians[counts[0]]
+    machine_ratio = bare[counts[-1]] / bare[counts[0]]
     emit({"samples_per_s": {str(c): round(m) for c, m in medians.items()},
+          "machine_samples_per_s": {str(c): round(m) for c, m in bare.items()},
           "local_samples_per_s": round(median_of(local)),
-          "ratio": round(medians[counts[-1]] / medians[counts[0]], 3),
+          "ratio": round(ratio, 3), "machine_ratio": round(machine_ratio, 3),
+          "efficiency": round(ratio / machine_ratio, 3),
           "workers": counts, "rows": rows, "repeats": repeats, "threads_per_worker": 1,
           "sync_period": str(job.train.sync_period)},
          as_json)
