@@ -20,35 +20,30 @@ from multiprocessing.synchronize import Barrier
 
 import click
 
+from antdt.device import prepare_process
+from data.reader import ShardReader
+from models.train_step import TrainStep
 from pipeline.bench import emit, median_of
 from pipeline.bench.jobs import SET_HELP, echo, run_async, synthetic_job, with_train
 from pipeline.config import JobConfig
-from pipeline.local import train_local
+from pipeline.local import iterate_batches, prepare_data, train_local
 
 
 def _bare_trainer(job: JobConfig, share: int, of: int, start: Barrier) -> tuple[int, float]:
     """One bare process: build the model, wait for the others, then read and train row groups
     ``share, share + of, ...`` of the job's training data for the job's epochs; return (rows,
     seconds)."""
-    from antdt.device import prepare_process
-    from data.reader import ShardReader
-    from models.train_step import TrainStep
-    from pipeline.local import prepare_data
-
     prepare_process(job.train.threads)
     data = prepare_data(job)
     step = TrainStep(data.schema, job.model, job.train.optim, seed=job.train.seed)
     reader = ShardReader(data.schema)
-    batch = job.train.batch_size
     start.wait()
     began = time.perf_counter()
     rows = 0
     for _ in range(job.train.epochs):
-        for group in data.train[share::of]:
-            for offset in range(0, group.num_rows, batch):
-                end = min(offset + batch, group.num_rows)
-                step.step(reader.read(group.path, group.index, offset, end))
-                rows += end - offset
+        for batch in iterate_batches(reader, data.train[share::of], job.train.batch_size):
+            step.step(batch)
+            rows += int(batch.labels.shape[0])
     return rows, time.perf_counter() - began
 
 
