@@ -4,7 +4,7 @@ sharding service leases to it.
 ```
  driver ── client.submit(run_agent, spec, make_trainer, make_reader, workers=[addr]) ──► worker
  run_agent:  trainer = make_trainer(device); reader = make_reader()
-             async mode: ReplicaSync(dense, tables) + BackgroundSync (antdt.sync_service)
+             async mode: ReplicaSync(dense, tables) + BackgroundSync (antdt.sync.background)
    loop:     lease ─► read rows [offset, end) ─► step (under the replica lock) ─► touch ─► commit
              Claim: go on   Revoked: finish the claim, lease again   Finished: lease again
              Stop: the job was stopped   (no lease left: the job finished)
@@ -19,7 +19,7 @@ picklable recipes travel, never a model.
 Cancellation is cooperative (a running Dask task cannot be interrupted): the driver calls
 :func:`cancel_agents`, which sets a flag in this module's worker plugin (:class:`AgentPlugin`);
 the agent checks it between batches and while it hangs. An agent waiting for a lease returns
-when the job is stopped (:func:`antdt.service.stop_job`), so a driver that aborts does both.
+when the job is stopped (:func:`antdt.sharding.service.stop_job`), so a driver that aborts does both.
 
 Fault injection (tests and benchmarks; off by default, see :class:`Faults`): a slowdown factor
 (after each batch, sleep ``(factor - 1)`` x the batch's measured time), a hang (stop making
@@ -51,12 +51,12 @@ from distributed.utils import sync
 
 from antdt import config
 from antdt.device import pick_device, prepare_process
-from antdt.errors import AntdtError, ConfigError
+from antdt.errors import AntdtError, ConfigError, SyncError
 from antdt.monitor import BATCHES, BUSY
-from antdt.shard_client import ShardClient
 from antdt.sharding import Claim, Finished, Lease, Revoked, Stop
-from antdt.sync import ReplicaSync, SyncError, SyncPeriod
-from antdt.sync_service import BackgroundSync
+from antdt.sharding.client import ShardClient
+from antdt.sync import ReplicaSync, SyncPeriod
+from antdt.sync.background import BackgroundSync
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class AgentSpec:
     ``sync_period``: the async mode's background sync period; None trains without model sync
     (every trained row counts as synced: one model per worker, for tests and the local modes).
     ``join``: the worker joined a running job; it copies a live member's model before training
-    (:meth:`antdt.sync_service.BackgroundSync.start`). ``threads``: torch threads. ``device``:
+    (:meth:`antdt.sync.background.BackgroundSync.start`). ``threads``: torch threads. ``device``:
     forced device (default: :func:`antdt.device.pick_device` on the worker: cuda when it has a
     GPU).
     """

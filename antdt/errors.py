@@ -17,3 +17,8 @@ class DataError(AntdtError):
 
 class LedgerError(AntdtError):
     """A sharding-service call is invalid: unknown job, wrong token, offset out of range."""
+
+
+class SyncError(AntdtError):
+    """A model-sync call is invalid: unknown worker or job, a cursor the log can no longer serve,
+    a peer's entries or snapshot that do not fit this replica."""

@@ -2,7 +2,7 @@
 by the commits the workers send anyway (no extra RPC), and a verdict per worker.
 
 A plain class with an injected clock and no Dask: :mod:`antdt.controller` runs it on the
-scheduler (subscribed to :meth:`antdt.service.ShardingService.subscribe`) and in the simulator.
+scheduler (subscribed to :meth:`antdt.sharding.service.ShardingService.subscribe`) and in the simulator.
 
 What a commit tells
 -------------------

@@ -26,7 +26,7 @@ Strategies
 * ``pull``: dynamic leasing through the ledger, controller off.
 * ``antdt``: dynamic leasing, monitor and controller on (policies from dask config).
 
-In ``pull`` and ``antdt`` a worker behaves like :class:`~antdt.shard_client.ShardClient`: it
+In ``pull`` and ``antdt`` a worker behaves like :class:`~antdt.sharding.client.ShardClient`: it
 leases with a claim of ``claim-intervals`` intervals of training at its measured rate, commits
 at the first batch end after each ``commit-interval`` (or when its claim is used up), rides the
 final commit of a lease on the next lease call, and obeys ``Revoked``. Rows are committed as

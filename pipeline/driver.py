@@ -36,9 +36,10 @@ import torch
 from distributed import Client, Future, LocalCluster, wait
 from distributed.scheduler import KilledWorker
 
-from antdt import agent, controller, service, sync_service
+from antdt import agent, controller
 from antdt.errors import AntdtError, DataError
-from antdt.sharding import QuarantineSpec
+from antdt.sharding import QuarantineSpec, service
+from antdt.sync import service as sync_service
 from data.files import RowGroup, expand, row_groups
 from data.reader import ShardReader
 from models.evaluate import evaluate
@@ -71,7 +72,7 @@ class LedgerPlan:
 
 
 def ledger_plan(job: JobConfig, data: PreparedData) -> LedgerPlan:
-    """Row groups and quarantine of ``job``'s training files for :func:`antdt.service.register_job`.
+    """Row groups and quarantine of ``job``'s training files for :func:`antdt.sharding.service.register_job`.
 
     The validator's bad units of the training files become the ledger's quarantine: a bad row
     group by itself, a bad file with every row group its footer lists (none when it has no

@@ -6,7 +6,7 @@ else a commit of the next batch (synced at once), which returns the next claim. 
 operation is timed on its own for the p50/p99. Memory is traced (tracemalloc) while building the
 ledger and giving every worker a lease, and reported per shard.
 
-RPC: a LocalCluster (in-process workers) with the :class:`~antdt.service.ShardingService`; a
+RPC: a LocalCluster (in-process workers) with the :class:`~antdt.sharding.service.ShardingService`; a
 client leases and commits batch by batch through the scheduler, one round trip per operation.
 """
 
@@ -19,8 +19,8 @@ import click
 import numpy as np
 from distributed import Client, LocalCluster
 
-from antdt.service import ShardingService, register_job
 from antdt.sharding import Claim, Lease, RowGroup, ShardLedger
+from antdt.sharding.service import ShardingService, register_job
 from pipeline.bench import emit
 
 SHARDS_PER_GROUP = 10

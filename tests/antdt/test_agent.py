@@ -16,7 +16,9 @@ import pytest
 import torch
 from distributed import Client, LocalCluster
 
-from antdt import agent, service, sync_service
+from antdt import agent
+from antdt.sharding import service
+from antdt.sync import service as sync_service
 from antdt.agent import AgentPlugin, AgentReport, AgentSpec, Faults
 from antdt.errors import AntdtError, ConfigError
 from antdt.sync import SyncPeriod

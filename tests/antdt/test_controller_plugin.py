@@ -12,9 +12,9 @@ from distributed import Client, Event, Scheduler, Worker
 from distributed.utils_test import gen_cluster
 
 from antdt.controller import PLUGIN_NAME, ControllerPlugin
-from antdt.service import ShardingService
-from antdt.shard_client import ShardClient
 from antdt.sharding import Claim
+from antdt.sharding.client import ShardClient
+from antdt.sharding.service import ShardingService
 
 CONFIG = {"antdt.monitor.hang-floor": "0.3s", "antdt.monitor.hang-factor": 2,
           "antdt.controller.interval": "1h"}

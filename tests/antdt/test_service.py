@@ -12,8 +12,8 @@ from distributed import Client, Scheduler, Worker, get_worker
 from distributed.utils import sync
 from distributed.utils_test import gen_cluster
 
-from antdt.service import PLUGIN_NAME, ShardingService
 from antdt.sharding import CommitEvent
+from antdt.sharding.service import PLUGIN_NAME, ShardingService
 
 GROUPS = [["a.parquet", 0, 10], ["a.parquet", 1, 7], ["b.parquet", 0, 5]]
 TOTAL = 22

@@ -10,9 +10,9 @@ from distributed.utils import sync
 from distributed.utils_test import gen_cluster
 
 from antdt.monitor import BATCHES, BUSY
-from antdt.service import PLUGIN_NAME, ShardingService
-from antdt.shard_client import ShardClient
 from antdt.sharding import Claim, CommitEvent, Revoked
+from antdt.sharding.client import ShardClient
+from antdt.sharding.service import PLUGIN_NAME, ShardingService
 
 
 class StepClock:

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import antdt.errors
-import antdt.sync
+import antdt.sync.embeddings
+import antdt.sync.groups
+import antdt.sync.period
 from antdt.sync import (
     EmbeddingDeltaLog,
     LogEntry,
@@ -100,8 +102,10 @@ class Cluster:
         return {t: self.initial_tables[t] + self.total[t] for t in self.total}
 
 
-def test_docstring_examples_run() -> None:
-    result = doctest.testmod(antdt.sync)
+@pytest.mark.parametrize("module", [antdt.sync.embeddings, antdt.sync.period,
+                                    antdt.sync.groups], ids=lambda m: m.__name__)
+def test_docstring_examples_run(module: object) -> None:
+    result = doctest.testmod(module)  # type: ignore[arg-type]
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -33,17 +33,10 @@ from antdt.sync import (
     SyncError,
     SyncPeriod,
 )
-from antdt.sync_service import (
-    PLUGIN_NAME,
-    BackgroundSync,
-    SyncService,
-    SyncWorkerPlugin,
-    msg_to_payload,
-    msg_to_snapshot,
-    payload_to_msg,
-    snapshot_to_msg,
-    start_job,
-)
+from antdt.sync.background import BackgroundSync, SyncWorkerPlugin
+from antdt.sync.service import SyncService, start_job
+from antdt.sync.wire import (PLUGIN_NAME, msg_to_payload, msg_to_snapshot, payload_to_msg,
+                             snapshot_to_msg)
 
 ROWS, DIM = 30, 4
 DENSE_SHAPES = ((6, 3), (3,))

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from distributed import Client, LocalCluster
 
 from antdt.errors import DataError
-from antdt.service import PLUGIN_NAME
+from antdt.sharding.service import PLUGIN_NAME
 from data.files import expand, row_groups
 from data.synth import SynthResult
 from models.evaluate import auc

@@ -30,55 +30,30 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, ParamSpec
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-import fsspec
 from distributed import Client, Scheduler
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.metrics import time
 
-from antdt import config
+from antdt import config, rpc
 from antdt.errors import LedgerError
-from antdt.sharding import (Claim, CommitEvent, CommitReply, Finished, Lease, LeaseReply,
-                            QuarantineSpec, Revoked, RowGroup, ShardLedger, Wait,
-                            write_atomic)
+from antdt.rpc import MAX_NAME, Reply
+from antdt.sharding.checkpoint import read, write_atomic
+from antdt.sharding.leases import (Claim, CommitEvent, CommitReply, Finished, Lease, LeaseReply,
+                                   QuarantineSpec, Revoked, RowGroup, Wait)
+from antdt.sharding.ledger import ShardLedger
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "antdt-sharding"
 """``scheduler.plugins[PLUGIN_NAME]``."""
 
-MAX_NAME = 256
 MAX_ROW_GROUPS = 10_000_000
 MAX_COMMITS = 1024
 MAX_STATS = 32
 MAX_REASON = 2000
-
-Reply = dict[str, Any]
-P = ParamSpec("P")
-
-
-def _handler(fn: Callable[P, Awaitable[Reply]]) -> Callable[P, Awaitable[Reply]]:
-    """Turn a :class:`LedgerError` raised by a handler into an error reply (the caller sees
-    ``{"status": "error", "message": ...}``); anything else is a bug and propagates."""
-
-    @functools.wraps(fn)
-    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> Reply:
-        try:
-            return await fn(*args, **kwargs)
-        except LedgerError as e:
-            logger.info("%s refused: %s", fn.__name__, e)
-            return {"status": "error", "message": str(e)}
-
-    return wrapper
-
-
-def _name(what: str, value: object) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME:
-        raise LedgerError(f"{what} must be a str of 1 to {MAX_NAME} characters, found "
-                          f"{str(value)[:80]!r} ({type(value).__name__})")
-    return value
 
 
 def _optional_int(what: str, value: object) -> int | None:
@@ -175,13 +150,13 @@ class ShardingService(SchedulerPlugin):
 
     # ---- driver -------------------------------------------------------------------------------
 
-    @_handler
+    @rpc.handler
     async def register_job(self, job: str, row_groups: Sequence[RowGroup], shard_rows: int,
                            batch_rows: int, epochs: int = 1, seed: int = 0,
                            quarantine: Sequence[QuarantineSpec] | None = None,
                            max_claim_rows: int | None = None, static: int | None = None) -> Reply:
         """Create ``job``'s ledger (see :class:`~antdt.sharding.ShardLedger` for the fields)."""
-        job = _name("job", job)
+        job = rpc.name("job", job)
         if job in self.jobs:
             raise LedgerError(f"job {job!r} is already registered; forget it first")
         if not isinstance(row_groups, (list, tuple)) or len(row_groups) > MAX_ROW_GROUPS:
@@ -199,7 +174,7 @@ class ShardingService(SchedulerPlugin):
                     ledger.num_shards, ledger.total_rows, ledger.epochs, ledger.rows_quarantined)
         return {"status": "OK", **ledger.summary()}
 
-    @_handler
+    @rpc.handler
     async def job_state(self, job: str, leases: bool = False) -> Reply:
         """Counters of ``job``; with ``leases`` also its live leases."""
         ledger = self._ledger(job)
@@ -208,23 +183,23 @@ class ShardingService(SchedulerPlugin):
             reply["live"] = [status._asdict() for status in ledger.leases()]
         return reply
 
-    @_handler
+    @rpc.handler
     async def checkpoint(self, job: str, path: str) -> Reply:
         """Save ``job``'s ledger to the fsspec ``path`` (atomic on local disks)."""
         data = self._ledger(job).to_bytes()
-        path = _name("path", path)
+        path = rpc.name("path", path)
         await asyncio.to_thread(write_atomic, path, data)
         return {"status": "OK", "bytes": len(data), "path": path}
 
-    @_handler
+    @rpc.handler
     async def restore(self, job: str, path: str) -> Reply:
         """Create ``job`` from a checkpoint; leases live at the checkpoint are queued again."""
-        job = _name("job", job)
-        path = _name("path", path)
+        job = rpc.name("job", job)
+        path = rpc.name("path", path)
         if job in self.jobs:
             raise LedgerError(f"job {job!r} is already registered; forget it before restoring")
         try:
-            data = await asyncio.to_thread(_read, path)
+            data = await asyncio.to_thread(read, path)
         except FileNotFoundError as e:
             raise LedgerError(f"job {job!r}: checkpoint {path} does not exist") from e
         ledger = ShardLedger.from_bytes(data, clock=time)
@@ -233,15 +208,15 @@ class ShardingService(SchedulerPlugin):
         logger.info("job %s restored from %s: %s", job, path, ledger.summary())
         return {"status": "OK", **ledger.summary()}
 
-    @_handler
+    @rpc.handler
     async def stop_job(self, job: str, reason: str = "stopped by the driver") -> Reply:
         """Stop ``job`` early (its rows not done count as lost); agents get ``stop``."""
         ledger = self._ledger(job)
-        ledger.stop(_name("reason", reason))
+        ledger.stop(rpc.name("reason", reason))
         self._notify(job)
         return {"status": "OK", **ledger.summary()}
 
-    @_handler
+    @rpc.handler
     async def forget_job(self, job: str) -> Reply:
         """Drop ``job`` and return its final counters."""
         ledger = self._ledger(job)
@@ -252,13 +227,13 @@ class ShardingService(SchedulerPlugin):
 
     # ---- agents -------------------------------------------------------------------------------
 
-    @_handler
+    @rpc.handler
     async def lease(self, job: str, worker: str, claim_rows: int | None = None,
                     commits: Sequence[Mapping[str, Any]] | None = None,
                     wait_s: float | None = None) -> Reply:
         """Apply ``commits`` (see :meth:`commit`), then lease the next rows for ``worker``."""
         ledger = self._ledger(job)
-        worker = _name("worker", worker)
+        worker = rpc.name("worker", worker)
         claim_rows = _optional_int("claim_rows", claim_rows)
         wait = config.seconds("antdt.sharding.lease-wait") if wait_s is None else \
             _seconds("wait_s", wait_s, 300.0)
@@ -278,21 +253,21 @@ class ShardingService(SchedulerPlugin):
             ledger = self._ledger(job)
         return {"status": "OK", "replies": replies, "lease": lease_msg(reply)}
 
-    @_handler
+    @rpc.handler
     async def commit(self, job: str, commits: Sequence[Mapping[str, Any]]) -> Reply:
         """Apply each commit ``{"lease_id", "token", "offset", "synced_offset", "stats"?,
         "claim_rows"?}``; ``replies[i]`` answers ``commits[i]`` (an error for one commit changes
         nothing for that lease and does not stop the others)."""
         return {"status": "OK", "replies": self._commits(self._ledger(job), commits)}
 
-    @_handler
+    @rpc.handler
     async def release(self, job: str, lease_id: int, token: str) -> Reply:
         """The holder gives its lease up; rows from its synced offset are queued again."""
         rows = self._ledger(job).release(lease_id, token)
         self._notify(job)
         return {"status": "OK", "rows": rows}
 
-    @_handler
+    @rpc.handler
     async def quarantine(self, job: str, lease_id: int, token: str, stop: int,
                          reason: str) -> Reply:
         """The holder could not read rows ``[offset, stop)`` of its lease."""
@@ -304,13 +279,13 @@ class ShardingService(SchedulerPlugin):
 
     # ---- controller ---------------------------------------------------------------------------
 
-    @_handler
+    @rpc.handler
     async def revoke(self, job: str, lease_id: int) -> Reply:
         piece = self._ledger(job).revoke(lease_id)
         self._notify(job)
         return {"status": "OK", "pieces": [list(piece)] if piece else []}
 
-    @_handler
+    @rpc.handler
     async def split(self, job: str, lease_id: int, parts: int) -> Reply:
         pieces = self._ledger(job).split(lease_id, parts)
         self._notify(job)
@@ -340,7 +315,7 @@ class ShardingService(SchedulerPlugin):
         self._changed[job] = asyncio.Event()
 
     def _ledger(self, job: object) -> ShardLedger:
-        ledger = self.jobs.get(_name("job", job))
+        ledger = self.jobs.get(rpc.name("job", job))
         if ledger is None:
             raise LedgerError(f"unknown job {job!r}; registered jobs: {sorted(self.jobs)[:20]}")
         return ledger
@@ -377,19 +352,7 @@ class ShardingService(SchedulerPlugin):
         return replies
 
 
-def _read(path: str) -> bytes:
-    with fsspec.open(path, "rb") as f:
-        data: bytes = f.read()
-    return data
-
-
 # ---- driver helpers ---------------------------------------------------------------------------
-
-
-def _ok(reply: Reply) -> Reply:
-    if reply.get("status") != "OK":
-        raise LedgerError(str(reply.get("message", reply)))
-    return reply
 
 
 def register_job(client: Client, job: str, row_groups: Sequence[RowGroup], *, shard_rows: int,
@@ -398,28 +361,28 @@ def register_job(client: Client, job: str, row_groups: Sequence[RowGroup], *, sh
                  max_claim_rows: int | None = None, static: int | None = None) -> Reply:
     """From the driver: register ``job`` (the plugin must be registered; ``static=N``: the static
     baseline of N slots, see :mod:`antdt.sharding`). Returns its counters."""
-    return _ok(client.sync(client.scheduler.antdt_register_job, job=job,
-                           row_groups=[list(rg) for rg in row_groups], shard_rows=shard_rows,
-                           batch_rows=batch_rows, epochs=epochs, seed=seed,
-                           quarantine=[list(q) for q in quarantine],
-                           max_claim_rows=max_claim_rows, static=static))
+    return rpc.ok(client.sync(client.scheduler.antdt_register_job, job=job,
+                              row_groups=[list(rg) for rg in row_groups], shard_rows=shard_rows,
+                              batch_rows=batch_rows, epochs=epochs, seed=seed,
+                              quarantine=[list(q) for q in quarantine],
+                              max_claim_rows=max_claim_rows, static=static))
 
 
 def job_state(client: Client, job: str, *, leases: bool = False) -> Reply:
     """From the driver: ``job``'s counters (and live leases)."""
-    return _ok(client.sync(client.scheduler.antdt_job_state, job=job, leases=leases))
+    return rpc.ok(client.sync(client.scheduler.antdt_job_state, job=job, leases=leases))
 
 
 def checkpoint(client: Client, job: str, path: str) -> Reply:
     """From the driver: save ``job``'s ledger to ``path`` (next to the model checkpoint)."""
-    return _ok(client.sync(client.scheduler.antdt_checkpoint, job=job, path=path))
+    return rpc.ok(client.sync(client.scheduler.antdt_checkpoint, job=job, path=path))
 
 
 def restore(client: Client, job: str, path: str) -> Reply:
     """From the driver: recreate ``job`` from a checkpoint (e.g. in a new scheduler)."""
-    return _ok(client.sync(client.scheduler.antdt_restore, job=job, path=path))
+    return rpc.ok(client.sync(client.scheduler.antdt_restore, job=job, path=path))
 
 
 def stop_job(client: Client, job: str, reason: str = "stopped by the driver") -> Reply:
     """From the driver: stop ``job`` early."""
-    return _ok(client.sync(client.scheduler.antdt_stop_job, job=job, reason=reason))
+    return rpc.ok(client.sync(client.scheduler.antdt_stop_job, job=job, reason=reason))

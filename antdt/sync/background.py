@@ -1,25 +1,10 @@
-"""Dask glue of the async mode's model sync: the scheduler plugin that forms groups, the worker
-plugin that serves a replica to peers, and the background thread that exchanges.
-
-```
- driver ── antdt_sync_start(job, workers) ──► SyncService (SchedulerPlugin, scheduler process)
-                                                one SyncScheduler per job
- worker A: BackgroundSync thread
-   every period: antdt_sync_group(job, A, progress, members_version) ──► {kind: group, ...}
-   for each peer P in the group: worker_A.rpc(P).antdt_sync_pull(job, A, round, since_seq)
-                                   ──► SyncWorkerPlugin on P: entries + dense snapshot
-   apply under the replica lock (short); a peer that fails is skipped and logged
- end: antdt_sync_group(final=True) until the all-member round, exchange, then
-      antdt_sync_complete until every member is through; each non-leader pulls the leader's
-      whole state (antdt_sync_snapshot) and adopts it; stop serving once all adopted
-```
-
-Only small control messages go through the scheduler; tensors travel worker to worker as numpy
-arrays. The protocol itself lives in :mod:`antdt.sync`.
+"""The worker half of the async mode's model sync: :class:`SyncWorkerPlugin` serves a worker's
+replicas to its peers, :class:`BackgroundSync` is ShadowSync's background thread that exchanges
+with the groups the scheduler names while the training thread goes on.
 
 Joining a running job (a replacement worker the nanny started, or an added one): the agent builds
-its :class:`~antdt.sync.ReplicaSync` from a freshly built model as usual and, before its first
-training step, calls::
+its :class:`~antdt.sync.replica.ReplicaSync` from a freshly built model as usual and, before its
+first training step, calls::
 
     sync = BackgroundSync(replica, job)           # inside the agent's task on the new worker
     peer = sync.start(join=True)                  # blocks until the replica is current
@@ -27,17 +12,16 @@ training step, calls::
 
 ``start(join=True)`` asks the scheduler to add the worker (``antdt_sync_join``), waits until every
 other member applied a member list naming it (so no source drops entries it still needs), then
-pulls a whole :class:`~antdt.sync.ReplicaSnapshot` from a live member (``antdt_sync_snapshot``:
-its tables and dense parameters and its cursor per source, taken under its replica lock), copies
-it into the replica in place and starts syncing; newer entries are pulled as usual. It returns the
-peer it bootstrapped from (None for a member listed in ``start_job``: those need no snapshot, so
-``join=True`` is harmless there). It raises :class:`~antdt.sync.SyncError` when the job's final
-round already formed, when no member acknowledged within ``antdt.sync.join-timeout``, or when no
-live member could serve a snapshot (then the model only lives in a checkpoint); the worker has
-left the job's sync again by then. The fused optimizer state (row-wise Adagrad momentum) is not
-copied: the joiner's starts fresh, which only makes its first steps on a row larger.
+pulls a whole :class:`~antdt.sync.replica.ReplicaSnapshot` from a live member
+(``antdt_sync_snapshot``: its tables and dense parameters and its cursor per source, taken under
+its replica lock), copies it into the replica in place and starts syncing; newer entries are
+pulled as usual. It returns the peer it bootstrapped from (None for a member listed in
+``start_job``: those need no snapshot, so ``join=True`` is harmless there). It raises
+:class:`~antdt.errors.SyncError` when the job's final round already formed, when no member
+acknowledged within ``antdt.sync.join-timeout``, or when no live member could serve a snapshot
+(then the model only lives in a checkpoint); the worker has left the job's sync again by then.
 
-Defaults (period, timeouts, group size...) come from ``antdt.sync`` in dask config.
+Defaults (period, timeouts) come from ``antdt.sync`` in dask config.
 """
 
 from __future__ import annotations
@@ -47,31 +31,21 @@ import contextlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal, TypedDict
+from typing import Any
 
-import numpy as np
-import torch
-from distributed import Client, Scheduler, Worker, get_worker
-from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
+from distributed import Worker, get_worker
+from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.metrics import time
-from distributed.protocol import to_serialize
-from distributed.protocol.pickle import dumps
 from distributed.utils import sync
 
 from antdt import config
-from antdt.sync import (
-    PEER_FAILURES,
-    Answer,
-    ExchangeReport,
-    LogEntry,
-    MemberState,
-    PeerPayload,
-    ReplicaSnapshot,
-    ReplicaSync,
-    SyncError,
-    SyncPeriod,
-    SyncScheduler,
-)
+from antdt.errors import SyncError
+from antdt.sync.period import SyncPeriod
+from antdt.sync.replica import (PEER_FAILURES, ExchangeReport, PeerPayload, ReplicaSnapshot,
+                                ReplicaSync)
+from antdt.sync.wire import (PLUGIN_NAME, FinalMsg, GroupMsg, JoinMsg, MembersMsg, PullMsg,
+                             SnapshotMsg, msg_to_payload, msg_to_snapshot, payload_to_msg,
+                             snapshot_to_msg)
 
 logger = logging.getLogger(__name__)
 
@@ -80,338 +54,6 @@ MEMBER_CHECK_S = 1.0
 
 LEADER_RETRY_S = 0.5
 """After a failed fetch of the final leader's state, wait this long before asking again."""
-
-PLUGIN_NAME = "antdt-sync"
-"""Name of both halves: ``scheduler.plugins[PLUGIN_NAME]`` and ``worker.plugins[PLUGIN_NAME]``."""
-
-
-# ---- wire messages ----------------------------------------------------------------------------
-
-
-class GroupMsg(TypedDict):
-    """Reply of ``antdt_sync_group``: ``round``/``members`` are set when ``kind`` is "group"."""
-
-    kind: Literal["group", "wait", "alone"]
-    round: int | None
-    members: list[str]
-    final: bool
-    members_version: int
-
-
-class MembersMsg(TypedDict):
-    """Reply of ``antdt_sync_members``."""
-
-    members: list[str]
-    members_version: int
-
-
-class JoinMsg(TypedDict):
-    """Reply of ``antdt_sync_join``: ``settled`` once every other member applied a member list
-    naming the joiner (else ``waiting`` names them: ask again); ``bootstrap`` when the worker
-    joined mid-job and must adopt a member's snapshot."""
-
-    settled: bool
-    bootstrap: bool
-    waiting: list[str]
-    members: list[str]
-    members_version: int
-
-
-class FinalMsg(TypedDict):
-    """Reply of ``antdt_sync_complete``: ``leader`` (None until every member completed its final
-    exchange) is whose state the others adopt; ``done`` once all of them did."""
-
-    done: bool
-    leader: str | None
-
-
-class EntryMsg(TypedDict):
-    """One :class:`~antdt.sync.LogEntry`: ``ids`` (k,) int64 and ``deltas`` (k, dim) as numpy
-    arrays (wrapped in ``to_serialize`` on the way out)."""
-
-    seq: int
-    rows_offset: int
-    ids: Any
-    deltas: Any
-
-
-class PullMsg(TypedDict):
-    """Reply of a worker's ``antdt_sync_pull``: a :class:`~antdt.sync.PeerPayload`."""
-
-    source: str
-    entries: list[EntryMsg]
-    dense: list[Any] | None
-    layout: str
-
-
-class SnapshotMsg(TypedDict):
-    """Reply of a worker's ``antdt_sync_snapshot``: a :class:`~antdt.sync.ReplicaSnapshot`, the
-    tensors as numpy arrays."""
-
-    source: str
-    dense: list[Any]
-    tables: dict[str, Any]
-    applied: dict[str, int]
-
-
-def _tensor(value: Any) -> torch.Tensor:
-    """A received array as a tensor, copied only when its frame is a read-only buffer."""
-    array = np.asarray(value)
-    return torch.from_numpy(array if array.flags.writeable else array.copy())
-
-
-def payload_to_msg(payload: PeerPayload) -> PullMsg:
-    """Tensors become numpy arrays, each sent as its own serialized frame."""
-    entries: list[EntryMsg] = [
-        {"seq": e.seq, "rows_offset": e.rows_offset, "ids": to_serialize(e.ids.cpu().numpy()),
-         "deltas": to_serialize(e.deltas.detach().cpu().numpy())}
-        for e in payload.entries]
-    dense = (None if payload.dense is None
-             else [to_serialize(t.detach().cpu().numpy()) for t in payload.dense])
-    return {"source": payload.source, "entries": entries, "dense": dense,
-            "layout": payload.layout}
-
-
-def msg_to_payload(msg: PullMsg) -> PeerPayload:
-    """Inverse of :func:`payload_to_msg` on the receiving side."""
-    entries = [LogEntry(int(e["seq"]), _tensor(e["ids"]), _tensor(e["deltas"]),
-                        int(e["rows_offset"]))
-               for e in msg["entries"]]
-    dense = None if msg["dense"] is None else [_tensor(t) for t in msg["dense"]]
-    return PeerPayload(msg["source"], entries, dense, msg["layout"])
-
-
-def snapshot_to_msg(snapshot: ReplicaSnapshot) -> SnapshotMsg:
-    """Tensors become numpy arrays, each sent as its own serialized frame."""
-    return {"source": snapshot.source,
-            "dense": [to_serialize(t.detach().cpu().numpy()) for t in snapshot.dense],
-            "tables": {name: to_serialize(t.detach().cpu().numpy())
-                       for name, t in snapshot.tables.items()},
-            "applied": dict(snapshot.applied)}
-
-
-def msg_to_snapshot(msg: SnapshotMsg) -> ReplicaSnapshot:
-    """Inverse of :func:`snapshot_to_msg` on the receiving side."""
-    return ReplicaSnapshot(msg["source"], [_tensor(t) for t in msg["dense"]],
-                           {name: _tensor(t) for name, t in msg["tables"].items()},
-                           {source: int(seq) for source, seq in msg["applied"].items()})
-
-
-def _group_msg(answer: Answer, members_version: int) -> GroupMsg:
-    group = answer.group
-    return {"kind": answer.kind, "round": None if group is None else group.round,
-            "members": [] if group is None else list(group.members),
-            "final": False if group is None else group.final,
-            "members_version": members_version}
-
-
-# ---- scheduler side ---------------------------------------------------------------------------
-
-
-class SyncService(SchedulerPlugin):
-    """Scheduler plugin owning one :class:`~antdt.sync.SyncScheduler` per job.
-
-    Handlers (all arguments by keyword; None means the ``antdt.sync`` dask-config default):
-
-    - ``antdt_sync_start(job, workers, group_size=None, max_wait_s=None, max_progress_gap=None)``
-    - ``antdt_sync_group(job, worker, progress, final=False, members_version=None) -> GroupMsg``:
-      records that the worker applied the member list of ``members_version``, then waits (on
-      the scheduler's loop, not a thread) until the worker is grouped, told to go on alone, or
-      ``poll_s`` passed (then ``kind == "wait"``: ask again)
-    - ``antdt_sync_members(job) -> MembersMsg``
-    - ``antdt_sync_join(job, worker) -> JoinMsg``: adds a worker to a running job; waits up to
-      ``poll_s`` for every other member to acknowledge it
-    - ``antdt_sync_leave(job, worker)``: the worker stops syncing (idempotent, any job state)
-    - ``antdt_sync_complete(job, worker, adopted_from=None) -> FinalMsg``: the worker finished
-      its final exchange (and adopted ``adopted_from``'s state); waits up to ``poll_s`` until
-      all are done or the worker has a leader to adopt from
-    - ``antdt_sync_stop(job)``
-
-    A worker that leaves the cluster leaves every job's group scheduling. Registering this plugin
-    also registers :class:`SyncWorkerPlugin` on every worker.
-    """
-
-    name = PLUGIN_NAME
-
-    def __init__(self, poll_s: float | None = None) -> None:
-        if poll_s is None:
-            poll_s = config.seconds("antdt.sync.poll")
-        if poll_s <= 0:
-            raise SyncError(f"poll_s must be > 0, found {poll_s}")
-        self.poll_s = poll_s
-        self.jobs: dict[str, SyncScheduler] = {}
-        self._events: dict[tuple[str, str], asyncio.Event] = {}  # (job, worker): grouped
-        self._changes: dict[str, asyncio.Event] = {}  # job: a join settled or the final moved
-
-    async def start(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        scheduler.handlers.update({
-            "antdt_sync_start": self.start_job,
-            "antdt_sync_group": self.group,
-            "antdt_sync_members": self.members,
-            "antdt_sync_join": self.join,
-            "antdt_sync_leave": self.leave,
-            "antdt_sync_complete": self.complete,
-            "antdt_sync_stop": self.stop_job,
-        })
-        await scheduler.register_worker_plugin(None, dumps(SyncWorkerPlugin()), name=PLUGIN_NAME,
-                                               idempotent=True)
-
-    def start_job(self, job: str, workers: list[str], group_size: int | None = None,
-                  max_wait_s: float | None = None, max_progress_gap: int | None = None) -> None:
-        """Create the job's scheduler with ``workers`` (addresses) as its members."""
-        if job in self.jobs:
-            raise SyncError(f"sync job {job!r} already started")
-        unknown = sorted(set(workers) - self.scheduler.workers.keys())
-        if unknown:
-            raise SyncError(f"sync job {job!r}: workers {unknown} are not in the cluster")
-        if not workers:
-            raise SyncError(f"sync job {job!r}: expected at least one worker, found none")
-        scheduler = SyncScheduler(group_size, max_wait_s, max_progress_gap)
-        for worker in workers:
-            scheduler.join(worker)
-        self.jobs[job] = scheduler
-        logger.info("sync job %s started: %d workers, group_size %d", job, len(workers),
-                    scheduler.group_size)
-
-    def stop_job(self, job: str) -> None:
-        """Forget the job (idempotent)."""
-        self.jobs.pop(job, None)
-        self._notify(job)
-        for key in [k for k in self._events if k[0] == job]:
-            del self._events[key]
-
-    def members(self, job: str) -> MembersMsg:
-        scheduler = self._job(job)
-        return {"members": scheduler.members(), "members_version": scheduler.members_version}
-
-    async def group(self, job: str, worker: str, progress: int, final: bool = False,
-                    members_version: int | None = None) -> GroupMsg:
-        """See the class docstring."""
-        if not isinstance(progress, int) or progress < 0:
-            raise SyncError(f"antdt_sync_group: progress must be an int >= 0, found {progress!r}")
-        if members_version is not None and self._job(job).acknowledge(worker, members_version):
-            self._notify(job)
-        deadline = time() + self.poll_s
-        while True:
-            scheduler = self._job(job)
-            event = self._event(job, worker)
-            event.clear()
-            answer = scheduler.ready(worker, progress, time(), final=bool(final))
-            if answer.group is not None:
-                self._wake(job, answer.group.members)
-            if answer.kind != "wait":
-                return _group_msg(answer, scheduler.members_version)
-            now = time()
-            left = deadline - now
-            if scheduler.state(worker) is MemberState.READY:
-                left = min(left, scheduler.wait_left(worker, now))
-            if left <= 0:
-                return _group_msg(answer, scheduler.members_version)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), left)
-
-    async def join(self, job: str, worker: str) -> JoinMsg:
-        """See the class docstring."""
-        if worker not in self.scheduler.workers:
-            raise SyncError(f"sync job {job!r}: worker {worker!r} is not in the cluster")
-        self._job(job).join_running(worker)
-        deadline = time() + self.poll_s
-        while True:
-            scheduler = self._job(job)
-            settled = scheduler.settled(worker)
-            left = deadline - time()
-            if settled or left <= 0:
-                return {"settled": settled, "bootstrap": scheduler.joined_running(worker),
-                        "waiting": scheduler.waiting_for(worker),
-                        "members": scheduler.members(),
-                        "members_version": scheduler.members_version}
-            await self._changed(job, left)
-
-    def leave(self, job: str, worker: str) -> None:
-        """See the class docstring."""
-        scheduler = self.jobs.get(job)
-        if scheduler is None:
-            return
-        final = scheduler.leave(worker)
-        if final is not None:
-            self._wake(job, final.members)
-        self._events.pop((job, worker), None)
-        self._notify(job)
-
-    async def complete(self, job: str, worker: str,
-                       adopted_from: str | None = None) -> FinalMsg:
-        """See the class docstring."""
-        scheduler = self._job(job)
-        scheduler.complete(worker)
-        if adopted_from is not None:
-            scheduler.adopted(worker, adopted_from)
-        self._notify(job)
-        deadline = time() + self.poll_s
-        while True:
-            scheduler = self._job(job)
-            leader, done = scheduler.final_leader(), scheduler.final_done()
-            to_adopt = leader not in (None, worker, scheduler.adopted_from(worker))
-            left = deadline - time()
-            if done or to_adopt or left <= 0:
-                return {"done": done, "leader": leader}
-            await self._changed(job, left)
-
-    def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str,
-                      **kwargs: Any) -> None:
-        for job in list(self.jobs):
-            self.leave(job, worker)
-
-    def restart(self, scheduler: Scheduler) -> None:
-        self.jobs.clear()
-        self._events.clear()
-        for job in list(self._changes):
-            self._notify(job)
-
-    def _job(self, job: str) -> SyncScheduler:
-        scheduler = self.jobs.get(job)
-        if scheduler is None:
-            raise SyncError(f"unknown sync job {job!r}; started jobs: {sorted(self.jobs)}")
-        return scheduler
-
-    def _event(self, job: str, worker: str) -> asyncio.Event:
-        return self._events.setdefault((job, worker), asyncio.Event())
-
-    def _wake(self, job: str, workers: Sequence[str]) -> None:
-        for worker in workers:
-            self._event(job, worker).set()
-
-    async def _changed(self, job: str, timeout_s: float) -> None:
-        """Wait until :meth:`_notify` is called for ``job`` or ``timeout_s`` passed."""
-        event = self._changes.setdefault(job, asyncio.Event())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout_s)
-
-    def _notify(self, job: str) -> None:
-        """Wake every call waiting in :meth:`_changed` for ``job`` (they check again)."""
-        event = self._changes.pop(job, None)
-        if event is not None:
-            event.set()
-
-
-def start_job(client: Client, job: str, workers: Sequence[str], *, group_size: int | None = None,
-              max_wait_s: float | None = None, max_progress_gap: int | None = None) -> None:
-    """From the driver: make ``workers`` the members of ``job``'s sync (before training). None
-    takes the ``antdt.sync`` default of the driver's dask config."""
-    if group_size is None:
-        group_size = int(config.number("antdt.sync.group-size", low=2, integer=True))
-    if max_wait_s is None:
-        max_wait_s = config.seconds("antdt.sync.max-wait")
-    client.sync(client.scheduler.antdt_sync_start, job=job, workers=list(workers),
-                group_size=group_size, max_wait_s=max_wait_s, max_progress_gap=max_progress_gap)
-
-
-def stop_job(client: Client, job: str) -> None:
-    """From the driver, after every agent returned: forget ``job``'s sync state."""
-    client.sync(client.scheduler.antdt_sync_stop, job=job)
-
-
-# ---- worker side ------------------------------------------------------------------------------
 
 
 class SyncWorkerPlugin(WorkerPlugin):
@@ -494,7 +136,7 @@ class BackgroundSync:
         plugin = self.worker.plugins.get(PLUGIN_NAME)
         if not isinstance(plugin, SyncWorkerPlugin):
             raise SyncError(f"worker {self.worker.address} has no {PLUGIN_NAME!r} plugin: "
-                            "register antdt.sync_service.SyncService on the scheduler first")
+                            "register antdt.sync.service.SyncService on the scheduler first")
         if replica.worker != self.worker.address:
             raise SyncError(f"replica belongs to {replica.worker!r}, this worker is "
                             f"{self.worker.address!r}")

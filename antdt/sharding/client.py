@@ -49,7 +49,7 @@ from distributed.utils import sync
 
 from antdt import config
 from antdt.errors import LedgerError
-from antdt.sharding import Claim, CommitReply, Finished, Lease, Revoked, Stop
+from antdt.sharding.leases import Claim, CommitReply, Finished, Lease, Revoked, Stop
 
 logger = logging.getLogger(__name__)
 

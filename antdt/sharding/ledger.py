@@ -1,7 +1,7 @@
 """Stateful dynamic data sharding (AntDT's SDDS): the shard ledger of one training job.
 
-A plain class with an injected clock and no Dask: :mod:`antdt.service` wraps it in a scheduler
-plugin, tests drive it directly, the simulator drives it at 10,000 workers.
+A plain class with an injected clock and no Dask: :mod:`antdt.sharding.service` wraps it in a
+scheduler plugin, tests drive it directly, the simulator drives it at 10,000 workers.
 
 Shards and epochs
 -----------------
@@ -85,167 +85,32 @@ Nothing moves between slots, so the job takes as long as its slowest slot, and a
 worker hangs or dies for good never finishes: that is the point of the baseline. A static ledger
 cannot be checkpointed.
 
-Checkpoint format (version 1)
------------------------------
-``MAGIC`` (8 bytes), a little-endian uint32 header length, a UTF-8 JSON header (configuration,
-paths, counters, epoch cursor, quarantine records, array table), then the raw little-endian arrays
-it lists: the row-group table and the queue-front pieces. Live leases are written as queue-front
-pieces from their synced offset (the workers are gone when it is restored). Shards and the epoch
-permutation are recomputed from the row groups and the seed.
+Checkpoints
+-----------
+:meth:`ShardLedger.to_state` is the ledger as it would be if every worker were removed now, and
+:meth:`ShardLedger.from_state` resumes from it; :mod:`antdt.sharding.checkpoint` holds the byte
+format (:meth:`ShardLedger.save`, :meth:`ShardLedger.load`).
 """
 
 from __future__ import annotations
 
-import enum
-import json
 import logging
-import os
 import secrets
-import struct
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any
 
-import fsspec
 import numpy as np
 
 from antdt.errors import LedgerError
+from antdt.sharding import checkpoint
+from antdt.sharding.checkpoint import LedgerState
+from antdt.sharding.leases import (Claim, Clock, CommitEvent, CommitReply, Finished, JobState,
+                                   Lease, LeaseReply, LeaseStatus, Piece, QuarantineRecord,
+                                   QuarantineSpec, Revoked, RowGroup, RowState, Stop, Wait)
 
 logger = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
-MAGIC = b"ANTDTLG\x00"
-
-RowGroup: TypeAlias = tuple[str, int, int]
-"""``(path, row_group, num_rows)`` as the validator found them."""
-
-QuarantineSpec: TypeAlias = tuple[str, "int | None", str]
-"""``(path, row_group or None for the whole file, reason)``."""
-
-Piece: TypeAlias = tuple[int, int, int, int]
-"""Requeued rows: ``(epoch, shard, start, stop)``, row-group relative."""
-
-Clock: TypeAlias = Callable[[], float]
-
-
-class RowState(enum.Enum):
-    """Where a row of an epoch is; every row ends DONE or QUARANTINED exactly once."""
-
-    TODO = "todo"
-    LEASED = "leased"
-    DONE = "done"
-    QUARANTINED = "quarantined"
-
-
-class JobState(enum.Enum):
-    """``running`` until every row is DONE/QUARANTINED (``finished``) or :meth:`stop` is called."""
-
-    RUNNING = "running"
-    FINISHED = "finished"
-    STOPPED = "stopped"
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    """A lease as handed to a worker: rows ``[start, stop)`` of ``row_group`` in ``path``; the
-    worker may train ``[start, claim_stop)`` before its first commit."""
-
-    lease_id: int
-    token: str
-    worker: str
-    epoch: int
-    path: str
-    row_group: int
-    start: int
-    stop: int
-    claim_stop: int
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """Train on up to row ``stop`` of the lease, then commit."""
-
-    lease_id: int
-    stop: int
-
-
-@dataclass(frozen=True, slots=True)
-class Revoked:
-    """The lease was cut at ``stop`` (the end of the claim): train up to it, commit, lease again.
-    ``retired``: its synced offset reached ``stop``, the ledger forgot it."""
-
-    lease_id: int
-    stop: int
-    retired: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """Every row of the lease was trained; lease again (report ``synced`` until ``retired``)."""
-
-    lease_id: int
-    stop: int
-    retired: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Stop:
-    """The job finished or was stopped: lease no more."""
-
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    """Nothing to lease now, but the job is not over (live leases may requeue rows): ask again."""
-
-
-CommitReply: TypeAlias = Claim | Revoked | Finished | Stop
-LeaseReply: TypeAlias = Lease | Wait | Stop
-
-
-class LeaseStatus(NamedTuple):
-    """A live lease as the monitor and the controller see it."""
-
-    lease_id: int
-    worker: str
-    epoch: int
-    path: str
-    row_group: int
-    start: int
-    stop: int
-    offset: int
-    synced: int
-    claim_stop: int
-    revoked: bool
-    leased_at: float
-    committed_at: float
-
-
-class CommitEvent(NamedTuple):
-    """Sent to every listener after a commit that trained rows or carried stats."""
-
-    worker: str
-    lease_id: int
-    epoch: int
-    rows: int
-    stats: Mapping[str, float]
-    time: float
-
-
-class QuarantineRecord(NamedTuple):
-    """Rows that could not be read. ``row_group`` None: the whole file; ``epoch`` None: every
-    epoch (registration quarantine); ``start``/``stop`` None: the whole row group. ``rows`` is what
-    this record added to ``rows_quarantined`` (0 for a file the validator could not even list)."""
-
-    path: str
-    row_group: int | None
-    epoch: int | None
-    start: int | None
-    stop: int | None
-    rows: int
-    reason: str
 
 
 @dataclass(slots=True)
@@ -641,9 +506,9 @@ class ShardLedger:
 
     # ---- checkpoint ---------------------------------------------------------------------------
 
-    def to_bytes(self) -> bytes:
-        """The ledger as it would be if every worker were removed now (format: module docstring).
-        O(row groups + queued pieces + live leases)."""
+    def to_state(self) -> LedgerState:
+        """What a checkpoint holds: the ledger as it would be if every worker were removed now
+        (:mod:`antdt.sharding.checkpoint`). O(row groups + queued pieces + live leases)."""
         if self.static is not None:
             raise LedgerError(f"job {self.job!r}: a static ledger (the baseline) cannot be "
                               "checkpointed; only dynamic ledgers can")
@@ -652,84 +517,61 @@ class ShardLedger:
                   if lease.synced < lease.stop]
         pieces.extend(self._front)
         unsynced = sum(lease.offset - lease.synced for lease in self._leases.values())
-        arrays: dict[str, np.ndarray] = {
-            "rg_file": self._rg_file, "rg_group": self._rg_group, "rg_rows": self._rg_rows,
-            "front": np.asarray(pieces, dtype=np.int64).reshape(-1, 4),
-        }
-        table, offset = {}, 0
-        for name, array in arrays.items():
-            array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-            arrays[name] = array
-            table[name] = {"dtype": array.dtype.str, "shape": list(array.shape),
-                           "offset": offset, "nbytes": array.nbytes}
-            offset += array.nbytes
-        header = {
-            "version": FORMAT_VERSION, "job": self.job, "shard_rows": self.shard_rows,
-            "batch_rows": self.batch_rows, "epochs": self.epochs, "seed": self.seed,
-            "max_claim_rows": self.max_claim_rows, "paths": self._paths,
-            "epoch": self._epoch, "pos": self._pos, "next_lease_id": self._next_id,
-            "stopped": self._stopped,
-            "counters": {"rows_trained": self.rows_trained, "rows_done": self.rows_done,
-                         "rows_duplicated": self.rows_duplicated + unsynced,
-                         "rows_lost": self.rows_lost, "rows_quarantined": self.rows_quarantined},
-            "quarantine": [list(record) for record in self._records],
-            "arrays": table,
-        }
-        blob = json.dumps(header).encode()
-        return b"".join([MAGIC, struct.pack("<I", len(blob)), blob,
-                         *(array.tobytes() for array in arrays.values())])
+        return LedgerState(
+            job=self.job, shard_rows=self.shard_rows, batch_rows=self.batch_rows,
+            epochs=self.epochs, seed=self.seed, max_claim_rows=self.max_claim_rows,
+            paths=list(self._paths), rg_file=self._rg_file, rg_group=self._rg_group,
+            rg_rows=self._rg_rows, epoch=self._epoch, pos=self._pos,
+            next_lease_id=self._next_id, stopped=self._stopped,
+            counters={"rows_trained": self.rows_trained, "rows_done": self.rows_done,
+                      "rows_duplicated": self.rows_duplicated + unsynced,
+                      "rows_lost": self.rows_lost, "rows_quarantined": self.rows_quarantined},
+            quarantine=list(self._records),
+            front=np.asarray(pieces, dtype=np.int64).reshape(-1, 4))
+
+    @classmethod
+    def from_state(cls, state: LedgerState, *, clock: Clock) -> ShardLedger:
+        """Rebuild a ledger from :meth:`to_state`: no live leases, rows of the leases that were
+        live at the checkpoint at the queue front."""
+        row_groups = [(state.paths[f], int(g), int(n)) for f, g, n in
+                      zip(state.rg_file, state.rg_group, state.rg_rows)]
+        registration = [(r.path, r.row_group, r.reason) for r in state.quarantine
+                        if r.epoch is None]
+        ledger = cls(row_groups, shard_rows=state.shard_rows, batch_rows=state.batch_rows,
+                     clock=clock, epochs=state.epochs, seed=state.seed, quarantine=registration,
+                     max_claim_rows=state.max_claim_rows, job=state.job)
+        ledger._records = list(state.quarantine)
+        for name, value in state.counters.items():
+            setattr(ledger, name, int(value))
+        ledger._next_id = state.next_lease_id
+        ledger._stopped = state.stopped
+        if ledger._stopped is None:
+            ledger._start_epoch(state.epoch)
+            ledger._pos = state.pos
+            ledger._front.extend((int(e), int(s), int(a), int(b)) for e, s, a, b in
+                                 state.front.tolist())
+        return ledger
+
+    def to_bytes(self) -> bytes:
+        """:meth:`to_state` in the checkpoint format."""
+        return checkpoint.encode(self.to_state())
 
     @classmethod
     def from_bytes(cls, data: bytes, *, clock: Clock) -> ShardLedger:
-        """Rebuild a ledger written by :meth:`to_bytes`: no live leases, rows of the leases that
-        were live at the checkpoint at the queue front."""
-        if data[:8] != MAGIC:
-            raise LedgerError(f"not an antdt ledger checkpoint: expected magic {MAGIC!r}, found "
-                              f"{bytes(data[:8])!r}")
-        (length,) = struct.unpack("<I", data[8:12])
-        header = json.loads(data[12:12 + length])
-        if header.get("version") != FORMAT_VERSION:
-            raise LedgerError(f"ledger checkpoint version {header.get('version')!r} is not "
-                              f"supported; expected {FORMAT_VERSION}")
-        body = memoryview(data)[12 + length:]
-        arrays = {}
-        for name, spec in header["arrays"].items():
-            raw = body[spec["offset"]:spec["offset"] + spec["nbytes"]]
-            arrays[name] = np.frombuffer(raw, dtype=np.dtype(spec["dtype"])).reshape(spec["shape"])
-        paths = header["paths"]
-        row_groups = [(paths[f], int(g), int(n)) for f, g, n in
-                      zip(arrays["rg_file"], arrays["rg_group"], arrays["rg_rows"])]
-        records = [QuarantineRecord(*record) for record in header["quarantine"]]
-        registration = [(r.path, r.row_group, r.reason) for r in records if r.epoch is None]
-        ledger = cls(row_groups, shard_rows=header["shard_rows"],
-                     batch_rows=header["batch_rows"], clock=clock, epochs=header["epochs"],
-                     seed=header["seed"], quarantine=registration,
-                     max_claim_rows=header["max_claim_rows"], job=header["job"])
-        ledger._records = records
-        for name, value in header["counters"].items():
-            setattr(ledger, name, int(value))
-        ledger._next_id = int(header["next_lease_id"])
-        ledger._stopped = header["stopped"]
-        if ledger._stopped is None:
-            ledger._start_epoch(int(header["epoch"]))
-            ledger._pos = int(header["pos"])
-            ledger._front.extend((int(e), int(s), int(a), int(b)) for e, s, a, b in
-                                 arrays["front"].tolist())
-        return ledger
+        """Rebuild a ledger written by :meth:`to_bytes` (see :meth:`from_state`)."""
+        return cls.from_state(checkpoint.decode(data), clock=clock)
 
     def save(self, path: str) -> int:
-        """Write :meth:`to_bytes` to an fsspec ``path`` with :func:`write_atomic`; returns the
-        bytes written."""
+        """Write :meth:`to_bytes` to an fsspec ``path`` atomically; returns the bytes written."""
         data = self.to_bytes()
-        write_atomic(path, data)
+        checkpoint.write_atomic(path, data)
         return len(data)
 
     @classmethod
     def load(cls, path: str, *, clock: Clock) -> ShardLedger:
         """Read a checkpoint written by :meth:`save` from an fsspec ``path``."""
         try:
-            with fsspec.open(path, "rb") as f:
-                data = f.read()
+            data = checkpoint.read(path)
         except FileNotFoundError as e:
             raise LedgerError(f"ledger checkpoint {path} does not exist") from e
         return cls.from_bytes(data, clock=clock)
@@ -910,23 +752,3 @@ class ShardLedger:
         del ids[lease.lease_id]
         if not ids:
             del self._by_worker[lease.worker]
-
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` to an fsspec ``path``: on a local file system a temporary file in the same
-    folder, fsync'ed and renamed over ``path`` (readers see the old or the new file, never half of
-    one); elsewhere a single put (object stores replace whole objects)."""
-    fs, fs_path = fsspec.core.url_to_fs(path)
-    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    if "file" not in protocols:
-        with fs.open(fs_path, "wb") as f:
-            f.write(data)
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(fs_path)), exist_ok=True)
-    tmp = f"{fs_path}.tmp-{secrets.token_hex(4)}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, fs_path)

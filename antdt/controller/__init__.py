@@ -1,0 +1,67 @@
+"""The straggler controller (AntDT's Controller): a mechanism plus small policies, in the manner of
+:mod:`distributed.active_memory_manager`.
+
+```
+ every tick:  Monitor.update ──► Tick (ledger, verdicts, leases) ──► policy.run(tick) yields actions
+                                                                            │
+    ledger.revoke / ledger.split / retire(worker) / batch size  ◄── resolve conflicts, apply
+                                                                            │
+                                    log + Dask event (topic "antdt") + record (count, records)
+```
+
+Actions are typed (:class:`Reassign`, :class:`Split`, :class:`Revoke`, :class:`Retire`,
+:class:`AdjustBatch`), each with its :class:`Evidence`. The mechanism resolves conflicts before
+applying anything:
+
+* one action per lease per tick; the strongest wins (``Revoke`` > ``Reassign`` > ``Split``, then
+  the first yielded), so a lease being revoked is never split;
+* no lease action for a worker retired in the same tick (retirement requeues its rows anyway);
+* retirement never leaves fewer than ``min_workers`` workers (``workers()`` must not count the
+  workers whose retirement is under way);
+* an action with nothing to move (the lease ended, was revoked, or has no unclaimed rows) is
+  dropped, not recorded.
+
+Only unclaimed rows move (the ledger's exactly-once rule), so every action is safe to apply at any
+time. Built-in policies (the defaults under ``antdt.controller.policies``, in this order):
+:class:`RevokeHung`, :class:`RetireHung`, :class:`ReassignStragglers`, :class:`SplitTail`.
+Opt-in: :class:`RetirePersistent` (in the asynchronous mode retiring a persistent straggler only
+gives up its share unless a cluster manager replaces it) and :class:`BalanceBatch` (synchronous
+mode). A user policy is a :class:`ControllerPolicy` subclass named by dotted path in dask
+config::
+
+    antdt:
+      controller:
+        policies:
+          - class: mypackage.policies.MyPolicy
+            threshold: 3
+
+=================================  ==============================================================
+:mod:`antdt.controller.actions`    the typed actions, their evidence, the applied record
+:mod:`antdt.controller.policies`   :class:`Tick` (what a policy sees) and the built-in policies
+:mod:`antdt.controller.mechanism`  :class:`Controller`: a plain class (injected clock, no Dask)
+                                   driven by the simulator and the tests
+:mod:`antdt.controller.plugin`     :class:`ControllerPlugin`: one controller per job on the
+                                   scheduler, next to the sharding service
+=================================  ==============================================================
+"""
+
+from __future__ import annotations
+
+from __future__ import annotations
+
+from antdt.controller.actions import (ACTION_NAMES, Action, ActionRecord, AdjustBatch, Evidence,
+                                      LeaseAction, Reassign, Retire, Revoke, Split)
+from antdt.controller.mechanism import Controller
+from antdt.controller.plugin import (EVENT_TOPIC, PLUGIN_NAME, ControllerPlugin,
+                                     controller_actions, enable_controller)
+from antdt.controller.policies import (BalanceBatch, ControllerPolicy, ReassignStragglers,
+                                       RetireHung, RetirePersistent, RevokeHung, SplitTail, Tick,
+                                       load_policies)
+
+__all__ = [
+    "ACTION_NAMES", "EVENT_TOPIC", "PLUGIN_NAME", "Action", "ActionRecord", "AdjustBatch",
+    "BalanceBatch", "Controller", "ControllerPlugin", "ControllerPolicy", "Evidence",
+    "LeaseAction", "Reassign", "ReassignStragglers", "Retire", "RetireHung", "RetirePersistent",
+    "Revoke", "RevokeHung", "Split", "SplitTail", "Tick", "controller_actions",
+    "enable_controller", "load_policies",
+]

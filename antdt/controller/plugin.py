@@ -1,0 +1,230 @@
+"""The controller on the Dask scheduler: :class:`ControllerPlugin` runs a monitor and a controller
+per job of the sharding service, ticks them, carries out retirements, and publishes every applied
+action as a Dask event (topic :data:`EVENT_TOPIC`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from distributed import Client, Scheduler
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.metrics import time
+from distributed.utils import log_errors
+from tornado.ioloop import PeriodicCallback
+
+from antdt import config, rpc
+from antdt.controller.actions import ActionRecord
+from antdt.controller.mechanism import Controller
+from antdt.errors import ConfigError, LedgerError
+from antdt.monitor import Monitor
+from antdt.sharding import CommitEvent, ShardLedger, service
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "antdt-controller"
+"""``scheduler.plugins[PLUGIN_NAME]``."""
+EVENT_TOPIC = "antdt"
+"""Dask event topic of applied actions (``client.get_events(EVENT_TOPIC)``)."""
+
+
+@dataclass
+class _JobControl:
+    ledger: ShardLedger
+    monitor: Monitor
+    controller: Controller
+
+
+class ControllerPlugin(SchedulerPlugin):
+    """Runs a :class:`Monitor` and a :class:`Controller` per job of the
+    :class:`~antdt.sharding.service.ShardingService` (register that plugin first).
+
+    The monitors are fed by the service's commit events; every ``antdt.controller.interval``
+    each enabled job's controller ticks. Retirements go through ``scheduler.retire_workers`` and
+    never leave fewer than ``min_workers`` workers. Handlers:
+
+    ``antdt_controller_actions(job, since=0)``  applied actions: count, counts, records, batch sizes
+    ``antdt_controller_enable(job, enabled)``   switch one job's controller (before or after it is
+                                                registered); its monitor keeps running
+    ``antdt_controller_tick(job=None)``         tick now (one job or all enabled jobs)
+    ``antdt_worker_health(job)``                the monitor's verdicts and medians
+    """
+
+    name = PLUGIN_NAME
+
+    def __init__(self, *, interval_s: float | None = None, min_workers: int | None = None
+                 ) -> None:
+        self.interval_s = interval_s
+        self.min_workers = min_workers
+        self.jobs: dict[str, _JobControl] = {}
+        self.enabled: dict[str, bool] = {}
+        """Per-job switch; jobs not named follow ``antdt.controller.enabled``."""
+        self.scheduler: Scheduler | None = None
+        self._sharding: service.ShardingService | None = None
+        self._retiring: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def start(self, scheduler: Scheduler) -> None:
+        sharding = scheduler.plugins.get(service.PLUGIN_NAME)
+        if not isinstance(sharding, service.ShardingService):
+            raise ConfigError(f"ControllerPlugin needs the ShardingService: register it first "
+                              f"(found plugins {sorted(scheduler.plugins)})")
+        self.scheduler = scheduler
+        self._sharding = sharding
+        sharding.subscribe(self._observe)
+        scheduler.handlers.update({
+            "antdt_controller_actions": self.actions_handler,
+            "antdt_controller_enable": self.enable_handler,
+            "antdt_controller_tick": self.tick_handler,
+            "antdt_worker_health": self.health_handler,
+        })
+        interval = config.seconds("antdt.controller.interval") if self.interval_s is None \
+            else self.interval_s
+        callback = PeriodicCallback(self._tick_enabled, interval * 1000.0)
+        scheduler.periodic_callbacks[PLUGIN_NAME] = callback
+        callback.start()
+
+    async def close(self) -> None:
+        if self.scheduler is not None:
+            callback = self.scheduler.periodic_callbacks.pop(PLUGIN_NAME, None)
+            if callback is not None:
+                callback.stop()
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str,
+                      **kwargs: Any) -> None:
+        self._retiring.discard(worker)
+        for control in self.jobs.values():
+            control.monitor.forget(worker)
+
+    def restart(self, scheduler: Scheduler) -> None:
+        """Every agent is gone: start every job's monitoring afresh."""
+        self.jobs.clear()
+
+    def tick(self, job: str | None = None) -> list[ActionRecord]:
+        """Tick ``job`` (even if disabled), or every enabled job (a disabled one only updates its
+        monitor); returns the applied actions."""
+        assert self._sharding is not None
+        for gone in set(self.jobs) - set(self._sharding.jobs):
+            del self.jobs[gone]
+        applied: list[ActionRecord] = []
+        for name in ([job] if job is not None else list(self._sharding.jobs)):
+            control = self._control(name)
+            if control is None:
+                continue
+            if job is None and not self._is_enabled(name):
+                control.controller.update_monitor()
+            else:
+                applied.extend(control.controller.tick())
+        return applied
+
+    # ---- handlers -----------------------------------------------------------------------------
+
+    @rpc.handler
+    async def actions_handler(self, job: str, since: int = 0) -> dict[str, Any]:
+        control = self._known(job)
+        return {"status": "OK", "job": job, "enabled": self._is_enabled(job),
+                **control.controller.actions(since)}
+
+    @rpc.handler
+    async def enable_handler(self, job: str, enabled: bool = True) -> dict[str, Any]:
+        job = rpc.name("job", job)
+        if not isinstance(enabled, bool):
+            raise LedgerError(f"enabled must be a bool, found {enabled!r}")
+        self.enabled[job] = enabled
+        logger.info("job %s: controller %s", job, "enabled" if enabled else "disabled")
+        return {"status": "OK", "job": job, "enabled": enabled}
+
+    @rpc.handler
+    async def tick_handler(self, job: str | None = None) -> dict[str, Any]:
+        if job is not None:
+            self._known(job)
+        return {"status": "OK", "applied": self.tick(job)}
+
+    @rpc.handler
+    async def health_handler(self, job: str) -> dict[str, Any]:
+        return {"status": "OK", "job": job, **self._known(job).monitor.summary()}
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    @log_errors
+    def _tick_enabled(self) -> None:
+        self.tick()
+
+    def _is_enabled(self, job: str) -> bool:
+        default = config.get("antdt.controller.enabled")
+        return self.enabled.get(job, bool(default))
+
+    def _known(self, job: object) -> _JobControl:
+        name = rpc.name("job", job)
+        control = self._control(name)
+        if control is None:
+            raise LedgerError(f"unknown job {name!r}; registered jobs: "
+                              f"{sorted(self._sharding.jobs if self._sharding else ())[:20]}")
+        return control
+
+    def _control(self, job: str) -> _JobControl | None:
+        """The job's monitor and controller, made on first use (again if the job was forgotten
+        and registered anew)."""
+        assert self._sharding is not None and self.scheduler is not None
+        ledger = self._sharding.jobs.get(job)
+        if ledger is None:
+            return None
+        control = self.jobs.get(job)
+        if control is None or control.ledger is not ledger:
+            monitor = Monitor(time, batch_rows=ledger.batch_rows)
+            controller = Controller(ledger, monitor, clock=time, retire=self._retire,
+                                    workers=self._live_workers, min_workers=self.min_workers,
+                                    emit=self._emit)
+            control = self.jobs[job] = _JobControl(ledger, monitor, controller)
+        return control
+
+    def _observe(self, job: str, event: CommitEvent) -> None:
+        control = self._control(job)
+        if control is not None:
+            control.monitor.observe(event)
+
+    def _live_workers(self) -> list[str]:
+        assert self.scheduler is not None
+        return [w for w in self.scheduler.workers if w not in self._retiring]
+
+    def _emit(self, record: ActionRecord) -> None:
+        assert self.scheduler is not None
+        self.scheduler.log_event(EVENT_TOPIC, dict(record))
+
+    def _retire(self, worker: str, stimulus_id: str) -> None:
+        assert self.scheduler is not None
+        self._retiring.add(worker)
+        task = asyncio.ensure_future(self.scheduler.retire_workers(
+            workers=[worker], close_workers=True, remove=True, stimulus_id=stimulus_id))
+        self._tasks.add(task)
+        task.add_done_callback(lambda done: self._retired(worker, done))
+
+    def _retired(self, worker: str, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            self._retiring.discard(worker)
+            return
+        error = task.exception()
+        if error is not None:
+            self._retiring.discard(worker)
+            logger.error("retiring %s failed: %r", worker, error)
+        elif worker not in task.result():
+            self._retiring.discard(worker)
+            logger.warning("the scheduler did not retire %s", worker)
+
+
+# ---- driver helpers ---------------------------------------------------------------------------
+
+
+def controller_actions(client: Client, job: str, since: int = 0) -> dict[str, Any]:
+    """From the driver: ``job``'s applied actions with ``seq >= since`` and their counts."""
+    return rpc.ok(client.sync(client.scheduler.antdt_controller_actions, job=job,
+                              since=since))
+
+
+def enable_controller(client: Client, job: str, enabled: bool = True) -> dict[str, Any]:
+    """From the driver: switch ``job``'s controller on or off (e.g. off for a ``pull`` run)."""
+    return rpc.ok(client.sync(client.scheduler.antdt_controller_enable, job=job,
+                              enabled=enabled))

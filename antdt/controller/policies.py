@@ -1,0 +1,231 @@
+"""Controller policies: each looks at one :class:`Tick` and yields typed actions; the controller
+(:mod:`antdt.controller.mechanism`) resolves conflicts and applies what it accepts. Adding a
+policy touches this file only (or none: a user policy is named by dotted path in dask config,
+see :func:`load_policies`)."""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import math
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+
+from antdt import config
+from antdt.controller.actions import (Action, AdjustBatch, Evidence, Reassign, Retire, Revoke,
+                                      Split)
+from antdt.errors import ConfigError
+from antdt.monitor import Monitor, WorkerState
+from antdt.sharding import LeaseStatus, ShardLedger
+
+
+class Tick:
+    """The state one tick's policies see: ``ledger``, ``monitor`` (updated for this tick),
+    ``flagged`` (verdicts other than ok, worst first), ``workers`` (the cluster's workers that
+    count toward ``min_workers``) and the live leases (read once per tick, lazily)."""
+
+    def __init__(self, number: int, now: float, ledger: ShardLedger, monitor: Monitor,
+                 workers: Collection[str], batch_sizes: dict[str, int]) -> None:
+        self.number = number
+        self.now = now
+        self.ledger = ledger
+        self.monitor = monitor
+        self.workers = workers
+        self.batch_sizes = batch_sizes
+        self.flagged = monitor.flagged()
+        self._leases: list[LeaseStatus] | None = None
+
+    @property
+    def tail(self) -> bool:
+        """Nothing is left to lease but rows are still leased: idle workers wait for the last
+        leases to finish."""
+        return self.ledger.rows_todo == 0 and self.ledger.rows_leased > 0
+
+    def leases(self, worker: str | None = None) -> list[LeaseStatus]:
+        """Live leases, of ``worker`` only if given."""
+        if worker is not None:
+            return self.ledger.leases(worker)
+        if self._leases is None:
+            self._leases = self.ledger.leases()
+        return self._leases
+
+    def rate(self, worker: str) -> float | None:
+        """The worker's rows/s, the cluster median for a worker with no evidence yet."""
+        rate = self.monitor.rate(worker)
+        return rate if rate is not None else self.monitor.median_rate
+
+
+class ControllerPolicy(abc.ABC):
+    """A policy: :meth:`run` looks at a :class:`Tick` and yields actions. It must not change
+    the ledger itself; the controller resolves conflicts and applies what it accepts."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    @abc.abstractmethod
+    def run(self, tick: Tick) -> Iterator[Action]:
+        """Yield the actions this policy wants now (possibly none)."""
+
+
+class RevokeHung(ControllerPolicy):
+    """Revoke every lease of a hung worker: its unclaimed rows go to faster workers now; its claim
+    stays (exactly-once) until it commits or leaves."""
+
+    def run(self, tick: Tick) -> Iterator[Action]:
+        for health in tick.flagged:
+            if health.state is not WorkerState.HUNG:
+                continue
+            for lease in tick.leases(health.worker):
+                if not lease.revoked and lease.unclaimed > 0:
+                    yield Revoke(lease, Evidence.of(health, (
+                        f"hung: no commit for {health.silent_s:.1f}s, timeout "
+                        f"{health.timeout_s:.1f}s")))
+
+
+@dataclass(repr=False)
+class RetireHung(ControllerPolicy):
+    """Retire a worker hung for ``after_s`` seconds, or hung in the tail of the job: only its
+    leaving frees its claimed rows, and in the tail every idle worker waits for them."""
+
+    after_s: float = 30.0
+
+    def run(self, tick: Tick) -> Iterator[Action]:
+        for health in tick.flagged:
+            if health.state is WorkerState.HUNG and (health.silent_s >= self.after_s
+                                                     or tick.tail):
+                when = "in the tail" if health.silent_s < self.after_s else \
+                    f"for more than {self.after_s:g}s"
+                yield Retire(health.worker, Evidence.of(health, (
+                    f"hung {when}: no commit for {health.silent_s:.1f}s")))
+
+
+@dataclass(repr=False)
+class ReassignStragglers(ControllerPolicy):
+    """Reassign the unclaimed rows of a transient or persistent straggler's leases (at least
+    ``min_batches`` batches) to the queue front: a faster worker pulls them at once, the
+    straggler finishes its claim and leases again."""
+
+    min_batches: int = 1
+
+    def run(self, tick: Tick) -> Iterator[Action]:
+        least = self.min_batches * tick.ledger.batch_rows
+        for health in tick.flagged:
+            if health.state not in (WorkerState.TRANSIENT, WorkerState.PERSISTENT):
+                continue
+            for lease in tick.leases(health.worker):
+                if not lease.revoked and lease.unclaimed >= least:
+                    yield Reassign(lease, Evidence.of(health, (
+                        f"{health.state.value} straggler: BPT {health.bpt:.3g}s vs median "
+                        f"{health.median:.3g}s")))
+
+
+@dataclass(repr=False)
+class SplitTail(ControllerPolicy):
+    """In the tail of the job, split every lease that would finish late so the last leases end
+    together.
+
+    The cluster would finish the leased rows in ``target = max(min_piece_s, rows left / sum of
+    the workers' rates)`` seconds if they could be shared perfectly; a lease whose holder needs
+    ``t > slack x target`` for its rows left is split into ``ceil(t / target)`` parts (at most
+    ``max_parts``; the ledger keeps the holder's claim and whole batches)."""
+
+    max_parts: int = 8
+    min_piece_s: float = 2.0
+    slack: float = 1.5
+
+    def run(self, tick: Tick) -> Iterator[Action]:
+        if not tick.tail or tick.monitor.median_rate is None:
+            return
+        leases = tick.leases()
+        capacity = sum(rate for w in tick.workers if (rate := tick.rate(w)) is not None)
+        left = sum(lease.stop - lease.offset for lease in leases)
+        if capacity <= 0 or left <= 0:
+            return
+        target = max(self.min_piece_s, left / capacity)
+        least = 2 * tick.ledger.batch_rows
+        for lease in leases:
+            if lease.revoked or lease.unclaimed < least:
+                continue
+            rate = tick.rate(lease.worker)
+            assert rate is not None  # the median exists
+            needs = (lease.stop - lease.offset) / rate
+            if needs > self.slack * target:
+                parts = min(self.max_parts, math.ceil(needs / target))
+                yield Split(lease, parts, Evidence.of(tick.monitor.health(lease.worker), (
+                    f"tail: {needs:.1f}s left at {rate:.4g} rows/s, target {target:.1f}s")))
+
+
+@dataclass(repr=False)
+class RetirePersistent(ControllerPolicy):
+    """Retire persistent stragglers, slowest first, at most ``max_fraction`` of the workers per
+    tick; the cluster manager (or an adaptive deployment) brings fresh workers."""
+
+    max_fraction: float = 0.05
+
+    def run(self, tick: Tick) -> Iterator[Action]:
+        budget = max(1, int(self.max_fraction * len(tick.workers)))
+        for health in tick.flagged:
+            if budget == 0:
+                return
+            if health.state is WorkerState.PERSISTENT:
+                budget -= 1
+                yield Retire(health.worker, Evidence.of(health, (
+                    f"persistent straggler: slow for {health.streak} windows, BPT "
+                    f"{health.bpt:.3g}s vs median {health.median:.3g}s")))
+
+
+@dataclass(repr=False)
+class BalanceBatch(ControllerPolicy):
+    """Synchronous mode: per-worker batch sizes proportional to the workers' rates, summing to
+    ``global_batch`` (so every worker takes about as long per step); a size changes only when it
+    moves by more than ``tolerance`` (relative)."""
+
+    global_batch: int
+    tolerance: float = 0.1
+
+    def run(self, tick: Tick) -> Iterator[Action]:
+        workers = sorted(tick.workers)
+        rates = [tick.rate(w) for w in workers]
+        if not workers or any(rate is None for rate in rates):
+            return
+        total = sum(rate for rate in rates if rate is not None)
+        even = self.global_batch / len(workers)
+        for worker, rate in zip(workers, rates):
+            assert rate is not None
+            size = max(1, round(self.global_batch * rate / total))
+            current = tick.batch_sizes.get(worker, even)
+            if abs(size - current) > self.tolerance * current:
+                yield AdjustBatch(worker, size, Evidence.of(tick.monitor.health(worker), (
+                    f"rate {rate:.4g} rows/s of {total:.4g} in all")))
+
+
+def load_policies(specs: object = None) -> list[ControllerPolicy]:
+    """Policies from ``[{class: dotted.path, **kwargs}, ...]`` (default: the dask config
+    ``antdt.controller.policies``)."""
+    if specs is None:
+        specs = config.get("antdt.controller.policies")
+    if not isinstance(specs, (list, tuple)):
+        raise ConfigError(f"antdt.controller.policies must be a list of {{class: dotted.path, "
+                          f"...}}, found {specs!r}")
+    policies = []
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, dict) or not isinstance(spec.get("class"), str):
+            raise ConfigError(f"antdt.controller.policies[{i}] must be a mapping with a 'class' "
+                              f"dotted path, found {spec!r}")
+        kwargs = dict(spec)
+        path = kwargs.pop("class")
+        module, _, name = path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ConfigError(f"antdt.controller.policies[{i}]: cannot import {path!r}: {e}") \
+                from e
+        if not (isinstance(cls, type) and issubclass(cls, ControllerPolicy)):
+            raise ConfigError(f"antdt.controller.policies[{i}]: {path!r} is not a "
+                              f"ControllerPolicy subclass, found {cls!r}")
+        try:
+            policies.append(cls(**kwargs))
+        except TypeError as e:
+            raise ConfigError(f"antdt.controller.policies[{i}]: {path}({kwargs}) failed: {e}") \
+                from e
+    return policies

@@ -1,0 +1,52 @@
+"""Model synchronisation for the async training mode: AntDT-ND with ShadowSync's background sync
+and SDPipe's centrally scheduled, decentrally executed groups.
+
+Every worker trains its own replica of the model. A background thread on each worker repeatedly
+asks the scheduler for a *group* of peers (the decision is central, the tensors travel worker to
+worker) and exchanges with them:
+
+* **Embeddings** keep parameter-server semantics: each worker publishes the deltas of the rows it
+  touched to a sequence-numbered log, peers pull and add every entry they have not applied yet.
+  Addition commutes, so every replica converges to ``initial + sum of all deltas`` whatever the
+  grouping or order (:mod:`antdt.sync.embeddings`).
+* **Dense parameters** are averaged in the group as ``x += mean(snapshots) - own snapshot``, so
+  progress made during the exchange is kept (:mod:`antdt.sync.dense`).
+* **The end**: a final all-member round pulls every remaining entry and averages the dense
+  parameters; then every member adopts the whole state of one leader, so the replicas end
+  bit-identical even where floating-point sums were added in different orders or where a dead
+  member's last entries reached only some survivors.
+* **Joiners** adopt a live member's snapshot once every other member has learned of them, then
+  pull newer entries as usual.
+
+One module per idea, plain classes first, the Dask glue beside them:
+
+=============================  ==================================================================
+:mod:`antdt.sync.embeddings`   :class:`RowSpace`, :class:`LogEntry`, :class:`EmbeddingDeltaLog`
+:mod:`antdt.sync.dense`        dense snapshots and group averaging
+:mod:`antdt.sync.period`       :class:`SyncPeriod`: how often a worker starts a round
+:mod:`antdt.sync.replica`      :class:`ReplicaSync`: one worker's side of the protocol
+:mod:`antdt.sync.groups`       :class:`SyncScheduler`: who syncs with whom (injected clock)
+:mod:`antdt.sync.wire`         the messages on Dask comms
+:mod:`antdt.sync.service`      :class:`~antdt.sync.service.SyncService`, the scheduler plugin
+:mod:`antdt.sync.background`   the worker plugin and :class:`~antdt.sync.background.BackgroundSync`
+=============================  ==================================================================
+
+This package's namespace holds the plain classes (no Dask cluster needed); import the glue from
+its modules. Defaults come from ``antdt.sync`` in dask config.
+"""
+
+from __future__ import annotations
+
+from antdt.errors import SyncError
+from antdt.sync.dense import average_dense, check_dense, snapshot_dense
+from antdt.sync.embeddings import EmbeddingDeltaLog, LogEntry, RowSpace
+from antdt.sync.groups import Answer, MemberState, SyncGroup, SyncScheduler
+from antdt.sync.period import SyncPeriod
+from antdt.sync.replica import (PEER_FAILURES, ExchangeReport, PeerFetch, PeerPayload,
+                                ReplicaSnapshot, ReplicaSync)
+
+__all__ = [
+    "PEER_FAILURES", "Answer", "EmbeddingDeltaLog", "ExchangeReport", "LogEntry", "MemberState",
+    "PeerFetch", "PeerPayload", "ReplicaSnapshot", "ReplicaSync", "RowSpace", "SyncError",
+    "SyncGroup", "SyncPeriod", "SyncScheduler", "average_dense", "check_dense", "snapshot_dense",
+]

@@ -1,0 +1,384 @@
+"""Embedding tables laid end to end (:class:`RowSpace`) and one worker's log of embedding deltas
+(:class:`EmbeddingDeltaLog`): the parameter-server half of the async mode's model sync.
+
+Each worker keeps a ``base`` copy of its tables and publishes, per exchange, one
+sequence-numbered :class:`LogEntry` holding ``current - base`` for the rows it touched,
+addressed in the :class:`RowSpace` of all tables end to end. Peers pull the entries they have not
+applied yet and add them in place (to ``current`` *and* ``base``, so a peer's update is never
+re-published as one's own). Addition commutes, so every replica converges to ``initial + sum of
+all deltas`` whatever the grouping or order: a row learned by one worker is not diluted, nothing
+is counted twice.
+
+The ledger contract: a worker's :meth:`~EmbeddingDeltaLog.synced_offset` is the last trained row
+whose deltas every live peer has pulled and applied (acknowledged); if the worker dies, rows after
+it are trained again, so its entries that reached only some peers count as duplicates, never as
+losses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+
+from antdt.errors import SyncError
+
+logger = logging.getLogger(__name__)
+
+
+class LogEntry(NamedTuple):
+    """One published batch of embedding deltas of one worker.
+
+    ``seq`` counts from 1 per worker without gaps; ``ids`` ``(k,)`` int64, strictly increasing,
+    are rows of the log's :class:`RowSpace` (every table end to end) and ``deltas`` ``(k, dim)``
+    their changes; ``rows_offset`` is the worker's training progress (rows trained, an opaque
+    non-decreasing int chosen by the agent) when the entry was cut: every row up to it has its
+    embedding effect in this entry or an earlier one.
+    """
+
+    seq: int
+    ids: torch.Tensor
+    deltas: torch.Tensor
+    rows_offset: int
+
+
+class RowSpace:
+    """Embedding tables laid end to end: row ``r`` of table ``name`` is row ``start[name] + r``.
+
+    Every table is ``(num_rows, dim)`` with the same ``dim``, dtype and device. Deltas travel as
+    ids of this space, one id array and one delta matrix per log entry however many tables there
+    are, so publishing, sending and applying them costs a few tensor operations, not a few per
+    table. When the tables are consecutive views of one storage (a ``FusedEmbeddingBagCollection``
+    keeps all of its tables in one FBGEMM buffer) :attr:`flat` is a ``(rows, dim)`` view over all
+    of them and a gather or an add is one kernel; otherwise the work is split by table.
+
+    >>> storage = torch.zeros(5, 2)
+    >>> space = RowSpace({"a": storage[:2], "b": storage[2:]})
+    >>> space.start, space.rows, space.flat is not None
+    ({'a': 0, 'b': 2}, 5, True)
+    >>> RowSpace({"b": storage[2:], "a": storage[:2]}).flat is None  # not in storage order
+    True
+    """
+
+    def __init__(self, tables: Mapping[str, torch.Tensor]) -> None:
+        first = next(iter(tables.values()), torch.zeros(0, 0))
+        for name, table in tables.items():
+            if table.dim() != 2:
+                raise SyncError(f"embedding table {name!r} must be 2-d (num_rows, dim), "
+                                f"found shape {tuple(table.shape)}")
+            if (table.shape[1], table.dtype, table.device) != (first.shape[1], first.dtype,
+                                                               first.device):
+                raise SyncError(
+                    f"embedding table {name!r} is ({table.shape[1]}, {table.dtype}, "
+                    f"{table.device}) in (dim, dtype, device); every table must match the first "
+                    f"one's ({first.shape[1]}, {first.dtype}, {first.device})")
+        self.tables: dict[str, torch.Tensor] = {name: t.detach() for name, t in tables.items()}
+        sizes = [t.shape[0] for t in self.tables.values()]
+        self.start = dict(zip(self.tables, itertools.accumulate([0, *sizes[:-1]])))
+        self.rows = sum(sizes)
+        self.dim, self.dtype, self.device = first.shape[1], first.dtype, first.device
+        sized = ";".join(f"{name}:{size}" for name, size in zip(self.tables, sizes))
+        self.layout = f"{sized}x{self.dim}"
+        """Names and sizes in order: replicas whose ids mean the same rows have equal layouts."""
+        self._bounds = torch.tensor(list(itertools.accumulate([0, *sizes])), device=self.device)
+        self.flat = _end_to_end(list(self.tables.values()), self.rows)
+        """A ``(rows, dim)`` view over every table, or None when they are not end to end."""
+
+    def split(self, space: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per table, its rows of ``space`` (first dimension :attr:`rows`), as views."""
+        return {name: space[start:start + table.shape[0]]
+                for (name, start), table in zip(self.start.items(), self.tables.values())}
+
+    def concat(self) -> torch.Tensor:
+        """A copy of every table, end to end: ``(rows, dim)``."""
+        if self.flat is not None:
+            return self.flat.clone()
+        out = torch.empty(self.rows, self.dim, dtype=self.dtype, device=self.device)
+        for name, part in self.split(out).items():
+            part.copy_(self.tables[name])
+        return out
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (``(k,)`` int64, increasing) of the tables: ``(k, dim)``."""
+        if self.flat is not None:
+            return self.flat.index_select(0, ids)
+        out = torch.empty(len(ids), self.dim, dtype=self.dtype, device=self.device)
+        for table, lo, hi, start in self._parts(ids):
+            out[lo:hi] = table.index_select(0, ids[lo:hi] - start)
+        return out
+
+    def add_(self, ids: torch.Tensor, deltas: torch.Tensor) -> None:
+        """Add ``deltas`` ``(k, dim)`` to rows ``ids`` (``(k,)`` int64, increasing), in place."""
+        if self.flat is not None:
+            self.flat.index_add_(0, ids, deltas)
+            return
+        for table, lo, hi, start in self._parts(ids):
+            table.index_add_(0, ids[lo:hi] - start, deltas[lo:hi])
+
+    def _parts(self, ids: torch.Tensor) -> Iterator[tuple[torch.Tensor, int, int, int]]:
+        """Per table that ``ids`` (increasing) reach: the table, the slice of ``ids`` in it and
+        the table's start."""
+        cuts = torch.searchsorted(ids, self._bounds).tolist()
+        for (table, start), lo, hi in zip(zip(self.tables.values(), self.start.values()),
+                                          cuts, cuts[1:]):
+            if hi > lo:
+                yield table, lo, hi, start
+
+
+def _end_to_end(tables: Sequence[torch.Tensor], rows: int) -> torch.Tensor | None:
+    """A ``(rows, dim)`` view over ``tables`` if they are contiguous and follow each other in
+    one storage, in this order; else None."""
+    if not tables:
+        return None
+    first = tables[0]
+    storage, dim = first.untyped_storage().data_ptr(), first.shape[1]
+    offset = first.storage_offset()
+    for table in tables:
+        if not table.is_contiguous() or table.untyped_storage().data_ptr() != storage \
+                or table.storage_offset() != offset:
+            return None
+        offset += table.shape[0] * dim
+    return first.as_strided((rows, dim), (dim, 1))
+
+
+class EmbeddingDeltaLog:
+    """One worker's embedding tables, the ``base`` they are diffed against, and its delta log.
+
+    ``tables`` maps a name to a ``(num_rows, dim)`` tensor that is written in place (for a
+    ``FusedEmbeddingBagCollection`` the ``state_dict()`` weights are views of the fused storage,
+    so an ``index_add_`` here is seen by the next forward). Entries address rows in the tables'
+    :class:`RowSpace`, so every replica of a job must have the same tables in the same order.
+
+    Threads: ``touch`` (training thread) and ``pull`` (peers' requests) may run any time; they
+    only take the log's own short lock. ``publish`` and ``apply`` read and write the tables, so
+    their caller must hold the replica lock that the training thread holds while it updates the
+    tables (see :class:`ReplicaSync`).
+
+    Cursors: ``pull(peer, since_seq)`` is also the peer's acknowledgement that it has *applied*
+    every entry up to ``since_seq``. An entry is dropped once every live peer has acknowledged it,
+    and :meth:`synced_offset` is the ``rows_offset`` of the newest dropped entry. Counting an
+    acknowledgement rather than a reply sent means a reply lost on the way never makes rows look
+    synchronised when they are not (the price: the offset lags by one exchange with each peer).
+
+    >>> log = EmbeddingDeltaLog({"s": torch.zeros(2, 2), "t": torch.zeros(4, 2)}, peers=["b"])
+    >>> log.tables["t"][1] += 1.0
+    >>> log.touch("t", torch.tensor([1]))
+    >>> entry = log.publish(rows_offset=8)
+    >>> entry.seq, entry.ids.tolist(), entry.deltas.tolist()  # row 1 of t is row 3 of the space
+    (1, [3], [[1.0, 1.0]])
+    >>> [e.seq for e in log.pull("b", since_seq=0)], log.synced_offset()
+    ([1], 0)
+    >>> log.pull("b", since_seq=1), log.synced_offset()
+    ([], 8)
+    """
+
+    def __init__(self, tables: Mapping[str, torch.Tensor], peers: Iterable[str] = (),
+                 rows_offset: int = 0) -> None:
+        self.space = RowSpace(tables)
+        self.tables = self.space.tables
+        self._base = self.space.concat()
+        self._touched = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
+        self._touched_tables = self.space.split(self._touched)
+        self._lock = threading.Lock()
+        self._entries: list[LogEntry] = []
+        self._last_seq = 0
+        self._published_offset = rows_offset
+        self._synced_offset = rows_offset
+        self._dropped_seq = 0
+        self._cursors: dict[str, int] = {peer: 0 for peer in peers}
+        self._applied: dict[str, int] = {}
+
+    # -- own deltas ------------------------------------------------------------------------
+    def touch(self, table: str, ids: torch.Tensor) -> None:
+        """Mark rows ``ids`` (``(k,)`` int64, duplicates allowed) of ``table`` as changed.
+
+        Call it after the optimizer step that changed them (a change made after the mark is
+        still published, by the next ``publish`` at the latest).
+        """
+        mask = self._touched_tables.get(table)
+        if mask is None:
+            raise SyncError(f"touch: unknown embedding table {table!r}; "
+                            f"tables are {sorted(self._touched_tables)}")
+        with self._lock:
+            mask[ids] = True
+
+    def publish(self, rows_offset: int) -> LogEntry | None:
+        """Cut one entry with ``current - base`` of every touched row; ``base`` catches up.
+
+        Returns the entry, or None when no row was touched and ``rows_offset`` did not advance.
+        The caller holds the replica lock.
+        """
+        if rows_offset < self._published_offset:
+            raise SyncError(f"publish: rows_offset must not decrease, found {rows_offset} "
+                            f"after {self._published_offset}")
+        with self._lock:
+            ids = self._touched.nonzero().squeeze(1)
+            self._touched.zero_()
+        if ids.numel() == 0 and rows_offset == self._published_offset:
+            return None
+        # ids are unique (a mask's nonzero): select/copy, about twice as fast as indexing
+        current = self.space.gather(ids)
+        deltas = current - self._base.index_select(0, ids)
+        self._base.index_copy_(0, ids, current)
+        with self._lock:
+            self._last_seq += 1
+            entry = LogEntry(self._last_seq, ids, deltas, rows_offset)
+            self._entries.append(entry)
+            self._published_offset = rows_offset
+            self._drop_acknowledged()
+        return entry
+
+    # -- serving peers -----------------------------------------------------------------------
+    def pull(self, peer: str, since_seq: int) -> list[LogEntry]:
+        """Entries after ``since_seq`` for ``peer``, which thereby acknowledges those up to it.
+
+        A peer not known yet is added if the log still holds everything it needs; otherwise (it
+        joined after entries it never saw were dropped) a :class:`SyncError` says it must
+        bootstrap from a peer's state.
+        """
+        with self._lock:
+            if not 0 <= since_seq <= self._last_seq:
+                raise SyncError(f"pull from {peer!r}: since_seq must be in [0, {self._last_seq}]"
+                                f", found {since_seq}")
+            if since_seq < self._dropped_seq:
+                raise SyncError(f"pull from {peer!r}: entries after seq {since_seq} were "
+                                f"dropped (log starts after {self._dropped_seq}); "
+                                "the peer must bootstrap")
+            cursor = self._cursors.get(peer, 0)
+            self._cursors[peer] = max(cursor, since_seq)
+            self._drop_acknowledged()
+            start = since_seq - self._dropped_seq
+            return self._entries[start:]
+
+    def set_peers(self, peers: Iterable[str]) -> None:
+        """Make ``peers`` the live peers: new ones start at cursor 0, missing ones are forgotten
+        (which may let entries be dropped and the synced offset advance)."""
+        wanted = set(peers)
+        with self._lock:
+            for peer in list(self._cursors):
+                if peer not in wanted:
+                    del self._cursors[peer]
+            for peer in wanted - self._cursors.keys():
+                if self._dropped_seq > 0:
+                    logger.info("peer %s joined after entries up to seq %d were dropped; it "
+                                "pulls from the cursors of the snapshot it bootstraps from", peer,
+                                self._dropped_seq)
+                self._cursors[peer] = 0
+            self._drop_acknowledged()
+
+    def _drop_acknowledged(self) -> None:
+        """Drop entries every live peer acknowledged (lock held)."""
+        floor = min(self._cursors.values(), default=self._last_seq)
+        count = floor - self._dropped_seq
+        if count <= 0:
+            return
+        self._synced_offset = self._entries[count - 1].rows_offset
+        del self._entries[:count]
+        self._dropped_seq = floor
+
+    # -- applying peers' deltas ------------------------------------------------------------
+    def applied_seq(self, source: str) -> int:
+        """Newest seq of ``source``'s log applied here (0: none)."""
+        return self._applied.get(source, 0)
+
+    def apply(self, source: str, entries: Sequence[LogEntry]) -> int:
+        """Add ``source``'s entries in place to ``current`` and ``base``; return rows added.
+
+        Entries already applied are skipped, so a repeated pull never counts twice; the first new
+        entry must follow the last applied one. The caller holds the replica lock.
+        """
+        done = self.applied_seq(source)
+        fresh = [entry for entry in entries if entry.seq > done]
+        if not fresh:
+            return 0
+        expected = list(range(done + 1, done + 1 + len(fresh)))
+        if [entry.seq for entry in fresh] != expected:
+            raise SyncError(f"apply from {source!r}: expected seqs {expected[0]}..{expected[-1]}"
+                            f" without gaps, found {[entry.seq for entry in fresh]}")
+        for entry in fresh:
+            self._check(source, entry)
+        added = sum(self._add(entry) for entry in fresh)
+        self._applied[source] = fresh[-1].seq
+        return added
+
+    def _check(self, source: str, entry: LogEntry) -> None:
+        """Raise :class:`SyncError` unless ``entry`` fits this log's row space."""
+        ids, deltas = entry.ids, entry.deltas
+        where = f"apply from {source!r}, seq {entry.seq}"
+        if ids.dim() != 1 or ids.dtype != torch.int64:
+            raise SyncError(f"{where}: ids must be (k,) int64, found {tuple(ids.shape)} "
+                            f"{ids.dtype}")
+        if tuple(deltas.shape) != (len(ids), self.space.dim):
+            raise SyncError(f"{where}: deltas must be ({len(ids)}, {self.space.dim}), found "
+                            f"{tuple(deltas.shape)}")
+        if len(ids) and not (ids[0] >= 0 and ids[-1] < self.space.rows
+                             and bool((ids[1:] > ids[:-1]).all())):
+            raise SyncError(f"{where}: ids must increase strictly within [0, {self.space.rows})"
+                            f", found {ids[0].item()}..{ids[-1].item()}")
+
+    def _add(self, entry: LogEntry) -> int:
+        """Add ``entry``'s deltas in place to ``current`` and ``base``; return rows added."""
+        ids = entry.ids.to(self.space.device)
+        deltas = entry.deltas.to(self.space.device, self.space.dtype)
+        self.space.add_(ids, deltas)
+        self._base.index_add_(0, ids, deltas)
+        return int(ids.numel())
+
+    # -- whole-state copies (joiners, the final adoption) -----------------------------------
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """Copies of ``base`` (the tables without own unpublished changes: every entry this log
+        published or applied, nothing else) and the applied seq per source. The caller holds the
+        replica lock."""
+        return ({name: base.clone() for name, base in self.space.split(self._base).items()},
+                dict(self._applied))
+
+    def restore(self, tables: Mapping[str, torch.Tensor], applied: Mapping[str, int],
+                own_seq: int) -> None:
+        """Make ``tables`` the state, in place: they hold every source's entries up to
+        ``applied[source]`` and this log's own entries up to ``own_seq``; own entries after it
+        are added back (peers will pull them, so they must be in our tables too).
+
+        Own changes not yet published are overwritten: publish first. The caller holds the
+        replica lock and does not train meanwhile.
+        """
+        if tables.keys() != self.tables.keys() or any(
+                tables[name].shape != table.shape for name, table in self.tables.items()):
+            raise SyncError("restore: expected tables "
+                            f"{ {n: tuple(t.shape) for n, t in self.tables.items()} }, found "
+                            f"{ {n: tuple(t.shape) for n, t in tables.items()} }")
+        if not self._dropped_seq <= own_seq <= self._last_seq:
+            raise SyncError(f"restore: own_seq must be in [{self._dropped_seq}, "
+                            f"{self._last_seq}] (entries still held), found {own_seq}")
+        with self._lock:
+            keep = [entry for entry in self._entries if entry.seq > own_seq]
+            self._touched.zero_()
+        for name, base in self.space.split(self._base).items():
+            self.tables[name].copy_(tables[name])
+            base.copy_(tables[name])
+        for entry in keep:
+            self._add(entry)
+        self._applied = dict(applied)
+
+    # -- accounting ------------------------------------------------------------------------
+    def synced_offset(self) -> int:
+        """``rows_offset`` of the newest entry every live peer has acknowledged.
+
+        If this worker dies, rows after it must be trained again (some peers may have applied
+        part of them: duplicates, never losses).
+        """
+        with self._lock:
+            return self._synced_offset
+
+    @property
+    def last_seq(self) -> int:
+        """Seq of the newest published entry (0: none)."""
+        return self._last_seq
+
+    def __len__(self) -> int:
+        """Entries held (published, not yet acknowledged by every live peer)."""
+        with self._lock:
+            return len(self._entries)

@@ -1,0 +1,393 @@
+"""Who syncs with whom, and when: the central half of SDPipe-style grouping
+(:class:`SyncScheduler`, a plain class with an injected clock; :mod:`antdt.sync.service` runs one
+per job on the Dask scheduler).
+
+Joiners: a worker that joins a running job may take a member's snapshot only once every other
+member has applied a member list naming the joiner (:meth:`SyncScheduler.settled`): a source drops
+an entry only when every peer it knows acknowledged it, so from then on each source keeps what
+the joiner needs (and it never dropped past the snapshot's cursor: the snapshot's member is one of
+those peers, and it acknowledges only entries it applied); before, a source unaware of the joiner
+could drop entries after the snapshot's cursor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import enum
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from antdt import config
+from antdt.errors import SyncError
+
+logger = logging.getLogger(__name__)
+
+
+class MemberState(enum.Enum):
+    """Where a sync member stands with the scheduler."""
+
+    IDLE = "idle"  # training, not asking to sync
+    READY = "ready"  # waiting in the pool for partners
+    ASSIGNED = "assigned"  # put in a group by a partner's call; told on its next call
+    FINISHED = "finished"  # done training, waiting for the final all-member round
+    DONE = "done"  # received the final round
+
+
+class SyncGroup(NamedTuple):
+    """A group the scheduler formed: ``members`` (sorted worker ids) exchange in ``round``."""
+
+    round: int
+    members: tuple[str, ...]
+    final: bool
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The scheduler's answer to one worker: sync with ``group``, ``wait`` and ask again, or go
+    on ``alone`` (waited ``max_wait_s`` without a partner: nothing to exchange)."""
+
+    kind: Literal["group", "wait", "alone"]
+    group: SyncGroup | None = None
+
+
+@dataclass
+class _Member:
+    state: MemberState = MemberState.IDLE
+    key: tuple[int, int, str] | None = None  # position in the ready pool while READY
+    ready_since: float = 0.0
+    queued: int = -1  # ticket of its entry in the FIFO of waiting workers while READY
+    pending: SyncGroup | None = None
+    acked: int = -1  # members_version of the newest member list it applied (-1: none reported)
+    joined_version: int | None = None  # members_version its mid-job join created; None: listed
+
+
+class SyncScheduler:
+    """Central half of SDPipe-style grouping: who syncs with whom, and when.
+
+    Workers :meth:`join` before training starts, then call :meth:`ready` whenever they want to
+    sync (with their progress in rows); the scheduler groups up to ``group_size`` ready workers of
+    similar progress: the nearest ones, and with ``max_progress_gap`` set, only partners within
+    that many rows of the caller until it has waited ``max_wait_s``. A worker put in a group by a
+    partner's call learns it on its next call. A worker that waited ``max_wait_s`` takes
+    whichever ready partners there are, or is told to go on ``alone``: nobody ever blocks on a
+    straggler. ``ready(..., final=True)`` says the worker
+    is done training; once every live member has said so, one final group of all members forms.
+    After its exchange each member calls :meth:`complete`; once all did, every member other than
+    the :meth:`final_leader` adopts the leader's state and says so with :meth:`adopted`, and
+    :meth:`final_done` turns True.
+
+    A worker that joins a running job calls :meth:`join_running`; it may take a snapshot once
+    :meth:`settled`, i.e. once every other member reported (:meth:`acknowledge`) that it applied
+    a member list naming the joiner (see the module docstring for why).
+
+    Each call costs O(log n + group_size) (a sorted pool of ready workers; the insert/delete
+    moves pointers, no Python-level scan over workers). Time comes in as ``now``.
+
+    >>> s = SyncScheduler(group_size=2, max_wait_s=5.0)
+    >>> for w in ("a", "b", "c"):
+    ...     s.join(w)
+    >>> s.ready("a", progress=100, now=0.0)
+    Answer(kind='wait', group=None)
+    >>> s.ready("b", progress=90, now=0.1)
+    Answer(kind='group', group=SyncGroup(round=1, members=('a', 'b'), final=False))
+    >>> s.ready("a", progress=100, now=0.2).group.round
+    1
+    >>> s.ready("c", progress=10, now=1.0).kind, s.ready("c", progress=10, now=6.0).kind
+    ('wait', 'alone')
+    """
+
+    def __init__(self, group_size: int | None = None, max_wait_s: float | None = None,
+                 max_progress_gap: int | None = None) -> None:
+        if group_size is None:
+            group_size = int(config.number("antdt.sync.group-size", integer=True))
+        if max_wait_s is None:
+            max_wait_s = config.seconds("antdt.sync.max-wait")
+        if group_size < 2:
+            raise SyncError(f"group_size must be >= 2, found {group_size}")
+        if max_wait_s < 0:
+            raise SyncError(f"max_wait_s must be >= 0, found {max_wait_s}")
+        if max_progress_gap is not None and max_progress_gap < 0:
+            raise SyncError(f"max_progress_gap must be >= 0 or None, found {max_progress_gap}")
+        self.group_size = group_size
+        self.max_wait_s = max_wait_s
+        self.max_progress_gap = max_progress_gap
+        self._members: dict[str, _Member] = {}
+        self._pool: list[tuple[int, int, str]] = []  # sorted (progress, ticket, worker)
+        self._waiting: collections.deque[tuple[int, str]] = collections.deque()  # FIFO, lazy
+        self._tickets = itertools.count()
+        self._round = 0
+        self._finished = 0
+        self._final: SyncGroup | None = None
+        self._completed: set[str] = set()
+        self._adopted: dict[str, str] = {}  # member -> leader whose final state it adopted
+        self._joining: dict[str, set[str]] = {}  # joiner -> members yet to acknowledge it
+        self.members_version = 0
+
+    # -- membership ------------------------------------------------------------------------
+    def join(self, worker: str) -> None:
+        """Add ``worker`` as a sync member before training starts (idempotent)."""
+        if worker in self._members:
+            return
+        if self._final is not None:
+            raise SyncError(f"join {worker!r}: the final round {self._final.round} already "
+                            "formed")
+        self._members[worker] = _Member()
+        self.members_version += 1
+
+    def join_running(self, worker: str) -> None:
+        """Add ``worker`` to the running job: it bootstraps from a member's snapshot once
+        :meth:`settled` (O(members), once per joiner). Idempotent; a member already listed is
+        left as it is (it needs no snapshot: every member kept its log for it)."""
+        if worker in self._members:
+            return
+        self.join(worker)
+        self._members[worker].joined_version = self.members_version
+        waiting = {other for other, member in self._members.items()
+                   if other != worker and member.acked < self.members_version}
+        if waiting:
+            self._joining[worker] = waiting
+        logger.info("%s joins the running sync job: %d members, %d to acknowledge it", worker,
+                    len(self._members), len(waiting))
+
+    def acknowledge(self, worker: str, members_version: int) -> bool:
+        """``worker`` applied the member list of ``members_version``; True when this settled a
+        joiner (O(joiners))."""
+        member = self._member(worker)
+        if not -1 <= members_version <= self.members_version:
+            raise SyncError(f"acknowledge {worker!r}: members_version must be in [-1, "
+                            f"{self.members_version}], found {members_version}")
+        member.acked = max(member.acked, members_version)
+        settled = False
+        for joiner, waiting in list(self._joining.items()):
+            joined = self._members[joiner].joined_version
+            if worker in waiting and joined is not None and joined <= member.acked:
+                waiting.discard(worker)
+                if not waiting:
+                    del self._joining[joiner]
+                    settled = True
+        return settled
+
+    def settled(self, worker: str) -> bool:
+        """Whether every other member applied a member list naming ``worker``."""
+        self._member(worker)
+        return worker not in self._joining
+
+    def waiting_for(self, worker: str) -> list[str]:
+        """The members that have not acknowledged ``worker``'s join yet, sorted."""
+        return sorted(self._joining.get(worker, ()))
+
+    def joined_running(self, worker: str) -> bool:
+        """Whether ``worker`` joined the running job (so it must bootstrap from a snapshot)."""
+        return self._member(worker).joined_version is not None
+
+    def leave(self, worker: str) -> SyncGroup | None:
+        """Forget ``worker`` (it left or died); return the final group if this completes it."""
+        member = self._members.pop(worker, None)
+        if member is None:
+            return None
+        self.members_version += 1
+        if member.state is MemberState.READY:
+            self._pool_remove(member)
+        if member.state in (MemberState.FINISHED, MemberState.DONE):
+            self._finished -= 1
+        self._completed.discard(worker)
+        self._adopted.pop(worker, None)
+        self._joining.pop(worker, None)
+        for joiner, waiting in list(self._joining.items()):
+            waiting.discard(worker)
+            if not waiting:
+                del self._joining[joiner]
+        return self._maybe_final(caller=None)
+
+    def members(self) -> list[str]:
+        """The live members, sorted."""
+        return sorted(self._members)
+
+    def state(self, worker: str) -> MemberState:
+        """``worker``'s state (raises :class:`SyncError` for a non-member)."""
+        return self._member(worker).state
+
+    def complete(self, worker: str) -> bool:
+        """``worker`` finished its exchange of the final round; True once every live member has
+        (until then peers may still pull from it, so it keeps serving)."""
+        if self._member(worker).state is not MemberState.DONE:
+            raise SyncError(f"complete {worker!r}: expected a member that received the final "
+                            f"round, found state {self.state(worker).value}")
+        self._completed.add(worker)
+        return self.all_complete()
+
+    def all_complete(self) -> bool:
+        """Whether every live member finished its final exchange."""
+        return self._final is not None and len(self._completed) == len(self._members)
+
+    def final_leader(self) -> str | None:
+        """Once :meth:`all_complete`: the member whose state every other one adopts (the
+        smallest live address; a new one if it dies). None before."""
+        return min(self._members) if self.all_complete() else None
+
+    def adopted(self, worker: str, leader: str) -> None:
+        """``worker`` adopted ``leader``'s state after the final exchange."""
+        if worker not in self._completed:
+            raise SyncError(f"adopted {worker!r}: expected a member that completed its final "
+                            f"exchange, found state {self.state(worker).value}")
+        self._adopted[worker] = leader
+
+    def adopted_from(self, worker: str) -> str | None:
+        """The leader whose state ``worker`` reported adopting last, if any."""
+        return self._adopted.get(worker)
+
+    def final_done(self) -> bool:
+        """Every live member other than the leader adopted the current leader's state: the
+        replicas are identical, members may stop serving."""
+        leader = self.final_leader()
+        return leader is not None and all(
+            self._adopted.get(worker) == leader for worker in self._members if worker != leader)
+
+    def wait_left(self, worker: str, now: float) -> float:
+        """Seconds until a READY ``worker`` stops waiting for partners (0 when not READY)."""
+        member = self._member(worker)
+        if member.state is not MemberState.READY:
+            return 0.0
+        return max(0.0, member.ready_since + self.max_wait_s - now)
+
+    # -- the one call workers make ---------------------------------------------------------
+    def ready(self, worker: str, progress: int, now: float, final: bool = False) -> Answer:
+        """``worker`` (at ``progress`` rows) asks whom to sync with; see the class docstring."""
+        member = self._member(worker)
+        if member.state is MemberState.ASSIGNED:
+            return self._hand_over(member)
+        if member.state is MemberState.DONE:
+            assert self._final is not None
+            return Answer("group", self._final)
+        if final:
+            return self._finish(worker, member)
+        if member.state is MemberState.FINISHED:
+            raise SyncError(f"ready {worker!r}: already finished training, expected "
+                            "final=True")
+        if member.state is MemberState.READY:
+            self._pool_remove(member)
+        else:
+            member.state = MemberState.READY
+            member.ready_since = now
+            member.queued = next(self._tickets)
+            self._waiting.append((member.queued, worker))
+        member.key = (progress, next(self._tickets), worker)
+        bisect.insort(self._pool, member.key)
+        return self._try_group(worker, member, now)
+
+    # -- transitions -----------------------------------------------------------------------
+    def _try_group(self, worker: str, member: _Member, now: float) -> Answer:
+        active = len(self._members) - self._finished
+        size = min(self.group_size, active)
+        expired = now - member.ready_since >= self.max_wait_s
+        if len(self._pool) < size and not expired:
+            return Answer("wait")
+        gap = None if expired else self.max_progress_gap
+        count = min(size, len(self._pool)) - 1
+        overdue = self._overdue(worker, now) if count > 0 else None
+        partners = [] if overdue is None else [overdue]
+        partners += self._nearest(member, count - len(partners), gap, skip=overdue)
+        if not expired and len(partners) < size - 1:
+            return Answer("wait")
+        if not partners:
+            self._pool_remove(member)
+            member.state = MemberState.IDLE
+            return Answer("alone")
+        self._round += 1
+        group = SyncGroup(self._round, tuple(sorted([worker, *partners])), final=False)
+        for partner in partners:
+            other = self._members[partner]
+            self._pool_remove(other)
+            other.state = MemberState.ASSIGNED
+            other.pending = group
+        self._pool_remove(member)
+        member.state = MemberState.IDLE
+        return Answer("group", group)
+
+    def _overdue(self, caller: str, now: float) -> str | None:
+        """The longest-waiting READY worker, unless it is ``caller``, if it waited
+        ``max_wait_s``: it joins the next group formed, so nobody starves because the others'
+        progress is closer. Stale FIFO entries are dropped on the way (amortised O(1))."""
+        while self._waiting:
+            ticket, worker = self._waiting[0]
+            member = self._members.get(worker)
+            if member is None or member.state is not MemberState.READY or member.queued != ticket:
+                self._waiting.popleft()
+                continue
+            if worker == caller or now - member.ready_since < self.max_wait_s:
+                return None
+            return worker
+        return None
+
+    def _nearest(self, member: _Member, count: int, gap: int | None,
+                 skip: str | None = None) -> list[str]:
+        """Up to ``count`` READY workers closest in progress to ``member`` (other than
+        ``skip``), none further than ``gap`` rows when given (O(log n + count))."""
+        assert member.key is not None
+        pos = bisect.bisect_left(self._pool, member.key)
+        left, right = pos - 1, pos + 1
+        progress = member.key[0]
+        chosen: list[str] = []
+        while len(chosen) < count and (left >= 0 or right < len(self._pool)):
+            take_left = right >= len(self._pool) or (
+                left >= 0 and progress - self._pool[left][0] <= self._pool[right][0] - progress)
+            index = left if take_left else right
+            if gap is not None and abs(self._pool[index][0] - progress) > gap:
+                break
+            if self._pool[index][2] != skip:
+                chosen.append(self._pool[index][2])
+            if take_left:
+                left -= 1
+            else:
+                right += 1
+        return chosen
+
+    def _hand_over(self, member: _Member) -> Answer:
+        group = member.pending
+        assert group is not None
+        member.pending = None
+        member.state = MemberState.DONE if group.final else MemberState.IDLE
+        return Answer("group", group)
+
+    def _finish(self, worker: str, member: _Member) -> Answer:
+        if member.state is MemberState.READY:
+            self._pool_remove(member)
+        if member.state is not MemberState.FINISHED:
+            member.state = MemberState.FINISHED
+            self._finished += 1
+        group = self._maybe_final(caller=worker)
+        return Answer("wait") if group is None else Answer("group", group)
+
+    def _maybe_final(self, caller: str | None) -> SyncGroup | None:
+        """Form the final group once every live member finished (O(n), once per job)."""
+        if self._final is not None or not self._members:
+            return None
+        if self._finished < len(self._members):
+            return None
+        self._round += 1
+        self._final = SyncGroup(self._round, tuple(sorted(self._members)), final=True)
+        for worker, member in self._members.items():
+            if worker == caller:
+                member.state = MemberState.DONE
+            else:
+                member.state = MemberState.ASSIGNED
+                member.pending = self._final
+        logger.info("final sync round %d with %d members", self._round, len(self._members))
+        return self._final
+
+    def _pool_remove(self, member: _Member) -> None:
+        assert member.key is not None
+        pos = bisect.bisect_left(self._pool, member.key)
+        assert self._pool[pos] == member.key
+        del self._pool[pos]
+        member.key = None
+
+    def _member(self, worker: str) -> _Member:
+        member = self._members.get(worker)
+        if member is None:
+            raise SyncError(f"{worker!r} is not a sync member ({len(self._members)} members); "
+                            "call join first")
+        return member

@@ -1,0 +1,234 @@
+"""One worker's replica and its side of the sync protocol, with the transport injected
+(:class:`ReplicaSync`), and what peers hand each other (:class:`PeerPayload`,
+:class:`ReplicaSnapshot`).
+
+An exchange publishes the worker's own embedding deltas and snapshots its dense parameters
+(:meth:`ReplicaSync.prepare`, once per round), pulls each peer's entries and snapshot, then
+merges them under the replica lock. The training thread holds the same lock per step, and the
+sync side never holds it across a network call, so training never waits for a slow peer.
+
+Joiners and the job's end copy a whole :class:`ReplicaSnapshot` (:meth:`ReplicaSync.adopt`): a
+worker that joins a running job adopts a live member's snapshot (its tables without its
+unpublished changes, its dense parameters and its cursor per source) and pulls newer entries as
+usual. The fused optimizer state (e.g. row-wise Adagrad momentum) is not part of the snapshot: a
+joiner's starts fresh, which only makes its first steps on a row larger.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from antdt import config
+from antdt.errors import SyncError
+from antdt.sync.dense import average_dense, check_dense, snapshot_dense
+from antdt.sync.embeddings import EmbeddingDeltaLog, LogEntry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerPayload:
+    """What a peer serves for one exchange: its log entries after the requester's cursor, its
+    dense snapshot for the round (None when it has no dense parameters to share) and the
+    :attr:`RowSpace.layout` its entries' ids refer to."""
+
+    source: str
+    entries: list[LogEntry]
+    dense: list[torch.Tensor] | None
+    layout: str
+
+
+@dataclass
+class ReplicaSnapshot:
+    """A replica's whole state, for a joiner to start from or for the final adoption.
+
+    ``dense``: the source's dense parameters (shapes as its ``dense``); ``tables``: its tables
+    ``(num_rows, dim)`` without its own unpublished changes; ``applied``: per source, the newest
+    seq whose entry is in ``tables`` (the snapshot's source included: its newest published seq).
+    """
+
+    source: str
+    dense: list[torch.Tensor]
+    tables: dict[str, torch.Tensor]
+    applied: dict[str, int]
+
+
+@dataclass
+class ExchangeReport:
+    """Outcome of one exchange as seen by one worker."""
+
+    round: int
+    merged: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    rows_applied: int = 0
+
+
+PeerFetch = Callable[[str, int, int], PeerPayload]
+"""``fetch(peer, round, since_seq)``: ask ``peer`` for its payload; raises ``OSError`` or
+``TimeoutError`` when the peer is gone or too slow, :class:`SyncError` when it refuses."""
+
+PEER_FAILURES: tuple[type[BaseException], ...] = (OSError, TimeoutError, SyncError)
+"""Errors that mean "skip this peer for this exchange"; any other error is a bug and propagates."""
+
+
+class ReplicaSync:
+    """One worker's replica and its side of the sync protocol, transport injected.
+
+    ``dense`` (parameters, updated in place) and ``tables`` (see :class:`EmbeddingDeltaLog`) are
+    the replica. The training thread holds :attr:`lock` while it updates them (forward, backward,
+    optimizer step) and then calls :meth:`touch`; the sync side takes the lock only to cut its own
+    entry and snapshot, and to apply peers' deltas and the dense average, never across a network
+    call, so training never waits for a slow peer.
+
+    An exchange of round ``r`` is ``prepare(r)`` (idempotent per round: publish own deltas, take
+    the dense snapshot), one fetch per peer (served by the peer's :meth:`serve`, which prepares
+    the same round on its side, so a pull always sees the peer's newest deltas and every member
+    averages the same snapshots), then :meth:`merge`.
+    """
+
+    def __init__(self, worker: str, dense: Sequence[torch.Tensor],
+                 tables: Mapping[str, torch.Tensor], *, peers: Iterable[str] = (),
+                 keep_rounds: int | None = None) -> None:
+        if keep_rounds is None:
+            keep_rounds = int(config.number("antdt.sync.keep-rounds", low=1, integer=True))
+        if keep_rounds < 1:
+            raise SyncError(f"keep_rounds must be >= 1, found {keep_rounds}")
+        self.worker = worker
+        self.dense = list(dense)
+        self.log = EmbeddingDeltaLog(tables, peers=(p for p in peers if p != worker))
+        self.lock = threading.Lock()
+        self._keep_rounds = keep_rounds
+        self._rows_offset = 0
+        self._snapshots: dict[int, list[torch.Tensor]] = {}
+        self._prepare_lock = threading.Lock()
+
+    @property
+    def tables(self) -> dict[str, torch.Tensor]:
+        """The embedding tables, ``(num_rows, dim)`` each, updated in place."""
+        return self.log.tables
+
+    @property
+    def rows_offset(self) -> int:
+        """Training progress as last reported by :meth:`touch`."""
+        return self._rows_offset
+
+    def touch(self, ids: Mapping[str, torch.Tensor], rows_offset: int) -> None:
+        """After a training step: rows ``ids[table]`` (``(k,)`` int64) changed; ``rows_offset``
+        rows are now trained.
+
+        Call it after the step, with or without :attr:`lock`: an exchange in between publishes
+        at most the step's changes without counting its rows, which errs towards re-training
+        rows (duplicates), never towards losing them.
+        """
+        for table, table_ids in ids.items():
+            self.log.touch(table, table_ids)
+        self._rows_offset = max(self._rows_offset, rows_offset)
+
+    def set_peers(self, peers: Iterable[str]) -> None:
+        """The live sync members (this worker is ignored if listed)."""
+        self.log.set_peers(p for p in peers if p != self.worker)
+
+    def synced_offset(self) -> int:
+        """See :meth:`EmbeddingDeltaLog.synced_offset`."""
+        return self.log.synced_offset()
+
+    def prepare(self, round: int) -> list[torch.Tensor]:
+        """Publish own deltas and snapshot the dense parameters for ``round``, once per round;
+        return the snapshot (shapes as ``dense``)."""
+        with self._prepare_lock:
+            snapshot = self._snapshots.get(round)
+            if snapshot is not None:
+                return snapshot
+            with self.lock:
+                self.log.publish(self._rows_offset)
+                snapshot = snapshot_dense(self.dense)
+            self._snapshots[round] = snapshot
+            while len(self._snapshots) > self._keep_rounds:
+                del self._snapshots[min(self._snapshots)]
+            return snapshot
+
+    def snapshot(self) -> ReplicaSnapshot:
+        """This replica's whole state (see :class:`ReplicaSnapshot`), taken under the lock."""
+        with self.lock:
+            tables, applied = self.log.state()
+            applied[self.worker] = self.log.last_seq
+            dense = snapshot_dense(self.dense)
+        return ReplicaSnapshot(self.worker, dense, tables, applied)
+
+    def adopt(self, snapshot: ReplicaSnapshot) -> None:
+        """Make ``snapshot`` this replica's state, in place (fused tables stay fused).
+
+        Own unpublished changes are published first, and own entries the snapshot lacks are added
+        back, so nothing this worker published is lost; its cursors become the snapshot's, so it
+        pulls from each source exactly the entries after them. Call it while the training thread
+        does not step: before training starts (a joiner) or after it ended (the final round).
+        """
+        if snapshot.source == self.worker:
+            raise SyncError(f"adopt: {self.worker!r} cannot adopt its own snapshot")
+        check_dense(self.dense, snapshot.dense)
+        with self.lock:
+            self.log.publish(self._rows_offset)
+            self.log.restore(snapshot.tables,
+                             {s: seq for s, seq in snapshot.applied.items() if s != self.worker},
+                             own_seq=snapshot.applied.get(self.worker, 0))
+            with torch.no_grad():
+                for param, value in zip(self.dense, snapshot.dense):
+                    param.copy_(value)
+
+    def serve(self, requester: str, round: int, since_seq: int) -> PeerPayload:
+        """A peer's request: our entries after ``since_seq`` and our snapshot of ``round``."""
+        snapshot = self.prepare(round)
+        entries = self.log.pull(requester, since_seq)
+        return PeerPayload(self.worker, entries, snapshot if self.dense else None,
+                           self.log.space.layout)
+
+    def merge(self, round: int, own: Sequence[torch.Tensor],
+              payloads: Sequence[PeerPayload]) -> ExchangeReport:
+        """Apply peers' entries and average the dense snapshots, under the replica lock.
+
+        A payload that cannot be applied (other tables, a gap in the log, bad ids, mismatched
+        shapes) is skipped and reported as failed; the others still merge.
+        """
+        report = ExchangeReport(round)
+        snapshots: list[list[torch.Tensor]] = []
+        with self.lock:
+            for payload in payloads:
+                try:
+                    if payload.layout != self.log.space.layout:
+                        raise SyncError(f"its tables are {payload.layout!r}, ours are "
+                                        f"{self.log.space.layout!r}")
+                    if payload.dense is not None:
+                        check_dense(own, payload.dense)
+                    report.rows_applied += self.log.apply(payload.source, payload.entries)
+                except SyncError as exc:
+                    logger.warning("round %d: skipping %s's payload: %s", round, payload.source,
+                                   exc)
+                    report.failed.append(payload.source)
+                    continue
+                if payload.dense is not None:
+                    snapshots.append(payload.dense)
+                report.merged.append(payload.source)
+            average_dense(self.dense, own, snapshots)
+        return report
+
+    def exchange(self, round: int, peers: Sequence[str], fetch: PeerFetch) -> ExchangeReport:
+        """One exchange with ``peers`` through ``fetch``; a failing peer is skipped and logged."""
+        own = self.prepare(round)
+        payloads: list[PeerPayload] = []
+        failed: list[str] = []
+        for peer in peers:
+            if peer == self.worker:
+                continue
+            try:
+                payloads.append(fetch(peer, round, self.log.applied_seq(peer)))
+            except PEER_FAILURES as exc:
+                logger.warning("round %d: peer %s skipped: %r", round, peer, exc)
+                failed.append(peer)
+        report = self.merge(round, own, payloads)
+        report.failed[:0] = failed
+        return report

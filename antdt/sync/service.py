@@ -1,0 +1,243 @@
+"""The scheduler half of the async mode's model sync: :class:`SyncService` owns one
+:class:`~antdt.sync.groups.SyncScheduler` per job and answers the workers' group calls.
+
+```
+ driver ── antdt_sync_start(job, workers) ──► SyncService (SchedulerPlugin, scheduler process)
+                                                one SyncScheduler per job
+ worker A: BackgroundSync thread (antdt.sync.background)
+   every period: antdt_sync_group(job, A, progress, members_version) ──► {kind: group, ...}
+   for each peer P in the group: worker_A.rpc(P).antdt_sync_pull(job, A, round, since_seq)
+                                   ──► SyncWorkerPlugin on P: entries + dense snapshot
+   apply under the replica lock (short); a peer that fails is skipped and logged
+ end: antdt_sync_group(final=True) until the all-member round, exchange, then
+      antdt_sync_complete until every member is through; each non-leader pulls the leader's
+      whole state (antdt_sync_snapshot) and adopts it; stop serving once all adopted
+```
+
+Only small control messages go through the scheduler. Defaults (timeouts, group size...) come
+from ``antdt.sync`` in dask config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from distributed import Client, Scheduler
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.metrics import time
+from distributed.protocol.pickle import dumps
+
+from antdt import config
+from antdt.errors import SyncError
+from antdt.sync.background import SyncWorkerPlugin
+from antdt.sync.groups import MemberState, SyncScheduler
+from antdt.sync.wire import PLUGIN_NAME, FinalMsg, GroupMsg, JoinMsg, MembersMsg, group_msg
+
+logger = logging.getLogger(__name__)
+
+
+class SyncService(SchedulerPlugin):
+    """Scheduler plugin owning one :class:`~antdt.sync.SyncScheduler` per job.
+
+    Handlers (all arguments by keyword; None means the ``antdt.sync`` dask-config default):
+
+    - ``antdt_sync_start(job, workers, group_size=None, max_wait_s=None, max_progress_gap=None)``
+    - ``antdt_sync_group(job, worker, progress, final=False, members_version=None) -> GroupMsg``:
+      records that the worker applied the member list of ``members_version``, then waits (on
+      the scheduler's loop, not a thread) until the worker is grouped, told to go on alone, or
+      ``poll_s`` passed (then ``kind == "wait"``: ask again)
+    - ``antdt_sync_members(job) -> MembersMsg``
+    - ``antdt_sync_join(job, worker) -> JoinMsg``: adds a worker to a running job; waits up to
+      ``poll_s`` for every other member to acknowledge it
+    - ``antdt_sync_leave(job, worker)``: the worker stops syncing (idempotent, any job state)
+    - ``antdt_sync_complete(job, worker, adopted_from=None) -> FinalMsg``: the worker finished
+      its final exchange (and adopted ``adopted_from``'s state); waits up to ``poll_s`` until
+      all are done or the worker has a leader to adopt from
+    - ``antdt_sync_stop(job)``
+
+    A worker that leaves the cluster leaves every job's group scheduling. Registering this plugin
+    also registers :class:`SyncWorkerPlugin` on every worker.
+    """
+
+    name = PLUGIN_NAME
+
+    def __init__(self, poll_s: float | None = None) -> None:
+        if poll_s is None:
+            poll_s = config.seconds("antdt.sync.poll")
+        if poll_s <= 0:
+            raise SyncError(f"poll_s must be > 0, found {poll_s}")
+        self.poll_s = poll_s
+        self.jobs: dict[str, SyncScheduler] = {}
+        self._events: dict[tuple[str, str], asyncio.Event] = {}  # (job, worker): grouped
+        self._changes: dict[str, asyncio.Event] = {}  # job: a join settled or the final moved
+
+    async def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers.update({
+            "antdt_sync_start": self.start_job,
+            "antdt_sync_group": self.group,
+            "antdt_sync_members": self.members,
+            "antdt_sync_join": self.join,
+            "antdt_sync_leave": self.leave,
+            "antdt_sync_complete": self.complete,
+            "antdt_sync_stop": self.stop_job,
+        })
+        await scheduler.register_worker_plugin(None, dumps(SyncWorkerPlugin()), name=PLUGIN_NAME,
+                                               idempotent=True)
+
+    def start_job(self, job: str, workers: list[str], group_size: int | None = None,
+                  max_wait_s: float | None = None, max_progress_gap: int | None = None) -> None:
+        """Create the job's scheduler with ``workers`` (addresses) as its members."""
+        if job in self.jobs:
+            raise SyncError(f"sync job {job!r} already started")
+        unknown = sorted(set(workers) - self.scheduler.workers.keys())
+        if unknown:
+            raise SyncError(f"sync job {job!r}: workers {unknown} are not in the cluster")
+        if not workers:
+            raise SyncError(f"sync job {job!r}: expected at least one worker, found none")
+        scheduler = SyncScheduler(group_size, max_wait_s, max_progress_gap)
+        for worker in workers:
+            scheduler.join(worker)
+        self.jobs[job] = scheduler
+        logger.info("sync job %s started: %d workers, group_size %d", job, len(workers),
+                    scheduler.group_size)
+
+    def stop_job(self, job: str) -> None:
+        """Forget the job (idempotent)."""
+        self.jobs.pop(job, None)
+        self._notify(job)
+        for key in [k for k in self._events if k[0] == job]:
+            del self._events[key]
+
+    def members(self, job: str) -> MembersMsg:
+        scheduler = self._job(job)
+        return {"members": scheduler.members(), "members_version": scheduler.members_version}
+
+    async def group(self, job: str, worker: str, progress: int, final: bool = False,
+                    members_version: int | None = None) -> GroupMsg:
+        """See the class docstring."""
+        if not isinstance(progress, int) or progress < 0:
+            raise SyncError(f"antdt_sync_group: progress must be an int >= 0, found {progress!r}")
+        if members_version is not None and self._job(job).acknowledge(worker, members_version):
+            self._notify(job)
+        deadline = time() + self.poll_s
+        while True:
+            scheduler = self._job(job)
+            event = self._event(job, worker)
+            event.clear()
+            answer = scheduler.ready(worker, progress, time(), final=bool(final))
+            if answer.group is not None:
+                self._wake(job, answer.group.members)
+            if answer.kind != "wait":
+                return group_msg(answer, scheduler.members_version)
+            now = time()
+            left = deadline - now
+            if scheduler.state(worker) is MemberState.READY:
+                left = min(left, scheduler.wait_left(worker, now))
+            if left <= 0:
+                return group_msg(answer, scheduler.members_version)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), left)
+
+    async def join(self, job: str, worker: str) -> JoinMsg:
+        """See the class docstring."""
+        if worker not in self.scheduler.workers:
+            raise SyncError(f"sync job {job!r}: worker {worker!r} is not in the cluster")
+        self._job(job).join_running(worker)
+        deadline = time() + self.poll_s
+        while True:
+            scheduler = self._job(job)
+            settled = scheduler.settled(worker)
+            left = deadline - time()
+            if settled or left <= 0:
+                return {"settled": settled, "bootstrap": scheduler.joined_running(worker),
+                        "waiting": scheduler.waiting_for(worker),
+                        "members": scheduler.members(),
+                        "members_version": scheduler.members_version}
+            await self._changed(job, left)
+
+    def leave(self, job: str, worker: str) -> None:
+        """See the class docstring."""
+        scheduler = self.jobs.get(job)
+        if scheduler is None:
+            return
+        final = scheduler.leave(worker)
+        if final is not None:
+            self._wake(job, final.members)
+        self._events.pop((job, worker), None)
+        self._notify(job)
+
+    async def complete(self, job: str, worker: str,
+                       adopted_from: str | None = None) -> FinalMsg:
+        """See the class docstring."""
+        scheduler = self._job(job)
+        scheduler.complete(worker)
+        if adopted_from is not None:
+            scheduler.adopted(worker, adopted_from)
+        self._notify(job)
+        deadline = time() + self.poll_s
+        while True:
+            scheduler = self._job(job)
+            leader, done = scheduler.final_leader(), scheduler.final_done()
+            to_adopt = leader not in (None, worker, scheduler.adopted_from(worker))
+            left = deadline - time()
+            if done or to_adopt or left <= 0:
+                return {"done": done, "leader": leader}
+            await self._changed(job, left)
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str,
+                      **kwargs: Any) -> None:
+        for job in list(self.jobs):
+            self.leave(job, worker)
+
+    def restart(self, scheduler: Scheduler) -> None:
+        self.jobs.clear()
+        self._events.clear()
+        for job in list(self._changes):
+            self._notify(job)
+
+    def _job(self, job: str) -> SyncScheduler:
+        scheduler = self.jobs.get(job)
+        if scheduler is None:
+            raise SyncError(f"unknown sync job {job!r}; started jobs: {sorted(self.jobs)}")
+        return scheduler
+
+    def _event(self, job: str, worker: str) -> asyncio.Event:
+        return self._events.setdefault((job, worker), asyncio.Event())
+
+    def _wake(self, job: str, workers: Sequence[str]) -> None:
+        for worker in workers:
+            self._event(job, worker).set()
+
+    async def _changed(self, job: str, timeout_s: float) -> None:
+        """Wait until :meth:`_notify` is called for ``job`` or ``timeout_s`` passed."""
+        event = self._changes.setdefault(job, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout_s)
+
+    def _notify(self, job: str) -> None:
+        """Wake every call waiting in :meth:`_changed` for ``job`` (they check again)."""
+        event = self._changes.pop(job, None)
+        if event is not None:
+            event.set()
+
+
+def start_job(client: Client, job: str, workers: Sequence[str], *, group_size: int | None = None,
+              max_wait_s: float | None = None, max_progress_gap: int | None = None) -> None:
+    """From the driver: make ``workers`` the members of ``job``'s sync (before training). None
+    takes the ``antdt.sync`` default of the driver's dask config."""
+    if group_size is None:
+        group_size = int(config.number("antdt.sync.group-size", low=2, integer=True))
+    if max_wait_s is None:
+        max_wait_s = config.seconds("antdt.sync.max-wait")
+    client.sync(client.scheduler.antdt_sync_start, job=job, workers=list(workers),
+                group_size=group_size, max_wait_s=max_wait_s, max_progress_gap=max_progress_gap)
+
+
+def stop_job(client: Client, job: str) -> None:
+    """From the driver, after every agent returned: forget ``job``'s sync state."""
+    client.sync(client.scheduler.antdt_sync_stop, job=job)

@@ -1,0 +1,134 @@
+"""What the async mode's sync sends over Dask comms: the handlers' replies as TypedDicts, and
+tensors as numpy arrays (each its own serialized frame), never through the scheduler."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypedDict
+
+import numpy as np
+import torch
+from distributed.protocol import to_serialize
+
+from antdt.sync.embeddings import LogEntry
+from antdt.sync.groups import Answer
+from antdt.sync.replica import PeerPayload, ReplicaSnapshot
+
+PLUGIN_NAME = "antdt-sync"
+"""Name of both halves: ``scheduler.plugins[PLUGIN_NAME]`` and ``worker.plugins[PLUGIN_NAME]``."""
+
+
+class GroupMsg(TypedDict):
+    """Reply of ``antdt_sync_group``: ``round``/``members`` are set when ``kind`` is "group"."""
+
+    kind: Literal["group", "wait", "alone"]
+    round: int | None
+    members: list[str]
+    final: bool
+    members_version: int
+
+
+class MembersMsg(TypedDict):
+    """Reply of ``antdt_sync_members``."""
+
+    members: list[str]
+    members_version: int
+
+
+class JoinMsg(TypedDict):
+    """Reply of ``antdt_sync_join``: ``settled`` once every other member applied a member list
+    naming the joiner (else ``waiting`` names them: ask again); ``bootstrap`` when the worker
+    joined mid-job and must adopt a member's snapshot."""
+
+    settled: bool
+    bootstrap: bool
+    waiting: list[str]
+    members: list[str]
+    members_version: int
+
+
+class FinalMsg(TypedDict):
+    """Reply of ``antdt_sync_complete``: ``leader`` (None until every member completed its final
+    exchange) is whose state the others adopt; ``done`` once all of them did."""
+
+    done: bool
+    leader: str | None
+
+
+class EntryMsg(TypedDict):
+    """One :class:`~antdt.sync.LogEntry`: ``ids`` (k,) int64 and ``deltas`` (k, dim) as numpy
+    arrays (wrapped in ``to_serialize`` on the way out)."""
+
+    seq: int
+    rows_offset: int
+    ids: Any
+    deltas: Any
+
+
+class PullMsg(TypedDict):
+    """Reply of a worker's ``antdt_sync_pull``: a :class:`~antdt.sync.PeerPayload`."""
+
+    source: str
+    entries: list[EntryMsg]
+    dense: list[Any] | None
+    layout: str
+
+
+class SnapshotMsg(TypedDict):
+    """Reply of a worker's ``antdt_sync_snapshot``: a :class:`~antdt.sync.ReplicaSnapshot`, the
+    tensors as numpy arrays."""
+
+    source: str
+    dense: list[Any]
+    tables: dict[str, Any]
+    applied: dict[str, int]
+
+
+def _tensor(value: Any) -> torch.Tensor:
+    """A received array as a tensor, copied only when its frame is a read-only buffer."""
+    array = np.asarray(value)
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+def payload_to_msg(payload: PeerPayload) -> PullMsg:
+    """Tensors become numpy arrays, each sent as its own serialized frame."""
+    entries: list[EntryMsg] = [
+        {"seq": e.seq, "rows_offset": e.rows_offset, "ids": to_serialize(e.ids.cpu().numpy()),
+         "deltas": to_serialize(e.deltas.detach().cpu().numpy())}
+        for e in payload.entries]
+    dense = (None if payload.dense is None
+             else [to_serialize(t.detach().cpu().numpy()) for t in payload.dense])
+    return {"source": payload.source, "entries": entries, "dense": dense,
+            "layout": payload.layout}
+
+
+def msg_to_payload(msg: PullMsg) -> PeerPayload:
+    """Inverse of :func:`payload_to_msg` on the receiving side."""
+    entries = [LogEntry(int(e["seq"]), _tensor(e["ids"]), _tensor(e["deltas"]),
+                        int(e["rows_offset"]))
+               for e in msg["entries"]]
+    dense = None if msg["dense"] is None else [_tensor(t) for t in msg["dense"]]
+    return PeerPayload(msg["source"], entries, dense, msg["layout"])
+
+
+def snapshot_to_msg(snapshot: ReplicaSnapshot) -> SnapshotMsg:
+    """Tensors become numpy arrays, each sent as its own serialized frame."""
+    return {"source": snapshot.source,
+            "dense": [to_serialize(t.detach().cpu().numpy()) for t in snapshot.dense],
+            "tables": {name: to_serialize(t.detach().cpu().numpy())
+                       for name, t in snapshot.tables.items()},
+            "applied": dict(snapshot.applied)}
+
+
+def msg_to_snapshot(msg: SnapshotMsg) -> ReplicaSnapshot:
+    """Inverse of :func:`snapshot_to_msg` on the receiving side."""
+    return ReplicaSnapshot(msg["source"], [_tensor(t) for t in msg["dense"]],
+                           {name: _tensor(t) for name, t in msg["tables"].items()},
+                           {source: int(seq) for source, seq in msg["applied"].items()})
+
+
+def group_msg(answer: Answer, members_version: int) -> GroupMsg:
+    group = answer.group
+    return {"kind": answer.kind, "round": None if group is None else group.round,
+            "members": [] if group is None else list(group.members),
+            "final": False if group is None else group.final,
+            "members_version": members_version}
