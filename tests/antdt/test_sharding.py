@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import os
 import tracemalloc
 from collections import Counter
@@ -14,7 +13,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-import antdt.sharding.ledger
 from antdt.errors import LedgerError
 from antdt.sharding import (Claim, CommitEvent, Finished, JobState, Lease, Revoked, RowState,
                             ShardLedger, Stop, Wait)
@@ -68,11 +66,6 @@ def all_rows(groups: list[tuple[str, int, int]], epochs: int) -> Counter:
 
 
 # ---- unit tests -------------------------------------------------------------------------------
-
-
-def test_docstring_examples_run() -> None:
-    result = doctest.testmod(antdt.sharding.ledger)
-    assert result.attempted > 0 and result.failed == 0
 
 
 def test_one_epoch_trains_every_row_once_in_shards_within_row_groups() -> None:

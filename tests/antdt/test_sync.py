@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import random
 import threading
 import time
@@ -13,9 +12,6 @@ import pytest
 import torch
 
 import antdt.errors
-import antdt.sync.embeddings
-import antdt.sync.groups
-import antdt.sync.period
 from antdt.sync import (
     EmbeddingDeltaLog,
     LogEntry,
@@ -100,13 +96,6 @@ class Cluster:
 
     def expected_tables(self) -> dict[str, torch.Tensor]:
         return {t: self.initial_tables[t] + self.total[t] for t in self.total}
-
-
-@pytest.mark.parametrize("module", [antdt.sync.embeddings, antdt.sync.period,
-                                    antdt.sync.groups], ids=lambda m: m.__name__)
-def test_docstring_examples_run(module: object) -> None:
-    result = doctest.testmod(module)  # type: ignore[arg-type]
-    assert result.attempted > 0 and result.failed == 0
 
 
 # ---- EmbeddingDeltaLog ---------------------------------------------------------------------

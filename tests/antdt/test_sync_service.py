@@ -313,7 +313,7 @@ async def test_handlers_validate_their_arguments(c: Client, s: Scheduler, a: Wor
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=90)
 async def test_a_worker_joins_a_running_job_and_all_end_identical(
         c: Client, s: Scheduler, *workers: Worker) -> None:
-    first, newcomer = workers[:2], workers[2]
+    first = workers[:2]
     await start_service(c, s, first, group_size=3, max_wait_s=0.05)
     agents = [Agent(w, seed=i) for i, w in enumerate(workers)]
     warm, joined = threading.Event(), threading.Event()
