@@ -6,19 +6,27 @@ BIN    := $(VENV)/bin
 #   https://download.pytorch.org/whl/cu128" FBGEMM=fbgemm-gpu==1.8.0
 TORCH  ?= torch==2.13.0
 FBGEMM ?= fbgemm-gpu-cpu==1.8.0
-PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+PIP    := $(BIN)/python -m pip install --disable-pip-version-check
 STAMP  := $(VENV)/.antdt-installed
+# pip's own output goes to a log, shown only when a step fails: with the CPU build of fbgemm-gpu
+# pip reports that torchrec "requires fbgemm-gpu, which is not installed" (expected, harmless)
+SETUP_LOG := $(VENV)/setup.log
+LOGGED := >> $(SETUP_LOG) 2>&1 || { cat $(SETUP_LOG) >&2; echo "setup failed: $(SETUP_LOG)" >&2; exit 1; }
 
 .PHONY: setup demo demo-data test test-fast bench typecheck clean constraints
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt Makefile
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) $(TORCH)
-	$(PIP) $(FBGEMM)
-	$(PIP) --no-deps torchrec==1.8.0
-	$(PIP) -c constraints.txt -e '.[dev,airflow]'
-	touch $(STAMP)
+	@echo "setup: $(VENV) (pip's log: $(SETUP_LOG))"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@: > $(SETUP_LOG)
+	@echo "setup: $(TORCH), $(FBGEMM), torchrec==1.8.0"
+	@$(PIP) $(TORCH) $(LOGGED)
+	@$(PIP) $(FBGEMM) $(LOGGED)
+	@$(PIP) --no-deps torchrec==1.8.0 $(LOGGED)
+	@echo "setup: antdt and its dependencies (versions pinned in constraints.txt)"
+	@$(PIP) -c constraints.txt -e '.[dev,airflow]' $(LOGGED)
+	@touch $(STAMP)
 
 DEMO_DATA := demo-data/synthetic
 

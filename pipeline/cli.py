@@ -6,45 +6,15 @@ Long work shows a progress bar on stderr; ``--json`` prints one machine-readable
 from __future__ import annotations
 
 import json
-import logging
 import sys
-from contextlib import contextmanager
-from typing import Iterator
 
 import click
-from rich.console import Console
-from rich.logging import RichHandler
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
 
 from antdt.errors import AntdtError
+from pipeline import terminal
 from pipeline.bench import bench
 from pipeline.simulate import command as simulate
-
-stderr = Console(stderr=True)
-
-
-class _Bar:
-    """One task of a rich progress display, as the :class:`ProgressSink` jobs report to."""
-
-    def __init__(self, progress: Progress, task: TaskID) -> None:
-        self._progress, self._task = progress, task
-
-    def total(self, n: int) -> None:
-        self._progress.update(self._task, total=n)
-
-    def advance(self, n: int) -> None:
-        self._progress.advance(self._task, n)
-
-
-@contextmanager
-def progress_bar(description: str, total: int | None = None, *, enabled: bool = True
-                 ) -> Iterator[_Bar]:
-    """A rich progress bar on stderr. Hidden when not ``enabled`` (``--json``)."""
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=stderr, disable=not enabled) as progress:
-        yield _Bar(progress, progress.add_task(description, total=total))
+from pipeline.terminal import progress_bar, stderr
 
 
 class _Main(click.Group):
@@ -59,12 +29,11 @@ class _Main(click.Group):
 
 
 @click.group(cls=_Main)
-@click.option("-v", "--verbose", count=True, help="-v: info logs, -vv: debug logs.")
+@click.option("-v", "--verbose", count=True,
+              help="Show the libraries' logs and warnings: -v info, -vv debug.")
 def cli(verbose: int) -> None:
     """antdt: straggler-tolerant training of ranking models on Dask."""
-    level = logging.WARNING - 10 * min(verbose, 2)
-    logging.basicConfig(level=level, format="%(name)s: %(message)s", datefmt="[%X]",
-                        handlers=[RichHandler(console=stderr, show_path=False)])
+    terminal.configure(verbose)
 
 
 @cli.group()

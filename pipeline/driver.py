@@ -101,14 +101,17 @@ def ledger_plan(job: JobConfig, data: PreparedData) -> LedgerPlan:
 def connect(workers: int, scheduler: str | None = None) -> Iterator[Client]:
     """A client of the scheduler at ``scheduler``, or of a new LocalCluster of ``workers``
     Nanny-managed worker processes with one thread each (a GPU resource each when this machine
-    has CUDA), closed at the end."""
+    has CUDA), closed at the end. The cluster's processes log ``distributed`` at this process's
+    level (quiet unless ``-v``: :mod:`pipeline.terminal`)."""
     if scheduler is not None:
         with Client(scheduler) as client:
             yield client
         return
     resources = {"GPU": 1} if torch.cuda.is_available() else None
+    level = logging.getLogger("distributed").getEffectiveLevel()
     with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                      dashboard_address=":0", resources=resources) as cluster, \
+                      dashboard_address=":0", resources=resources,
+                      silence_logs=level) as cluster, \
             Client(cluster) as client:
         # The cluster's own view of its workers can miss one that registered while it started;
         # a worker that then dies makes the cluster fail on close (KeyError). Refresh the view.
@@ -286,7 +289,9 @@ class AsyncRun:
             rows_duplicated=state["rows_duplicated"], rows_quarantined=state["rows_quarantined"],
             wall_s=time.perf_counter() - self.started, train_s=train_s,
             samples_per_s=state["rows_trained"] / max(train_s, 1e-9),
-            straggler_actions=len(self._events.actions))
+            straggler_actions=len(self._events.actions), tracking_uri=tracker.tracking_uri,
+            experiment_id=tracker.experiment_id,
+            timeline=tracker.artifact_location("timeline.png"))
         tracker.summary({k: v for k, v in summary.metrics().items() if not math.isnan(v)})
         tracker.summary({f"ledger.{k}": v for k, v in state.items()
                          if isinstance(v, (int, float)) and not isinstance(v, bool)})

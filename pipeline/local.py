@@ -129,6 +129,7 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None) -> JobSumm
             rows_quarantined=data.quarantined_rows,
             wall_s=time.perf_counter() - started, train_s=train_s,
             samples_per_s=rows / max(train_s, 1e-9),
+            tracking_uri=tracker.tracking_uri, experiment_id=tracker.experiment_id,
         )
         tracker.summary(summary.metrics())
         log_ranking_model(step, data.schema, job,

@@ -43,6 +43,11 @@ class JobSummary:
     """Seconds of training (first agent started to last agent ended; local mode: the loop)."""
     straggler_actions: int = 0
     """Actions the straggler controller applied (0 in the local mode or without a controller)."""
+    tracking_uri: str = ""
+    """The MLflow tracking URI the run went to (a password in it shown as ``***``)."""
+    experiment_id: str = ""
+    timeline: str | None = None
+    """Where the run's timeline PNG is: a local path, or its artifact URI (async mode only)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -64,7 +69,23 @@ class JobSummary:
             f"duplicated {self.rows_duplicated:,}  quarantined {self.rows_quarantined:,}",
             f"speed    {self.samples_per_s:,.0f} samples/s, {self.wall_s:.1f} s wall",
             f"control  {self.straggler_actions:,} straggler action(s)",
+            *self.next_steps(),
         ]
+
+    def next_steps(self) -> list[str]:
+        """How to look at the run: MLflow's UI (started on the run's own store when it is not a
+        server) and the timeline picture."""
+        if not self.tracking_uri:
+            return []
+        page = f"#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        if self.tracking_uri.startswith(("http://", "https://")):
+            steps = ["", "next", f"  the run   open {self.tracking_uri.rstrip('/')}/{page}"]
+        else:
+            steps = ["", "next", f"  the run   mlflow ui --backend-store-uri {self.tracking_uri}",
+                     f"            then open http://127.0.0.1:5000/{page}"]
+        if self.timeline is not None:
+            steps.append(f"  timeline  {self.timeline}")
+        return steps
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

@@ -8,6 +8,8 @@ no server and with ``--tracking-uri http://host:5000`` alike.
 from __future__ import annotations
 
 import logging
+import os
+import urllib.parse
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Mapping
@@ -18,6 +20,21 @@ import yaml
 from pipeline.config import JobConfig
 
 logger = logging.getLogger(__name__)
+
+
+def redact(uri: str) -> str:
+    """``uri`` with the password of its user part, if any, shown as ``***`` (for summaries and
+    logs).
+
+    >>> redact("http://ann:s3cret@mlflow.example:5000/"), redact("sqlite:///mlflow.db")
+    ('http://ann:***@mlflow.example:5000/', 'sqlite:///mlflow.db')
+    """
+    parts = urllib.parse.urlsplit(uri)
+    if parts.password is None:
+        return uri
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -44,6 +61,9 @@ class Tracker:
         self.mode = mode
         self.tags = dict(tags or {})
         self.run_id = ""
+        self.experiment_id = ""
+        self.tracking_uri = ""
+        """The run's tracking URI, a password in it redacted (:func:`redact`)."""
 
     def __enter__(self) -> Tracker:
         if self.job.mlflow.tracking_uri:
@@ -53,11 +73,13 @@ class Tracker:
                                tags={"antdt.mode": self.mode, "antdt.job": self.job.name,
                                      **self.tags})
         self.run_id = run.info.run_id
+        self.experiment_id = run.info.experiment_id
+        self.tracking_uri = redact(mlflow.get_tracking_uri())
         config = self.job.to_dict()
         mlflow.log_params(flatten(config))
         mlflow.log_dict(config, "job.yaml")
         logger.info("MLflow run %s in experiment %s (%s)", self.run_id,
-                    self.job.mlflow.experiment, mlflow.get_tracking_uri())
+                    self.job.mlflow.experiment, self.tracking_uri)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -85,3 +107,14 @@ class Tracker:
 
     def artifact_file(self, path: str | Path, folder: str | None = None) -> None:
         mlflow.log_artifact(str(path), folder)
+
+    def artifact_location(self, name: str) -> str:
+        """Where the run's artifact ``name`` is: a path (relative to the working directory when
+        it is below it) on a local artifact store, else its URI."""
+        uri = mlflow.get_artifact_uri(name)
+        parts = urllib.parse.urlsplit(uri)
+        if parts.scheme not in ("", "file"):
+            return redact(uri)
+        path = urllib.parse.unquote(parts.path)
+        relative = os.path.relpath(path)
+        return path if relative.startswith("..") else relative

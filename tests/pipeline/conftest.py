@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
 from data.synth import SynthResult, generate
+from pipeline.terminal import OWN_LOGGERS
+
+
+@pytest.fixture(autouse=True)
+def process_settings() -> Iterator[None]:
+    """The ``antdt`` CLI sets up this process's logging, warnings and environment for a person
+    (:func:`pipeline.terminal.configure`); a test that invokes it leaves them as they were."""
+    environ = dict(os.environ)
+    root = logging.getLogger()
+    handlers, levels = list(root.handlers), {name: logging.getLogger(name).level for name in
+                                             ("", "distributed", *OWN_LOGGERS)}
+    with warnings.catch_warnings():
+        yield
+    os.environ.clear()
+    os.environ.update(environ)
+    root.handlers[:] = handlers
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,78 @@
+"""What a person sees: ``antdt train`` in a real process (a LocalCluster of worker processes,
+MLflow, TorchRec) prints its progress bar and its summary and nothing else; ``-v`` shows the
+libraries' logs."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.report import JobSummary
+from pipeline.terminal import QUIET_ENVIRONMENT
+
+ANTDT = str(Path(sys.executable).parent / "antdt")
+BAR = re.compile(r"^training \((async|local)\) .*\d+/\d+ +\d+:\d\d:\d\d +(\d+:\d\d:\d\d|-:--:--)$")
+"""The progress bar's final line as rich prints it when stderr is not a terminal."""
+
+
+def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``antdt ARGS`` as a person's shell runs it: none of our quiet settings inherited."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in QUIET_ENVIRONMENT and not k.startswith("DASK_LOGGING__")}
+    return subprocess.run([ANTDT, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def summary_lines(stdout: str) -> list[str]:
+    return stdout.rstrip("\n").split("\n")
+
+
+@pytest.mark.slow
+def test_train_shows_the_bar_and_the_summary_and_nothing_else(cluster_job: Path,
+                                                               tmp_path: Path) -> None:
+    result = run(["train", str(cluster_job), "--workers", "2"], cwd=tmp_path)
+
+    assert result.returncode == 0, result.stderr
+    stderr = [line for line in result.stderr.split("\n") if line.strip()]
+    assert stderr and all(BAR.match(line) for line in stderr), result.stderr
+    lines = summary_lines(result.stdout)
+    assert re.fullmatch(r"run [0-9a-f]{32} \(async, 2 workers\)", lines[0]), lines
+    assert [line.split()[0] for line in lines[1:6]] == ["AUC", "logloss", "rows", "speed",
+                                                        "control"]
+    # the next steps: MLflow's UI on the job's own store, the run's page, the timeline PNG
+    run_id = lines[0].split()[1]
+    store = f"sqlite:///{cluster_job.parent / 'mlflow.db'}"
+    assert lines[6:] == [
+        "", "next", f"  the run   mlflow ui --backend-store-uri {store}",
+        f"            then open http://127.0.0.1:5000/#/experiments/1/runs/{run_id}",
+        lines[-1]]
+    timeline = Path(lines[-1].removeprefix("  timeline  "))
+    assert timeline.name == "timeline.png" and run_id in timeline.parts
+    assert (tmp_path / timeline).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_verbose_shows_the_libraries_logs(job_file: Path, tmp_path: Path) -> None:
+    quiet = run(["train", str(job_file), "--local"], cwd=tmp_path)
+    loud = run(["-v", "train", str(job_file), "--local"], cwd=tmp_path)
+
+    assert quiet.returncode == loud.returncode == 0, loud.stderr
+    assert all(BAR.match(line) for line in quiet.stderr.split("\n") if line.strip())
+    # MLflow creates the job's fresh store and says so at INFO; torch warns about fx tracing
+    assert "mlflow" in loud.stderr and "is_fx_tracing" in loud.stderr
+    assert loud.stdout.startswith("run ")
+
+
+def test_the_next_steps_name_a_server_run_page_and_hide_a_password() -> None:
+    summary = JobSummary(run_id="r1", mode="local", workers=1, auc=0.8, logloss=0.4,
+                         oracle_auc=None, rows_trained=1, rows_lost=0, rows_duplicated=0,
+                         rows_quarantined=0, wall_s=1.0, samples_per_s=1.0,
+                         tracking_uri="http://ann:***@mlflow.example:5000", experiment_id="7")
+    assert summary.lines()[-3:] == [
+        "", "next", "  the run   open http://ann:***@mlflow.example:5000/#/experiments/7/runs/r1"]
+    assert "tracking_uri" in summary.to_json() and "experiment_id" not in summary.metrics()
