@@ -23,7 +23,8 @@ when the job is stopped (:func:`antdt.sharding.service.stop_job`), so a driver t
 
 Fault injection (tests and benchmarks; off by default, see :class:`Faults`): a slowdown factor
 (after each batch, sleep ``(factor - 1)`` x the batch's measured time), a hang (stop making
-progress after some rows, until cancelled) and a crash (``os._exit`` of the worker process after
+progress after some rows, until cancelled), a pause (before leasing again after some rows, wait
+for a named Dask ``Event``: a test's gate) and a crash (``os._exit`` of the worker process after
 some rows, which looks like a real death to the scheduler and the nanny).
 
 Progress reaches the driver as Dask events (topic :func:`event_topic`), no extra RPC to wait on:
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
 import torch
-from distributed import Client, Future, Worker, get_worker
+from distributed import Client, Event, Future, Worker, get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.utils import sync
 
@@ -65,6 +66,9 @@ PLUGIN_NAME = "antdt-agent"
 
 CRASH_EXIT_CODE = 75
 """Exit status of a worker process killed by the crash fault."""
+
+PAUSE_POLL_S = 0.2
+"""A paused agent checks its cancellation flag this often while it waits for its event."""
 
 Outcome = Literal["finished", "stopped", "cancelled", "declined"]
 """How an agent ended: the job ``finished`` (final sync done, trainer kept for the driver), the
@@ -122,28 +126,37 @@ class Faults:
     ``slow_for_rows``: only for the first this many rows (a transient straggler; None: always).
     ``hang_after_rows``: once this many rows are trained, make no more progress until cancelled.
     ``crash_after_rows``: once this many rows are trained, ``os._exit`` the worker process.
+    ``pause_until``: the name of a Dask ``Event``; once ``pause_after_rows`` rows (default 0) are
+    trained, the agent waits for it before its next lease, holding no lease meanwhile (a test
+    gates a worker on an explicit event rather than on its speed).
     """
 
     slowdown: float = 1.0
     hang_after_rows: int | None = None
     crash_after_rows: int | None = None
     slow_for_rows: int | None = None
+    pause_until: str | None = None
+    pause_after_rows: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.slowdown, bool) or not isinstance(self.slowdown, (int, float)) \
                 or not math.isfinite(self.slowdown) or self.slowdown < 1.0:
             raise ConfigError(f"fault slowdown must be a finite number >= 1, found "
                               f"{self.slowdown!r}")
-        for name in ("hang_after_rows", "crash_after_rows", "slow_for_rows"):
+        for name in ("hang_after_rows", "crash_after_rows", "slow_for_rows", "pause_after_rows"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 0):
                 raise ConfigError(f"fault {name} must be an int >= 0 or None, found {value!r}")
+        if self.pause_until is not None and (not isinstance(self.pause_until, str)
+                                             or not self.pause_until):
+            raise ConfigError(f"fault pause_until must be the name of a Dask Event or None, "
+                              f"found {self.pause_until!r}")
 
     @property
     def active(self) -> bool:
         return (self.slowdown > 1.0 or self.hang_after_rows is not None
-                or self.crash_after_rows is not None)
+                or self.crash_after_rows is not None or self.pause_until is not None)
 
 
 @dataclass(frozen=True)
@@ -331,6 +344,7 @@ class Agent:
         self.busy_s = 0.0
         self._loss_sum = 0.0
         self._report_every = config.seconds("antdt.agent.report-interval")
+        self._paused = False
         self._window = _Window(time.perf_counter())
 
     def run(self) -> AgentReport:
@@ -380,6 +394,8 @@ class Agent:
 
     def _train(self) -> Outcome:
         while not self.cancelled.is_set():
+            if self._pause():
+                return "cancelled"
             self._lease_reads = 0
             try:
                 lease = self.shards.lease()
@@ -483,6 +499,23 @@ class Agent:
         extra = (faults.slowdown - 1.0) * batch_s
         if extra > 0:
             self.cancelled.wait(extra)
+
+    def _pause(self) -> bool:
+        """Once ``pause_after_rows`` rows are trained, wait (once) for the Dask Event
+        ``pause_until``; True when the agent was cancelled meanwhile."""
+        faults = self.spec.faults
+        if faults.pause_until is None or self._paused or self.rows < faults.pause_after_rows:
+            return False
+        self._paused = True
+        self.shards.flush()  # the last lease's last commit would ride on the next lease call
+        logger.warning("agent of job %s on %s: injected pause after %d rows until event %r",
+                       self.spec.job, self.worker.address, self.rows, faults.pause_until)
+        self._event({"kind": "fault", "fault": "pause", "rows": self.rows})
+        event = Event(faults.pause_until)
+        while not event.wait(PAUSE_POLL_S):
+            if self.cancelled.is_set():
+                return True
+        return False
 
     def _faults_fire(self) -> bool:
         """Crash or hang once their row counts are reached; True when a hang was cancelled."""

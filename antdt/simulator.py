@@ -415,9 +415,10 @@ class _Dynamic:
         if self.finished_at is None:
             raise AccountingError(f"the simulated job never finished: {self.ledger.summary()}")
         self._check()
+        actions = dict(self.controller.counts) if self.controller is not None else {}
         return {"makespan_s": self.finished_at, "ops": self.ops, "rpcs": self.rpcs,
-                "control_s": self.control_s, **{k: v for k, v in self.ledger.summary().items()
-                                                if k.startswith("rows_")}}
+                "control_s": self.control_s, "actions": actions,
+                **{k: v for k, v in self.ledger.summary().items() if k.startswith("rows_")}}
 
     def _loop(self) -> None:
         """Carry out the events in time order until the job is done or nothing is left."""
@@ -573,8 +574,8 @@ class _Dynamic:
 def run_strategy(scenario: Scenario, strategy: Strategy,
                  policies: Sequence[ControllerPolicy] | None = None) -> dict[str, Any]:
     """One strategy on ``scenario`` (intervals resolved); ``makespan_s`` plus, for ``pull``
-    and ``antdt``, the ledger's counters, ``ops`` (ledger calls), ``rpcs`` and ``control_s``
-    (seconds spent in the monitor and the controller)."""
+    and ``antdt``, the ledger's counters, ``ops`` (ledger calls), ``rpcs``, ``control_s``
+    (seconds spent in the monitor and the controller) and ``actions`` (applied, per kind)."""
     workers = profiles(scenario)
     if strategy == "static":
         return {"makespan_s": static_makespan(scenario, workers)}

@@ -15,6 +15,7 @@
       - {worker: 1, slowdown: 3.0}             # worker 1 takes 3x as long per batch
       - {worker: 0, crash_after_rows: 50000}   # worker 0's process exits after 50k rows
       - {worker: 2, slowdown: 4, slow_for_rows: 100000}  # 4x slower for its first 100k rows
+      - {worker: 3, pause_after_rows: 8192, pause_until: go}  # then waits for Dask Event "go"
 
 ``train.mode``: ``async`` (default) trains on a Dask cluster, one replica per worker with
 background model sync; ``local`` trains in this process. ``train.sync_period`` (async mode) is
@@ -86,6 +87,8 @@ class FaultConfig:
     hang_after_rows: int | None = None
     crash_after_rows: int | None = None
     slow_for_rows: int | None = None
+    pause_until: str | None = None
+    pause_after_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -258,14 +261,15 @@ def _faults(raw: Any, where: str) -> tuple[FaultConfig, ...]:
         return ()
     if not isinstance(raw, list):
         raise ConfigError(f"{where}: expected a list of {{worker, slowdown, hang_after_rows, "
-                          f"crash_after_rows}}, found {raw!r}")
+                          f"crash_after_rows, slow_for_rows, pause_until, pause_after_rows}}, "
+                          f"found {raw!r}")
     faults: list[FaultConfig] = []
     for i, item in enumerate(raw):
         at = f"{where}[{i}]"
         if not isinstance(item, Mapping):
             raise ConfigError(f"{at}: expected a mapping, found {item!r}")
         _reject_unknown(item, {"worker", "slowdown", "hang_after_rows", "crash_after_rows",
-                               "slow_for_rows"}, at)
+                               "slow_for_rows", "pause_until", "pause_after_rows"}, at)
         if "worker" not in item:
             raise ConfigError(f"{at}: missing key 'worker' (the index of the worker to fault)")
         worker = _positive_int(item, "worker", 0, at, minimum=0)
@@ -273,12 +277,19 @@ def _faults(raw: Any, where: str) -> tuple[FaultConfig, ...]:
             raise ConfigError(f"{at}: worker {worker} already has a faults entry; merge them")
         rows = {key: _positive_int(item, key, 0, at, minimum=0) if item.get(key) is not None
                 else None for key in ("hang_after_rows", "crash_after_rows", "slow_for_rows")}
+        pause_until = item.get("pause_until")
+        if pause_until is not None and (not isinstance(pause_until, str) or not pause_until):
+            raise ConfigError(f"{at}.pause_until: expected the name of a Dask Event, found "
+                              f"{pause_until!r}")
         fault = FaultConfig(worker=worker,
-                            slowdown=_number(item, "slowdown", 1.0, at, minimum=1.0), **rows)
+                            slowdown=_number(item, "slowdown", 1.0, at, minimum=1.0), **rows,
+                            pause_until=pause_until,
+                            pause_after_rows=_positive_int(item, "pause_after_rows", 0, at,
+                                                           minimum=0))
         if fault.slowdown == 1.0 and rows["hang_after_rows"] is None \
-                and rows["crash_after_rows"] is None:
+                and rows["crash_after_rows"] is None and pause_until is None:
             raise ConfigError(f"{at}: expected at least one of slowdown > 1, hang_after_rows, "
-                              f"crash_after_rows; found {dict(item)!r}")
+                              f"crash_after_rows, pause_until; found {dict(item)!r}")
         faults.append(fault)
     return tuple(faults)
 

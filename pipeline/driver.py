@@ -204,8 +204,10 @@ class AsyncRun:
         self.deadline_s = deadline_s
         self.stopped: str | None = None
         """Why the driver stopped the job early (None: it ran to its end)."""
-        self._faults = {f.worker: agent.Faults(f.slowdown, f.hang_after_rows, f.crash_after_rows,
-                                               f.slow_for_rows) for f in job.faults}
+        self._faults = {f.worker: agent.Faults(
+            slowdown=f.slowdown, hang_after_rows=f.hang_after_rows,
+            crash_after_rows=f.crash_after_rows, slow_for_rows=f.slow_for_rows,
+            pause_until=f.pause_until, pause_after_rows=f.pause_after_rows) for f in job.faults}
         self._trainer = TrainerRecipe(self.data.schema, job.model, job.train.optim,
                                       job.train.seed)
         self._reader = ReaderRecipe(self.data.schema, job.train.threads)

@@ -94,13 +94,14 @@ class ActionMark:
 
 
 # Okabe-Ito colours: distinguishable with the common colour-vision deficiencies.
-_OUTCOME_STYLE: dict[str, tuple[str, str | None]] = {
+OUTCOME_STYLE: dict[str, tuple[str, str | None]] = {
     "finished": ("#009E73", None),
     "revoked": ("#E69F00", None),
     "split": ("#56B4E9", None),
     "quarantined": ("#CC79A7", None),
     "lost": ("#D55E00", "////"),
 }
+"""Fill colour and hatch of each outcome's bars."""
 _ACTION_MARKERS = {"reassign": ">", "split": "D", "revoke": "X", "retire": "v",
                    "adjust_batch": "s"}
 _OTHER_MARKERS = ("*", "P", "h", "p", "^", "<", "o", "8")
@@ -237,7 +238,7 @@ def _draw_lanes(ax: Axes, lanes: list[str], spans: Sequence[LeaseSpan],
         group = [s for s in spans if s.outcome == outcome]
         if not group:
             continue
-        colour, hatch = _OUTCOME_STYLE[outcome]
+        colour, hatch = OUTCOME_STYLE[outcome]
         boxes = [[(s.start, y - half), (s.start, y + half), (s.end, y + half), (s.end, y - half)]
                  for s in group for y in [lane_of[s.worker]]]
         ax.add_collection(PolyCollection(boxes, facecolors=colour, edgecolors="white",

@@ -7,21 +7,22 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import dask.config
 import pytest
 import torch
-from distributed import Client, LocalCluster
+from distributed import Client, Event, LocalCluster
 
 from antdt import agent
-from antdt.sharding import service
-from antdt.sync import service as sync_service
 from antdt.agent import AgentPlugin, AgentReport, AgentSpec, Faults
 from antdt.errors import AntdtError, ConfigError
+from antdt.sharding import service
 from antdt.sync import SyncPeriod
+from antdt.sync import service as sync_service
+from waits import bounded
 
 Range = tuple[str, int, int, int]
 """A trivial batch: ``(path, row_group, start, stop)``."""
@@ -60,21 +61,31 @@ class MakeReader:
 class CountingTrainer:
     """A model whose table row ``i`` counts how often global row ``i`` was trained (so after a
     job every replica's table must equal the number of epochs) and whose dense bias grows by
-    0.01 a step; it records every batch it trained."""
+    0.01 a step; it records every batch it trained, the loss it returned for it, and the most
+    rows of other replicas it had merged when it stepped (background sync during training)."""
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
         self.table = torch.zeros(TOTAL, 1)
         self.bias = torch.zeros(1)
         self.ranges: list[Range] = []
+        self.losses: list[float] = []
+        self.own_rows = 0
+        self.merged_while_training = 0.0
 
     def step(self, batch: Range) -> float:
         if self.step_s:
             time.sleep(self.step_s)  # stands for the compute of a real step
+        _, _, start, stop = batch
         self.table[self.touched(batch)["t"]] += 1.0
         self.bias += 0.01
         self.ranges.append(batch)
-        return 0.5
+        self.own_rows += stop - start
+        # every table entry counts one trained row: the rest came from other replicas
+        self.merged_while_training = max(self.merged_while_training,
+                                         float(self.table.sum()) - self.own_rows)
+        self.losses.append((start % 7) / 10)  # any loss that differs from batch to batch
+        return self.losses[-1]
 
     def touched(self, batch: Range) -> dict[str, torch.Tensor]:
         path, group, start, stop = batch
@@ -88,7 +99,8 @@ class CountingTrainer:
 
     def state(self) -> dict[str, Any]:
         return {"ranges": list(self.ranges), "table": self.table.clone(),
-                "bias": self.bias.clone()}
+                "bias": self.bias.clone(), "losses": list(self.losses),
+                "merged_while_training": self.merged_while_training}
 
 
 @dataclass(frozen=True)
@@ -138,12 +150,9 @@ def start(c: Client, job: str, worker: str, *, sync_period: SyncPeriod | None = 
     return agent.start_agent(c, worker, spec, MakeTrainer(step_s), MakeReader(gate))
 
 
-def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    """Wait until ``condition()`` holds (polled), failing after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
+def live_leases(c: Client, job: str) -> list[dict[str, Any]]:
+    leases: list[dict[str, Any]] = service.job_state(c, job, leases=True)["live"]
+    return leases
 
 
 def trained(c: Client, job: str, worker: str) -> dict[str, Any]:
@@ -158,7 +167,7 @@ def row_counts(ranges: list[Range]) -> Counter[int]:
 def test_agents_train_every_row_once_per_epoch_and_count_exactly(client: Client) -> None:
     job = new_job(client, epochs=2)
     futures = [start(client, job, w) for w in workers(client)]
-    reports: list[AgentReport] = client.gather(futures)
+    reports: list[AgentReport] = bounded.gather(client, futures)
 
     assert [r.outcome for r in reports] == ["finished", "finished"]
     counts = row_counts([b for w in workers(client) for b in trained(client, job, w)["ranges"]])
@@ -166,7 +175,11 @@ def test_agents_train_every_row_once_per_epoch_and_count_exactly(client: Client)
     assert sum(r.rows for r in reports) == 2 * TOTAL
     shards = sum(-(-rows // SHARD_ROWS) for _, _, rows in GROUPS)
     assert sum(r.batches for r in reports) == 2 * shards * -(-SHARD_ROWS // BATCH_ROWS)
-    assert all(r.loss == 0.5 and r.seconds >= r.busy_s > 0 for r in reports)
+    assert all(r.seconds >= r.busy_s > 0 for r in reports)
+    for report in reports:  # the mean of the losses the trainer returned, batch by batch
+        losses = trained(client, job, report.worker)["losses"]
+        assert len(losses) == report.batches and len(set(losses)) > 1
+        assert report.loss == pytest.approx(sum(losses) / len(losses))
     state = service.job_state(client, job)
     assert state["state"] == "finished"
     assert (state["rows_trained"], state["rows_done"], state["rows_duplicated"],
@@ -185,12 +198,20 @@ def test_agents_train_every_row_once_per_epoch_and_count_exactly(client: Client)
 def test_async_agents_end_with_identical_replicas_holding_every_update(
         client: Client, period: SyncPeriod) -> None:
     job = new_job(client, epochs=2, sync=workers(client))
-    futures = [start(client, job, w, sync_period=period, step_s=0.002) for w in workers(client)]
-    reports: list[AgentReport] = client.gather(futures)
+    GATES[job] = threading.Event()
+    futures = [start(client, job, w, sync_period=period, step_s=0.005, gate=job)
+               for w in workers(client)]
+    # both train at once from their first batch on: neither can take every row alone
+    bounded.until(lambda: len(live_leases(client, job)) == 2, "both agents hold a lease")
+    GATES[job].set()
+    reports: list[AgentReport] = bounded.gather(client, futures)
 
     assert [r.outcome for r in reports] == ["finished", "finished"]
-    assert all(r.exchanges >= 1 for r in reports)
     states = [trained(client, job, w) for w in workers(client)]
+    # the period's rounds ran during training: each replica stepped on rows the other trained
+    # (the final round comes only after the last step)
+    assert all(state["merged_while_training"] > 0 for state in states)
+    assert all(r.exchanges >= 2 for r in reports)  # background rounds, and the final one
     # each replica trained only its own rows, yet holds every row's two updates (deltas pulled)
     for state in states:
         assert torch.equal(state["table"], torch.full((TOTAL, 1), 2.0))
@@ -206,11 +227,12 @@ def test_a_joiner_copies_the_model_trains_and_ends_identical(client: Client) -> 
     job = new_job(client, epochs=2, sync=[first])
     GATES[job] = threading.Event()
     futures = [start(client, job, first, sync_period=EVERY_20MS, gate=job)]
-    until(lambda: len(service.job_state(client, job, leases=True)["live"]) == 1)
+    bounded.until(lambda: len(live_leases(client, job)) == 1, "the first agent holds a lease")
     futures.append(start(client, job, joiner, sync_period=EVERY_20MS, join=True))
-    until(lambda: service.job_state(client, job)["rows_trained"] > 0)  # the joiner trains
+    bounded.until(lambda: service.job_state(client, job)["rows_trained"] > 0,
+                  "the joiner trains")
     GATES[job].set()
-    reports: list[AgentReport] = client.gather(futures)
+    reports: list[AgentReport] = bounded.gather(client, futures)
 
     assert [r.outcome for r in reports] == ["finished", "finished"]
     assert reports[0].rows >= BATCH_ROWS and reports[1].rows > 0
@@ -225,9 +247,10 @@ def test_a_joiner_copies_the_model_trains_and_ends_identical(client: Client) -> 
 
 def test_a_joiner_declines_a_job_whose_sync_is_over(client: Client) -> None:
     job = new_job(client, sync=[workers(client)[0]])
-    assert start(client, job, workers(client)[0], sync_period=EVERY_20MS).result().rows == TOTAL
-    report: AgentReport = start(client, job, workers(client)[1], sync_period=EVERY_20MS,
-                                join=True).result()
+    first = bounded.result(start(client, job, workers(client)[0], sync_period=EVERY_20MS))
+    assert first.rows == TOTAL
+    report: AgentReport = bounded.result(start(client, job, workers(client)[1],
+                                               sync_period=EVERY_20MS, join=True))
     assert (report.outcome, report.rows, report.leases) == ("declined", 0, 0)
 
 
@@ -236,18 +259,14 @@ def test_revoked_lease_ends_at_its_claim_and_the_rest_is_trained_once(client: Cl
     GATES[job] = threading.Event()
     worker = workers(client)[0]
     future = start(client, job, worker, gate=job)
-
-    def first_lease() -> list[dict[str, Any]]:
-        return service.job_state(client, job, leases=True)["live"]
-
-    until(lambda: len(first_lease()) == 1)  # leased, blocked in its first step
-    (lease,) = first_lease()
+    (lease,) = bounded.until(lambda: live_leases(client, job),
+                             "leased, blocked in its first step")
     assert lease["claim_stop"] == lease["start"] + BATCH_ROWS < lease["stop"]
     reply = client.sync(client.scheduler.antdt_revoke, job=job, lease_id=lease["lease_id"])
     (piece,) = reply["pieces"]  # (epoch, shard, start, stop): the unclaimed rest, requeued
     assert piece[2:] == [lease["claim_stop"], lease["stop"]]
     GATES[job].set()
-    report: AgentReport = future.result()
+    report: AgentReport = bounded.result(future)
 
     ranges = trained(client, job, worker)["ranges"]
     assert ranges[0] == (lease["path"], lease["row_group"], lease["start"], lease["claim_stop"])
@@ -258,23 +277,27 @@ def test_revoked_lease_ends_at_its_claim_and_the_rest_is_trained_once(client: Cl
 
 
 def test_stop_is_obeyed_by_every_agent(client: Client) -> None:
-    job = new_job(client, epochs=50)
-    futures = [start(client, job, w, step_s=0.002) for w in workers(client)]
-    until(lambda: service.job_state(client, job)["rows_trained"] > 0)
-    service.stop_job(client, job, "test stops it")
-    reports: list[AgentReport] = client.gather(futures)
+    job = new_job(client, epochs=2)
+    GATES[job] = threading.Event()
+    futures = [start(client, job, w, gate=job) for w in workers(client)]
+    bounded.until(lambda: len(live_leases(client, job)) == 2, "both agents hold a lease")
+    service.stop_job(client, job, "test stops it")  # both hold a lease, in their first read
+    GATES[job].set()
+    reports: list[AgentReport] = bounded.gather(client, futures)
 
     assert [r.outcome for r in reports] == ["stopped", "stopped"]
+    # each trained the one batch it had claimed, and the commit after it said stop
+    assert [(r.rows, r.batches, r.leases) for r in reports] == [(BATCH_ROWS, 1, 1)] * 2
     state = service.job_state(client, job)
-    assert state["state"] == "stopped" and state["rows_lost"] > 0
-    assert sum(r.rows for r in reports) < 50 * TOTAL
+    assert state["state"] == "stopped"
+    assert state["rows_lost"] == 2 * TOTAL - state["rows_done"] - state["rows_quarantined"] > 0
 
 
 def test_slowdown_sleeps_in_proportion_to_each_batch(client: Client) -> None:
     job = new_job(client)
     step_s = 0.01
     future = start(client, job, workers(client)[0], faults=Faults(slowdown=3.0), step_s=step_s)
-    report: AgentReport = future.result()
+    report: AgentReport = bounded.result(future)
 
     assert report.rows == TOTAL and report.outcome == "finished"
     assert report.busy_s >= report.batches * 3 * step_s  # each batch: compute, then 2x asleep
@@ -290,10 +313,10 @@ def test_hang_stops_progress_until_cancelled_and_gives_the_lease_back(client: Cl
     def hung() -> bool:
         return any(m.get("fault") == "hang" for _, m in client.get_events(agent.event_topic(job)))
 
-    until(hung)
+    bounded.until(hung, "the injected hang")
     assert not future.done()
     agent.cancel_agents(client, job)
-    report: AgentReport = future.result(timeout=30)
+    report: AgentReport = bounded.result(future)
 
     assert (report.outcome, report.rows, report.batches) == ("cancelled", 2 * BATCH_ROWS, 2)
     state = service.job_state(client, job, leases=True)
@@ -302,10 +325,31 @@ def test_hang_stops_progress_until_cancelled_and_gives_the_lease_back(client: Cl
     assert state["rows_todo"] == TOTAL - 2 * BATCH_ROWS
 
 
+def test_a_paused_agent_holds_no_lease_until_its_event_is_set(client: Client) -> None:
+    job = new_job(client)
+    gate = f"{job}-go"
+    future = start(client, job, workers(client)[0],
+                   faults=Faults(pause_until=gate, pause_after_rows=SHARD_ROWS))
+
+    def paused() -> list[dict[str, Any]]:
+        return [m for _, m in client.get_events(agent.event_topic(job))
+                if m.get("fault") == "pause"]
+
+    bounded.until(lambda: len(paused()) == 1, "the agent pauses")
+    state = service.job_state(client, job, leases=True)
+    assert paused()[0]["rows"] == SHARD_ROWS == state["rows_trained"]  # its first shard only
+    assert state["live"] == [] and not future.done()
+    Event(gate, client=client).set()
+    report: AgentReport = bounded.result(future)
+
+    assert (report.outcome, report.rows) == ("finished", TOTAL)
+    assert service.job_state(client, job)["rows_done"] == TOTAL
+
+
 def test_cancelled_before_leasing_trains_nothing(client: Client) -> None:
     job = new_job(client)
     agent.cancel_agents(client, job)
-    report: AgentReport = start(client, job, workers(client)[0]).result()
+    report: AgentReport = bounded.result(start(client, job, workers(client)[0]))
     assert (report.outcome, report.rows, report.leases) == ("cancelled", 0, 0)
 
 
@@ -319,6 +363,8 @@ def test_plugin_refuses_state_of_an_unknown_job() -> None:
     (dict(slowdown=0.5), "slowdown must be a finite number >= 1"),
     (dict(hang_after_rows=-1), "hang_after_rows must be an int >= 0"),
     (dict(crash_after_rows=1.5), "crash_after_rows must be an int >= 0"),
+    (dict(pause_until=""), "pause_until must be the name of a Dask Event"),
+    (dict(pause_until="go", pause_after_rows=-2), "pause_after_rows must be an int >= 0"),
 ])
 def test_faults_are_validated(faults: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -6,12 +6,13 @@ from __future__ import annotations
 import gc
 import json
 import math
+from collections.abc import Iterator
 from functools import partial
 
 import pytest
 from click.testing import CliRunner
 
-from antdt.controller import ReassignStragglers, SplitTail
+from antdt.controller import Action, ControllerPolicy, ReassignStragglers, SplitTail, Tick
 from antdt.simulator import (MIXES, Mix, Profile, Scenario, _Events, _Worker, ideal_seconds,
                              profiles, simulate, static_makespan)
 from pipeline.simulate import command
@@ -128,11 +129,31 @@ def test_same_seed_same_cluster_other_seed_other_cluster() -> None:
     assert static_makespan(scenario, first) >= ideal_seconds(scenario.total_rows, first)
 
 
+class CountTicks(ControllerPolicy):
+    """A test-only policy that proposes nothing and counts the ticks it saw."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+
+    def run(self, tick: Tick) -> Iterator[Action]:
+        self.ticks += 1
+        yield from ()
+
+
 def test_policies_can_be_passed_in() -> None:
-    result = simulate(Scenario(workers=30, shards=600, mix=MIXES["stragglers"], seed=2),
-                      strategies=("antdt",), policies=[ReassignStragglers(), SplitTail()])
+    scenario = Scenario(workers=30, shards=600, mix=MIXES["stragglers"], seed=2)
+    idle = CountTicks()
+    result = simulate(scenario, strategies=("pull", "antdt"), policies=[idle])
+    # the only policy ran every tick and proposed nothing: the controlled run is a pull run
+    assert idle.ticks > 0 and result["runs"]["antdt"]["actions"] == {}
+    assert result["makespan_s"]["antdt"] == result["makespan_s"]["pull"]
+
+    result = simulate(scenario, strategies=("antdt",), policies=[ReassignStragglers(),
+                                                                  SplitTail()])
     assert set(result["efficiency"]) == {"antdt"}
     assert result["runs"]["antdt"]["rows_done"] == 600_000
+    actions = result["runs"]["antdt"]["actions"]
+    assert actions and set(actions) <= {"reassign", "split"}  # not the default policies
 
 
 def test_mix_is_validated() -> None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
-import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,8 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from click.testing import CliRunner
-from distributed import Client, LocalCluster
+from distributed import Client, Event, LocalCluster
 
+from antdt import agent
 from antdt.errors import DataError
 from antdt.sharding.service import PLUGIN_NAME
 from data.files import expand, row_groups
@@ -29,7 +29,7 @@ from models.evaluate import auc
 from pipeline.cli import cli
 from pipeline.config import load_job
 from pipeline.driver import train_async
-from pipeline.report import JobSummary
+from waits import bounded
 
 TRAIN_ROWS = 16_000
 """Rows of the two training days of ``small_data``."""
@@ -47,18 +47,22 @@ def cluster() -> Iterator[LocalCluster]:
         yield local
 
 
+def scheduler_workers(client: Client) -> list[str]:
+    return sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
 def workers_of(cluster: LocalCluster) -> list[str]:
     with Client(cluster.scheduler_address) as client:
         client.wait_for_workers(2, timeout=60)
-        return sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+        return scheduler_workers(client)
 
 
 @pytest.mark.slow
 def test_cli_trains_async_on_two_workers_and_tracks_the_run(cluster_job: Path) -> None:
     with dask.config.set(FAST):
-        result = CliRunner().invoke(cli, ["train", str(cluster_job), "--workers", "2", "--json",
-                                          "--set", "train.epochs=2",
-                                          "--set", "train.sync_period=2 batches"])
+        result = bounded.call(CliRunner().invoke, cli, [
+            "train", str(cluster_job), "--workers", "2", "--json", "--set", "train.epochs=2",
+            "--set", "train.sync_period=2 batches"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert {"run_id", "auc", "logloss", "oracle_auc", "rows_trained", "rows_lost",
@@ -132,7 +136,7 @@ def test_a_persistent_straggler_loses_its_rows_and_is_retired(cluster_job: Path)
         victim = sorted(pids)[0]
         job = load_job(cluster_job, ["train.epochs=3", "train.batch_size=256",
                                      "train.shard_rows=2048", "faults=[{worker: 0, slowdown: 6}]"])
-        summary = train_async(job, scheduler=local.scheduler_address)
+        summary = bounded.call(train_async, job, scheduler=local.scheduler_address)
         survivors = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
 
     assert summary.rows_lost == 0
@@ -157,12 +161,17 @@ def test_a_persistent_straggler_loses_its_rows_and_is_retired(cluster_job: Path)
 def test_a_worker_process_killed_mid_job_costs_no_row(cluster: LocalCluster,
                                                       cluster_job: Path) -> None:
     victim = workers_of(cluster)[0]
+    gone = f"victim-gone-{uuid.uuid4().hex}"
     job = load_job(cluster_job, [
         "train.epochs=2",
-        # worker 0's process exits after two batches; worker 1 is slowed down so that worker 0
-        # surely gets that far before the rows run out
-        "faults=[{worker: 0, crash_after_rows: 1024}, {worker: 1, slowdown: 2.0}]"])
-    summary = train_async(job, scheduler=cluster.scheduler_address)
+        # worker 0's process exits after two batches; worker 1 waits until it is gone, so that
+        # worker 0 surely gets that far
+        f"faults=[{{worker: 0, crash_after_rows: 1024}}, {{worker: 1, pause_until: {gone}}}]"])
+    run = bounded.start(train_async, job, scheduler=cluster.scheduler_address)
+    with Client(cluster.scheduler_address) as client:
+        bounded.until(lambda: victim not in scheduler_workers(client), "the victim's death")
+        Event(gone, client=client).set()
+    summary = run.result()
 
     assert summary.rows_lost == 0
     assert summary.rows_trained == 2 * TRAIN_ROWS + summary.rows_duplicated
@@ -202,11 +211,11 @@ def test_bad_rows_are_quarantined_in_the_ledger_and_the_rest_trained(
     bad_rows = row_groups([bad])[0].num_rows
 
     with pytest.raises(DataError) as info:
-        train_async(load_job(cluster_job), scheduler=cluster.scheduler_address)
+        bounded.call(train_async, load_job(cluster_job), scheduler=cluster.scheduler_address)
     assert Path(bad).name in str(info.value) and "label" in str(info.value)
 
     job = load_job(cluster_job, ["data.on_bad_data=quarantine"])
-    summary = train_async(job, scheduler=cluster.scheduler_address)
+    summary = bounded.call(train_async, job, scheduler=cluster.scheduler_address)
     assert summary.rows_quarantined == bad_rows
     assert summary.rows_trained == TRAIN_ROWS - bad_rows
     assert summary.rows_lost == summary.rows_duplicated == 0
@@ -217,34 +226,35 @@ def test_bad_rows_are_quarantined_in_the_ledger_and_the_rest_trained(
 
 @pytest.mark.slow
 def test_a_worker_added_mid_job_joins_and_trains(cluster: LocalCluster, cluster_job: Path) -> None:
+    """The first two workers pause after 1,024 rows each; a third worker joins the running job,
+    copies the model and trains 2,048 rows before they go on."""
+    go = f"joiner-trained-{uuid.uuid4().hex}"
     job = load_job(cluster_job, [
-        # the first two workers crawl (a lease is one batch, so they hold little), so that the
-        # job outlasts the new worker's start by far and the new one trains most of it
         "train.epochs=2", "train.shard_rows=512",
-        "faults=[{worker: 0, slowdown: 100.0}, {worker: 1, slowdown: 100.0}]"])
-    result: dict[str, JobSummary] = {}
-    driver = threading.Thread(target=lambda: result.update(
-        summary=train_async(job, scheduler=cluster.scheduler_address)))
-    driver.start()
-    plugins = cluster.scheduler.plugins
-    deadline = time.monotonic() + 60
-    while PLUGIN_NAME not in plugins or not plugins[PLUGIN_NAME].jobs:
-        # the job is registered: the driver has listed its initial workers
-        assert time.monotonic() < deadline and driver.is_alive(), "the job never started"
-        time.sleep(0.05)
-    cluster.scale(3)
-    driver.join(timeout=180)
+        f"faults=[{{worker: 0, pause_after_rows: 1024, pause_until: {go}}}, "
+        f"{{worker: 1, pause_after_rows: 1024, pause_until: {go}}}]"])
+    run = bounded.start(train_async, job, scheduler=cluster.scheduler_address)
+    jobs = cluster.scheduler.plugins[PLUGIN_NAME].jobs
+    (job_id,) = bounded.until(lambda: list(jobs), "the job's registration")
+    with Client(cluster.scheduler_address) as client:
+        bounded.until(lambda: sum(m.get("fault") == "pause" for _, m in
+                                  client.get_events(agent.event_topic(job_id))) == 2,
+                      "both workers paused")
+        before = jobs[job_id].rows_trained
+        cluster.scale(3)
+        bounded.until(lambda: jobs[job_id].rows_trained >= before + 2048,
+                      "the joiner trained 2,048 rows")
+        Event(go, client=client).set()
+        summary = run.result()
     cluster.scale(2)
-    assert not driver.is_alive()
 
-    summary = result["summary"]
     assert summary.workers == 3
     assert summary.rows_lost == 0
     assert summary.rows_trained == 2 * TRAIN_ROWS + summary.rows_duplicated
     mlflow.set_tracking_uri(job.mlflow.tracking_uri)
     metrics = mlflow.get_run(summary.run_id).data.metrics
     assert metrics["agents_joined"] == 1 and metrics["agents_dead"] == 0
-    assert metrics["worker2.rows"] > TRAIN_ROWS  # the joiner copied the model and trained
+    assert metrics["worker2.rows"] >= 2048  # the joiner copied the model and trained
 
 
 @pytest.mark.parametrize("args, message", [

@@ -71,6 +71,13 @@ def test_cli_train_json_prints_the_summary(job_file: Path) -> None:
     assert {"auc", "logloss", "oracle_auc", "rows_trained", "wall_s", "samples_per_s",
             "run_id"} <= set(summary)
     assert summary["samples_per_s"] > 0
+    # the override took effect: the run trained batches of 1,024 rows (metrics every 10 steps)
+    job = load_job(job_file)
+    batches = sum(-(-g.num_rows // 1024) for g in prepare_data(job).train)
+    mlflow.set_tracking_uri(job.mlflow.tracking_uri)
+    assert mlflow.get_run(summary["run_id"]).data.params["train.batch_size"] == "1024"
+    steps = [m.step for m in mlflow.MlflowClient().get_metric_history(summary["run_id"], "loss")]
+    assert max(steps) == batches - batches % job.train.log_every
 
 
 def test_cli_reports_config_errors_in_one_line(job_file: Path) -> None:

@@ -58,11 +58,9 @@ def test_train_shows_the_bar_and_the_summary_and_nothing_else(cluster_job: Path,
 
 @pytest.mark.slow
 def test_verbose_shows_the_libraries_logs(job_file: Path, tmp_path: Path) -> None:
-    quiet = run(["train", str(job_file), "--local"], cwd=tmp_path)
     loud = run(["-v", "train", str(job_file), "--local"], cwd=tmp_path)
 
-    assert quiet.returncode == loud.returncode == 0, loud.stderr
-    assert all(BAR.match(line) for line in quiet.stderr.split("\n") if line.strip())
+    assert loud.returncode == 0, loud.stderr
     # MLflow creates the job's fresh store and says so at INFO; torch warns about fx tracing
     assert "mlflow" in loud.stderr and "is_fx_tracing" in loud.stderr
     assert loud.stdout.startswith("run ")

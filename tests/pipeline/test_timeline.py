@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from pipeline.timeline import OUTCOMES, ActionMark, LeaseSpan, cumulative_rows, render_timeline
+from pipeline.timeline import (OUTCOME_STYLE, OUTCOMES, ActionMark, LeaseSpan, cumulative_rows,
+                               render_timeline)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -20,6 +21,17 @@ def png_size(path: Path) -> tuple[int, int]:
     assert path.read_bytes()[:8] == PNG_SIGNATURE
     height, width = imread(str(path)).shape[:2]
     return width, height
+
+
+def pixels_of(path: Path, colour: str) -> int:
+    """How many pixels of the PNG at ``path`` have the colour ``#RRGGBB`` (within rounding)."""
+    rgb = np.array([int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    image = imread(str(path))[..., :3]
+    return int((np.abs(image - rgb).max(axis=-1) < 0.01).sum())
+
+
+BAR_PIXELS = 2000
+"""More pixels than an outcome's swatch in the key: a colour this frequent is drawn as bars."""
 
 
 def one_lease_each(workers: int) -> list[LeaseSpan]:
@@ -42,6 +54,8 @@ def test_small_job_with_every_outcome_and_action(tmp_path: Path) -> None:
 
     width, height = png_size(path)
     assert width > 800 and height > 300
+    for outcome in OUTCOMES:  # every outcome's bars, in its own colour
+        assert pixels_of(path, OUTCOME_STYLE[outcome][0]) > BAR_PIXELS, outcome
 
 
 def test_height_grows_with_workers_and_is_bounded(tmp_path: Path) -> None:
@@ -59,12 +73,17 @@ def test_empty_job_still_writes_a_png(tmp_path: Path) -> None:
     render_timeline([], [], str(path))
     width, height = png_size(path)
     assert width > 0 and height > 0
+    assert all(pixels_of(path, colour) == 0 for colour, _ in OUTCOME_STYLE.values())
 
 
 def test_actions_without_leases_get_lanes(tmp_path: Path) -> None:
-    path = tmp_path / "actions_only.png"
+    path, empty = tmp_path / "actions_only.png", tmp_path / "empty.png"
     render_timeline([], [ActionMark(1.0, "worker3", "retire", None, "hung")], str(path))
-    png_size(path)
+    render_timeline([], [], str(empty))
+    assert png_size(path) == png_size(empty)
+    # a lane and its marker where the empty job has only its message, and still no bars
+    assert not np.array_equal(imread(str(path)), imread(str(empty)))
+    assert all(pixels_of(path, colour) == 0 for colour, _ in OUTCOME_STYLE.values())
 
 
 @pytest.mark.parametrize("span, named", [

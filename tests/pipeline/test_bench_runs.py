@@ -1,0 +1,56 @@
+"""Tiny runs of the benchmarks that have no test of their own arithmetic: each prints its JSON
+fields, and its baseline ran in the same run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import cli
+from waits import bounded
+
+
+def bench(args: list[str]) -> dict[str, Any]:
+    result = bounded.call(CliRunner().invoke, cli, ["bench", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    out: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return out
+
+
+def test_bench_data_measures_the_reader_and_bare_pyarrow() -> None:
+    out = bench(["data", "--rows", "20000", "--row-group-rows", "5000", "--batch-size", "1000",
+                 "--repeats", "2"])
+    assert (out["rows"], out["row_group_rows"], out["batch_size"], out["repeats"]) == \
+        (20_000, 5_000, 1_000, 2)
+    assert out["rows_per_s"] > 0 and out["pyarrow_rows_per_s"] > 0
+    assert out["ratio"] == pytest.approx(out["rows_per_s"] / out["pyarrow_rows_per_s"], abs=2e-3)
+
+
+def test_bench_train_measures_the_framework_and_a_plain_torchrec_loop() -> None:
+    out = bench(["train", "--rows", "8192", "--batch-size", "1024", "--repeats", "1",
+                 "--arch", "dcn"])
+    assert (out["rows"], out["batch_size"], out["arch"], out["torch_threads"]) == \
+        (8192, 1024, "dcn", 1)
+    assert out["framework_samples_per_s"] > 0 and out["torchrec_loop_samples_per_s"] > 0
+    assert out["ratio"] == pytest.approx(
+        out["framework_samples_per_s"] / out["torchrec_loop_samples_per_s"], abs=2e-3)
+
+
+@pytest.mark.slow
+def test_bench_quality_trains_the_reference_and_the_async_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # MLflow's default store, in the working directory
+    out = bench(["quality", "--rows", "10000", "--data", str(tmp_path / "data"),
+                 "--workers", "2", "--tolerance", "0.5"])
+    assert 0.5 < out["reference_auc"] <= 1.0 and out["reference_samples_per_s"] > 0
+    assert out["rows"] == 7_500  # three of the four synthetic days train
+    (run,) = out["async"]
+    assert run["workers"] == 2 and run["rows_trained"] == out["rows"]
+    assert run["rows_lost"] == run["rows_duplicated"] == 0
+    assert run["gap"] == pytest.approx(out["reference_auc"] - run["auc"], abs=2e-4)
+    assert run["passed"] is out["passed"] is True
+    assert (tmp_path / "mlflow.db").exists()
