@@ -2,13 +2,14 @@
 sharding service leases to it.
 
 ```
- driver ── client.submit(run_agent, spec, make_trainer, make_reader, workers=[addr]) ──► worker
- run_agent:  trainer = make_trainer(device); reader = make_reader()
+ master ── submit(run_agent, spec, make_trainer, make_reader, workers=[addr]) ──► worker
+ run_agent:  secede from the worker's thread pool (a long-running service, not a task)
+             trainer = make_trainer(device); reader = make_reader()
              async mode: ReplicaSync(dense, tables) + BackgroundSync (antdt.sync.background)
    loop:     lease ─► read rows [offset, end) ─► step (under the replica lock) ─► touch ─► commit
              Claim: go on   Revoked: finish the claim, lease again   Finished: lease again
              Stop: the job was stopped   (no lease left: the job finished)
-   end:      finished: final sync round (replicas identical), keep the trainer for the driver
+   end:      finished: final sync round (replicas identical), keep the trainer for the master
              stopped / cancelled: stop syncing, give the leases back
 ```
 
@@ -16,10 +17,12 @@ sharding service leases to it.
 factories (:class:`TrainerFactory`, :class:`ReaderFactory`) that the worker calls, so only small
 picklable recipes travel, never a model.
 
-Cancellation is cooperative (a running Dask task cannot be interrupted): the driver calls
-:func:`cancel_agents`, which sets a flag in this module's worker plugin (:class:`AgentPlugin`);
-the agent checks it between batches and while it hangs. An agent waiting for a lease returns
-when the job is stopped (:func:`antdt.sharding.service.stop_job`), so a driver that aborts does both.
+Cancellation is cooperative (a running Dask task cannot be interrupted): :func:`cancel_here`
+sets a flag in this module's worker plugin (:class:`AgentPlugin`); the agent checks it between
+batches and while it hangs. An agent waiting for a lease returns when the job is stopped
+(:func:`antdt.sharding.service.stop_job`), so a master that aborts does both. An agent secedes
+from its worker's thread pool, so agents of several jobs, and the jobs' other tasks, run on one
+worker side by side.
 
 Fault injection (tests and benchmarks; off by default, see :class:`Faults`): a slowdown factor
 (after each batch, sleep ``(factor - 1)`` x the batch's measured time), a hang (stop making
@@ -27,11 +30,13 @@ progress after some rows, until cancelled), a pause (before leasing again after 
 for a named Dask ``Event``: a test's gate) and a crash (``os._exit`` of the worker process after
 some rows, which looks like a real death to the scheduler and the nanny).
 
-Progress reaches the driver as Dask events (topic :func:`event_topic`), no extra RPC to wait on:
-``progress`` every ``antdt.agent.report-interval`` (rows, busy seconds, loss, samples/s), ``lease``
-at the start and end of every lease (wall-clock times, rows, ``finished`` / ``revoked`` or the
-agent's outcome; the driver draws the job's timeline from them) and ``fault`` when a hang fires.
-The per-batch timings reach the monitor through the commits (``busy_s``, ``batches``).
+Progress reaches the job's master as Dask events (topic :func:`event_topic`), no extra RPC to
+wait on: ``progress`` every ``antdt.agent.report-interval`` (rows, busy seconds, loss,
+samples/s), ``lease`` at the start and end of every lease (wall-clock times, rows, ``finished`` /
+``revoked`` or the agent's outcome; the job's timeline is drawn from them), ``fault`` when a hang
+or a pause fires, and ``log`` for each warning or error the agent's training and sync threads
+log (``antdt logs`` shows them). The per-batch timings reach the monitor through the commits
+(``busy_s``, ``batches``).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
 import torch
-from distributed import Client, Event, Future, Worker, get_worker
+from distributed import Client, Event, Future, Worker, get_worker, secede
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.utils import sync
 
@@ -223,7 +228,8 @@ def event_topic(job: str) -> str:
 
 class AgentPlugin(WorkerPlugin):
     """Per worker: each job's cancellation flag, and the trainer of a finished agent until the
-    driver fetched its state (:func:`fetch_state`) or forgot the job (:func:`forget_job`)."""
+    job's master is done with it (it evaluates and logs the model here) and forgets the job
+    (:func:`forget_here`)."""
 
     name = PLUGIN_NAME
     idempotent = True  # registering again (another job, another driver) keeps the state
@@ -239,19 +245,24 @@ class AgentPlugin(WorkerPlugin):
     def keep(self, job: str, trainer: Trainer[Any]) -> None:
         self._trainers[job] = trainer
 
-    def state(self, job: str) -> Any:
+    def trainer(self, job: str) -> Trainer[Any]:
+        """The trainer the finished agent of ``job`` left on this worker."""
         trainer = self._trainers.get(job)
         if trainer is None:
             raise AntdtError(f"no finished agent of job {job!r} on this worker; finished jobs "
                              f"here: {sorted(self._trainers)}")
-        return trainer.state()
+        return trainer
+
+    def state(self, job: str) -> Any:
+        return self.trainer(job).state()
 
     def forget(self, job: str) -> None:
         self._cancel.pop(job, None)
         self._trainers.pop(job, None)
 
 
-def _plugin(worker: Worker) -> AgentPlugin:
+def plugin_of(worker: Worker) -> AgentPlugin:
+    """``worker``'s :class:`AgentPlugin`."""
     plugin = worker.plugins.get(PLUGIN_NAME)
     if not isinstance(plugin, AgentPlugin):
         raise AntdtError(f"worker {worker.address} has no {PLUGIN_NAME!r} plugin: call "
@@ -259,16 +270,18 @@ def _plugin(worker: Worker) -> AgentPlugin:
     return plugin
 
 
-def _cancel_here(job: str, dask_worker: Worker) -> None:
-    _plugin(dask_worker).cancelled(job).set()
+def cancel_here(job: str, dask_worker: Worker) -> None:
+    """Ask this worker's agent of ``job`` to stop at its next check (``client.run``)."""
+    plugin_of(dask_worker).cancelled(job).set()
+
+
+def forget_here(job: str, dask_worker: Worker) -> None:
+    """Drop ``job``'s flag and finished trainer on this worker (``client.run``)."""
+    plugin_of(dask_worker).forget(job)
 
 
 def _state_here(job: str, dask_worker: Worker) -> Any:
-    return _plugin(dask_worker).state(job)
-
-
-def _forget_here(job: str, dask_worker: Worker) -> None:
-    _plugin(dask_worker).forget(job)
+    return plugin_of(dask_worker).state(job)
 
 
 # ---- driver helpers ---------------------------------------------------------------------------
@@ -289,7 +302,7 @@ def start_agent(client: Client, worker: str, spec: AgentSpec, make_trainer: Trai
 
 def cancel_agents(client: Client, job: str, workers: Sequence[str] | None = None) -> None:
     """Ask ``job``'s agents (on ``workers``, default all) to stop at their next check."""
-    client.run(_cancel_here, job, workers=list(workers) if workers is not None else None,
+    client.run(cancel_here, job, workers=list(workers) if workers is not None else None,
                on_error="ignore")
 
 
@@ -298,17 +311,15 @@ def fetch_state(client: Client, job: str, worker: str) -> Any:
     return client.run(_state_here, job, workers=[worker])[worker]
 
 
-def forget_job(client: Client, job: str) -> None:
-    """Drop ``job``'s flags and finished trainers on every worker."""
-    client.run(_forget_here, job, on_error="ignore")
-
 
 # ---- the task ---------------------------------------------------------------------------------
 
 
 def run_agent(spec: AgentSpec, make_trainer: TrainerFactory,
               make_reader: ReaderFactory) -> AgentReport:
-    """The agent task (see the module docstring); runs on the worker it was pinned to."""
+    """The agent task (see the module docstring); runs on the worker it was pinned to, out of
+    the worker's thread pool."""
+    secede()
     return Agent(spec, make_trainer, make_reader).run()
 
 
@@ -322,7 +333,7 @@ class Agent:
                  make_reader: ReaderFactory, *, worker: Worker | None = None) -> None:
         self.spec = spec
         self.worker = worker if worker is not None else get_worker()
-        self._plugin = _plugin(self.worker)
+        self._plugin = plugin_of(self.worker)
         self.cancelled = self._plugin.cancelled(spec.job)
         prepare_process(spec.threads)
         self.device = pick_device(spec.device)
@@ -352,14 +363,19 @@ class Agent:
         started = time.perf_counter()
         logger.info("agent of job %s on %s (%s) starting", self.spec.job, self.worker.address,
                     self.device)
+        forward = _ForwardLogs(self)
+        logging.getLogger("antdt").addHandler(forward)
         try:
-            outcome = self._join_sync()
-            if outcome is None:
-                outcome = self._train()
-        except BaseException:
-            self._abandon()
-            raise
-        self._end(outcome)
+            try:
+                outcome = self._join_sync()
+                if outcome is None:
+                    outcome = self._train()
+            except BaseException:
+                self._abandon()
+                raise
+            self._end(outcome)
+        finally:
+            logging.getLogger("antdt").removeHandler(forward)
         self._report(force=True)
         report = AgentReport(
             worker=self.worker.address, outcome=outcome, rows=self.rows, batches=self.batches,
@@ -443,7 +459,7 @@ class Agent:
             self._window.add(end - offset, loss)
             reply = self.shards.commit(end, stats={BUSY: busy, BATCHES: 1.0})
             offset = end
-            self._report()
+            self._report(force=self.batches == 1)  # followers see training begin at once
             if self._faults_fire():
                 return "cancelled", revoked
             if isinstance(reply, (Claim, Revoked)):
@@ -587,6 +603,23 @@ class Agent:
     def _event(self, msg: dict[str, Any]) -> None:
         """Send ``msg`` (with this worker's address) to the driver on the job's event topic."""
         self.worker.log_event(event_topic(self.spec.job), {**msg, "worker": self.worker.address})
+
+
+class _ForwardLogs(logging.Handler):
+    """Sends the warnings and errors the agent's own threads log (training, and its background
+    sync) to its job's event topic, where the job's master keeps them for ``antdt logs``."""
+
+    def __init__(self, agent: Agent) -> None:
+        super().__init__(logging.WARNING)
+        self.agent = agent
+        self.thread = threading.get_ident()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sync = self.agent.sync
+        if record.thread not in (self.thread, sync.thread_id if sync is not None else None):
+            return
+        self.agent._event({"kind": "log", "level": record.levelname.lower(),
+                           "logger": record.name, "message": record.getMessage()})
 
 
 @dataclass

@@ -123,6 +123,7 @@ class ControllerPlugin(SchedulerPlugin):
 
     @rpc.handler
     async def actions_handler(self, job: str, since: int = 0) -> dict[str, Any]:
+        since = rpc.integer("since", since)
         control = self._known(job)
         return {"status": "OK", "job": job, "enabled": self._is_enabled(job),
                 **control.controller.actions(since)}

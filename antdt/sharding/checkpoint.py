@@ -6,13 +6,11 @@ leases are written as queue-front pieces from their synced offset (the workers a
 is restored) and their trained-but-unsynced rows count as duplicated. Shards and the epoch
 permutation are not stored; they are recomputed from the row groups and the seed.
 
-Checkpoint format (version 1)
+Checkpoint format (version 2)
 -----------------------------
 ``MAGIC`` (8 bytes), a little-endian uint32 header length, a UTF-8 JSON header (configuration,
-paths, counters, epoch cursor, quarantine records, array table), then the raw little-endian arrays
-it lists: the row-group table and the queue-front pieces. Live leases are written as queue-front
-pieces from their synced offset (the workers are gone when it is restored). Shards and the epoch
-permutation are recomputed from the row groups and the seed.
+paths, counters, rows done per epoch, epoch cursor, quarantine records, array table), then the
+raw little-endian arrays it lists: the row-group table and the queue-front pieces.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ import numpy as np
 from antdt.errors import LedgerError
 from antdt.sharding.leases import QuarantineRecord
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"ANTDTLG\x00"
 
 
@@ -54,6 +52,7 @@ class LedgerState:
     next_lease_id: int
     stopped: str | None
     counters: dict[str, int]
+    done_by_epoch: list[int]
     quarantine: list[QuarantineRecord]
     front: np.ndarray
 
@@ -75,6 +74,7 @@ def encode(state: LedgerState) -> bytes:
         "max_claim_rows": state.max_claim_rows, "paths": state.paths,
         "epoch": state.epoch, "pos": state.pos, "next_lease_id": state.next_lease_id,
         "stopped": state.stopped, "counters": state.counters,
+        "done_by_epoch": state.done_by_epoch,
         "quarantine": [list(record) for record in state.quarantine],
         "arrays": table,
     }
@@ -105,6 +105,7 @@ def decode(data: bytes) -> LedgerState:
         rg_rows=arrays["rg_rows"], epoch=int(header["epoch"]), pos=int(header["pos"]),
         next_lease_id=int(header["next_lease_id"]), stopped=header["stopped"],
         counters={name: int(value) for name, value in header["counters"].items()},
+        done_by_epoch=[int(rows) for rows in header["done_by_epoch"]],
         quarantine=[QuarantineRecord(*record) for record in header["quarantine"]],
         front=arrays["front"])
 

@@ -275,6 +275,7 @@ class ShardLedger:
         self.rows_quarantined = sum(r.rows for r in self._records)
         self.rows_trained = 0
         self.rows_done = 0
+        self._done_by_epoch = [0] * self.epochs
         self.rows_duplicated = 0
         self.rows_lost = 0
         self.rows_leased = 0
@@ -315,6 +316,7 @@ class ShardLedger:
             "epochs": self.epochs, "shards": self.num_shards, "total_rows": self.total_rows,
             "rows_expected": self.rows_expected, "rows_todo": self.rows_todo,
             "rows_leased": self.rows_leased, "rows_done": self.rows_done,
+            "rows_done_by_epoch": list(self._done_by_epoch),
             "rows_trained": self.rows_trained, "rows_duplicated": self.rows_duplicated,
             "rows_lost": self.rows_lost, "rows_quarantined": self.rows_quarantined,
             "leases": len(self._leases), "workers": len(self._by_worker),
@@ -393,6 +395,7 @@ class ShardLedger:
         lease.synced = synced_offset
         self.rows_trained += trained
         self.rows_done += newly_synced
+        self._done_by_epoch[lease.epoch] += newly_synced
         self.rows_leased -= newly_synced
         if trained or stats:
             now = self._clock()
@@ -523,6 +526,7 @@ class ShardLedger:
             paths=list(self._paths), rg_file=self._rg_file, rg_group=self._rg_group,
             rg_rows=self._rg_rows, epoch=self._epoch, pos=self._pos,
             next_lease_id=self._next_id, stopped=self._stopped,
+            done_by_epoch=list(self._done_by_epoch),
             counters={"rows_trained": self.rows_trained, "rows_done": self.rows_done,
                       "rows_duplicated": self.rows_duplicated + unsynced,
                       "rows_lost": self.rows_lost, "rows_quarantined": self.rows_quarantined},
@@ -543,6 +547,7 @@ class ShardLedger:
         ledger._records = list(state.quarantine)
         for name, value in state.counters.items():
             setattr(ledger, name, int(value))
+        ledger._done_by_epoch = list(state.done_by_epoch)
         ledger._next_id = state.next_lease_id
         ledger._stopped = state.stopped
         if ledger._stopped is None:
@@ -587,6 +592,7 @@ class ShardLedger:
         assert leased == self.rows_leased, (leased, self.rows_leased)
         unsynced = sum(lease.offset - lease.synced for lease in self._leases.values())
         assert self.rows_trained == self.rows_done + self.rows_duplicated + unsynced
+        assert sum(self._done_by_epoch) == self.rows_done
         for lease in self._leases.values():
             assert lease.start <= lease.synced <= lease.offset <= lease.claim_stop <= lease.stop
             assert lease.synced < lease.stop

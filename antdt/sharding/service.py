@@ -42,7 +42,7 @@ from antdt.errors import LedgerError
 from antdt.rpc import MAX_NAME, Reply
 from antdt.sharding.checkpoint import read, write_atomic
 from antdt.sharding.leases import (Claim, CommitEvent, CommitReply, Finished, Lease, LeaseReply,
-                                   QuarantineSpec, Revoked, RowGroup, Wait)
+                                   QuarantineSpec, Revoked, RowGroup, Stop, Wait)
 from antdt.sharding.ledger import ShardLedger
 
 logger = logging.getLogger(__name__)
@@ -54,21 +54,6 @@ MAX_ROW_GROUPS = 10_000_000
 MAX_COMMITS = 1024
 MAX_STATS = 32
 MAX_REASON = 2000
-
-
-def _optional_int(what: str, value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LedgerError(f"{what} must be an int or None, found {value!r}")
-    return value
-
-
-def _seconds(what: str, value: object, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0 <= value <= high:
-        raise LedgerError(f"{what} must be a number of seconds in [0, {high}], found {value!r}")
-    return float(value)
 
 
 def _stats(value: object) -> dict[str, float] | None:
@@ -177,6 +162,8 @@ class ShardingService(SchedulerPlugin):
     @rpc.handler
     async def job_state(self, job: str, leases: bool = False) -> Reply:
         """Counters of ``job``; with ``leases`` also its live leases."""
+        if not isinstance(leases, bool):
+            raise LedgerError(f"leases must be a bool, found {str(leases)[:80]!r}")
         ledger = self._ledger(job)
         reply: Reply = {"status": "OK", **ledger.summary()}
         if leases:
@@ -188,7 +175,10 @@ class ShardingService(SchedulerPlugin):
         """Save ``job``'s ledger to the fsspec ``path`` (atomic on local disks)."""
         data = self._ledger(job).to_bytes()
         path = rpc.name("path", path)
-        await asyncio.to_thread(write_atomic, path, data)
+        try:
+            await asyncio.to_thread(write_atomic, path, data)
+        except OSError as e:
+            raise LedgerError(f"job {job!r}: cannot write the checkpoint {path}: {e}") from e
         return {"status": "OK", "bytes": len(data), "path": path}
 
     @rpc.handler
@@ -202,7 +192,12 @@ class ShardingService(SchedulerPlugin):
             data = await asyncio.to_thread(read, path)
         except FileNotFoundError as e:
             raise LedgerError(f"job {job!r}: checkpoint {path} does not exist") from e
-        ledger = ShardLedger.from_bytes(data, clock=time)
+        except OSError as e:
+            raise LedgerError(f"job {job!r}: cannot read the checkpoint {path}: {e}") from e
+        try:
+            ledger = ShardLedger.from_bytes(data, clock=time)
+        except LedgerError as e:
+            raise LedgerError(f"job {job!r}: checkpoint {path}: {e}") from e
         ledger.job = job
         self._add(job, ledger)
         logger.info("job %s restored from %s: %s", job, path, ledger.summary())
@@ -213,17 +208,21 @@ class ShardingService(SchedulerPlugin):
         """Stop ``job`` early (its rows not done count as lost); agents get ``stop``."""
         ledger = self._ledger(job)
         ledger.stop(rpc.name("reason", reason))
-        self._notify(job)
+        self.notify(job)
         return {"status": "OK", **ledger.summary()}
 
     @rpc.handler
     async def forget_job(self, job: str) -> Reply:
         """Drop ``job`` and return its final counters."""
         ledger = self._ledger(job)
-        del self.jobs[job]
-        self._notify(job)
-        self._changed.pop(job, None)
+        self.forget(job)
         return {"status": "OK", **ledger.summary()}
+
+    def forget(self, job: str) -> None:
+        """Drop ``job`` (idempotent); its waiting lease calls return."""
+        if self.jobs.pop(job, None) is not None:
+            self.notify(job)
+            self._changed.pop(job, None)
 
     # ---- agents -------------------------------------------------------------------------------
 
@@ -234,15 +233,20 @@ class ShardingService(SchedulerPlugin):
         """Apply ``commits`` (see :meth:`commit`), then lease the next rows for ``worker``."""
         ledger = self._ledger(job)
         worker = rpc.name("worker", worker)
-        claim_rows = _optional_int("claim_rows", claim_rows)
+        claim_rows = rpc.integer("claim_rows", claim_rows, optional=True)
         wait = config.seconds("antdt.sharding.lease-wait") if wait_s is None else \
-            _seconds("wait_s", wait_s, 300.0)
+            rpc.seconds("wait_s", wait_s, 300.0)
         assert self.scheduler is not None
         if worker not in self.scheduler.workers:
             raise LedgerError(f"job {job!r}: {worker!r} is not a worker of this cluster")
         replies = self._commits(ledger, commits)
         deadline = time() + wait
         while True:
+            # checked again after every wait: a worker removed meanwhile (retired, dead) must
+            # not be handed rows, no one would ever give them back
+            if worker not in self.scheduler.workers:
+                return {"status": "OK", "replies": replies,
+                        "lease": lease_msg(Stop(f"{worker} left the cluster"))}
             reply = ledger.lease(worker, claim_rows)
             left = deadline - time()
             if not isinstance(reply, Wait) or left <= 0:
@@ -263,32 +267,37 @@ class ShardingService(SchedulerPlugin):
     @rpc.handler
     async def release(self, job: str, lease_id: int, token: str) -> Reply:
         """The holder gives its lease up; rows from its synced offset are queued again."""
+        lease_id, token = rpc.integer("lease_id", lease_id), rpc.name("token", token)
         rows = self._ledger(job).release(lease_id, token)
-        self._notify(job)
+        self.notify(job)
         return {"status": "OK", "rows": rows}
 
     @rpc.handler
     async def quarantine(self, job: str, lease_id: int, token: str, stop: int,
                          reason: str) -> Reply:
         """The holder could not read rows ``[offset, stop)`` of its lease."""
+        lease_id, token = rpc.integer("lease_id", lease_id), rpc.name("token", token)
+        stop = rpc.integer("stop", stop)
         if not isinstance(reason, str) or len(reason) > MAX_REASON:
-            raise LedgerError(f"reason must be a str of at most {MAX_REASON} characters")
+            raise LedgerError(f"reason must be a str of at most {MAX_REASON} characters, found "
+                              f"{str(reason)[:80]!r}")
         reply = self._ledger(job).quarantine(lease_id, token, stop, reason)
-        self._notify(job)
+        self.notify(job)
         return {"status": "OK", "reply": commit_msg(reply)}
 
     # ---- controller ---------------------------------------------------------------------------
 
     @rpc.handler
     async def revoke(self, job: str, lease_id: int) -> Reply:
-        piece = self._ledger(job).revoke(lease_id)
-        self._notify(job)
+        piece = self._ledger(job).revoke(rpc.integer("lease_id", lease_id))
+        self.notify(job)
         return {"status": "OK", "pieces": [list(piece)] if piece else []}
 
     @rpc.handler
     async def split(self, job: str, lease_id: int, parts: int) -> Reply:
+        lease_id, parts = rpc.integer("lease_id", lease_id), rpc.integer("parts", parts, 2)
         pieces = self._ledger(job).split(lease_id, parts)
-        self._notify(job)
+        self.notify(job)
         return {"status": "OK", "pieces": [list(piece) for piece in pieces]}
 
     # ---- cluster events -----------------------------------------------------------------------
@@ -297,14 +306,14 @@ class ShardingService(SchedulerPlugin):
                       **kwargs: Any) -> None:
         for job, ledger in self.jobs.items():
             if ledger.remove_worker(worker):
-                self._notify(job)
+                self.notify(job)
 
     def restart(self, scheduler: Scheduler) -> None:
         """Every task is forgotten, so every agent is gone: queue all leases again."""
         for job, ledger in self.jobs.items():
             for worker in ledger.workers():
                 ledger.remove_worker(worker)
-            self._notify(job)
+            self.notify(job)
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -320,7 +329,7 @@ class ShardingService(SchedulerPlugin):
             raise LedgerError(f"unknown job {job!r}; registered jobs: {sorted(self.jobs)[:20]}")
         return ledger
 
-    def _notify(self, job: str) -> None:
+    def notify(self, job: str) -> None:
         """Wake the lease calls waiting on ``job`` (rows were queued, or its state changed)."""
         event = self._changed.get(job)
         if event is not None:
@@ -341,14 +350,15 @@ class ShardingService(SchedulerPlugin):
                                                          "synced_offset"} <= item.keys():
                     raise LedgerError(f"a commit must be a dict with lease_id, token, offset and"
                                       f" synced_offset, found {str(item)[:120]!r}")
+                claim_rows = rpc.integer("claim_rows", item.get("claim_rows"), optional=True)
                 reply = ledger.commit(item["lease_id"], item["token"], item["offset"],
                                       item["synced_offset"], _stats(item.get("stats")),
-                                      _optional_int("claim_rows", item.get("claim_rows")))
+                                      claim_rows)
                 replies.append(commit_msg(reply))
             except LedgerError as e:
                 replies.append({"kind": "error", "message": str(e)})
         if replies:
-            self._notify(ledger.job)
+            self.notify(ledger.job)
         return replies
 
 

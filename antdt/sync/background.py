@@ -31,15 +31,16 @@ import contextlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from distributed import Worker, get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.metrics import time
 from distributed.utils import sync
 
-from antdt import config
+from antdt import config, rpc
 from antdt.errors import SyncError
+from antdt.rpc import Reply
 from antdt.sync.period import SyncPeriod
 from antdt.sync.replica import (PEER_FAILURES, ExchangeReport, PeerPayload, ReplicaSnapshot,
                                 ReplicaSync)
@@ -67,8 +68,8 @@ class SyncWorkerPlugin(WorkerPlugin):
 
     def setup(self, worker: Worker) -> None:
         self.worker = worker
-        worker.handlers["antdt_sync_pull"] = self.pull
-        worker.handlers["antdt_sync_snapshot"] = self.snapshot
+        worker.handlers["antdt_sync_pull"] = self.pull_handler
+        worker.handlers["antdt_sync_snapshot"] = self.snapshot_handler
 
     def teardown(self, worker: Worker) -> None:
         worker.handlers.pop("antdt_sync_pull", None)
@@ -86,22 +87,29 @@ class SyncWorkerPlugin(WorkerPlugin):
         """Stop serving ``job`` (idempotent)."""
         self.replicas.pop(job, None)
 
-    async def pull(self, job: str, requester: str, round: int, since_seq: int) -> PullMsg:
+    @rpc.handler
+    async def pull_handler(self, job: object, requester: object, round: object,
+                           since_seq: object) -> Reply:
         """A peer's request: this replica's entries after ``since_seq`` and its snapshot of
-        ``round``. Preparing takes the replica lock, so it runs in a thread, not on the loop."""
-        payload = await asyncio.to_thread(self._replica(job).serve, requester, int(round),
-                                          int(since_seq))
-        return payload_to_msg(payload)
+        ``round`` (a :class:`PullMsg`). Preparing takes the replica lock, so it runs in a
+        thread, not on the loop."""
+        name = rpc.name("requester", requester, error=SyncError)
+        wanted = rpc.integer("round", round, error=SyncError)
+        since = rpc.integer("since_seq", since_seq, error=SyncError)
+        payload = await asyncio.to_thread(self._replica(job).serve, name, wanted, since)
+        return {"status": "OK", **payload_to_msg(payload)}
 
-    async def snapshot(self, job: str, requester: str) -> SnapshotMsg:
-        """A joiner's or the final round's request: this replica's whole state (taken under the
-        replica lock, in a thread)."""
+    @rpc.handler
+    async def snapshot_handler(self, job: object, requester: object) -> Reply:
+        """A joiner's or the final round's request: this replica's whole state (a
+        :class:`SnapshotMsg`, taken under the replica lock, in a thread)."""
+        requester = rpc.name("requester", requester, error=SyncError)
         snapshot = await asyncio.to_thread(self._replica(job).snapshot)
         logger.info("sync job %s: serving a snapshot to %s", job, requester)
-        return snapshot_to_msg(snapshot)
+        return {"status": "OK", **snapshot_to_msg(snapshot)}
 
-    def _replica(self, job: str) -> ReplicaSync:
-        replica = self.replicas.get(job)
+    def _replica(self, job: object) -> ReplicaSync:
+        replica = self.replicas.get(rpc.name("job", job, error=SyncError))
         if replica is None:
             raise SyncError(f"no replica of sync job {job!r} on {self.worker.address}")
         return replica
@@ -164,6 +172,11 @@ class BackgroundSync:
         """See :meth:`antdt.sync.EmbeddingDeltaLog.synced_offset`."""
         return self.replica.synced_offset()
 
+    @property
+    def thread_id(self) -> int | None:
+        """The background thread's identifier (None before it started)."""
+        return self._thread.ident
+
     def start(self, *, join: bool = False, timeout_s: float | None = None) -> str | None:
         """Learn the members, start serving peers and start the background thread.
 
@@ -175,7 +188,7 @@ class BackgroundSync:
             self.bootstrapped_from = self._join(
                 config.seconds("antdt.sync.join-timeout") if timeout_s is None else timeout_s)
         else:
-            msg: MembersMsg = self._call(self.worker.scheduler.antdt_sync_members, job=self.job)
+            msg: MembersMsg = self._ask("antdt_sync_members", job=self.job)
             self._set_members(msg["members"], msg["members_version"])
         self._plugin.attach(self.job, self.replica)
         self._thread.start()
@@ -187,7 +200,7 @@ class BackgroundSync:
         self._halt()
         self._plugin.detach(self.job)
         try:
-            self._call(self.worker.scheduler.antdt_sync_leave, job=self.job,
+            self._ask("antdt_sync_leave", job=self.job,
                        worker=self.worker.address)
         except (OSError, TimeoutError) as exc:  # the scheduler drops us when we go anyway
             logger.warning("sync job %s: could not leave (scheduler unreachable): %r", self.job,
@@ -224,13 +237,13 @@ class BackgroundSync:
         on failure leave the job again, so nobody's final round waits for this worker."""
         deadline = time() + timeout_s
         try:
-            msg: JoinMsg = self._call(self.worker.scheduler.antdt_sync_join, job=self.job,
+            msg: JoinMsg = self._ask("antdt_sync_join", job=self.job,
                                       worker=self.worker.address)
             while not msg["settled"]:
                 if time() > deadline:
                     raise SyncError(f"sync job {self.job}: members {msg['waiting'][:10]} did not "
                                     f"acknowledge {self.worker.address} within {timeout_s}s")
-                msg = self._call(self.worker.scheduler.antdt_sync_join, job=self.job,
+                msg = self._ask("antdt_sync_join", job=self.job,
                                  worker=self.worker.address)
             self._set_members(msg["members"], msg["members_version"])
             if not msg["bootstrap"]:
@@ -252,7 +265,7 @@ class BackgroundSync:
                             "checkpoint now")
         except BaseException:
             with contextlib.suppress(OSError, TimeoutError):
-                self._call(self.worker.scheduler.antdt_sync_leave, job=self.job,
+                self._ask("antdt_sync_leave", job=self.job,
                            worker=self.worker.address)
             raise
 
@@ -261,7 +274,7 @@ class BackgroundSync:
         every member did, serving meanwhile; a leader that dies is replaced and adopted again."""
         adopted: str | None = None
         while True:
-            msg: FinalMsg = self._call(self.worker.scheduler.antdt_sync_complete, job=self.job,
+            msg: FinalMsg = self._ask("antdt_sync_complete", job=self.job,
                                        worker=self.worker.address, adopted_from=adopted)
             if msg["done"]:
                 self.final_leader = msg["leader"]
@@ -284,10 +297,10 @@ class BackgroundSync:
 
     def _snapshot_of(self, peer: str, timeout_s: float) -> ReplicaSnapshot:
         async def fetch() -> SnapshotMsg:
-            msg: SnapshotMsg = await asyncio.wait_for(
+            msg = cast(SnapshotMsg, rpc.ok(await asyncio.wait_for(
                 self.worker.rpc(peer).antdt_sync_snapshot(job=self.job,
                                                           requester=self.worker.address),
-                timeout_s)
+                timeout_s), error=SyncError))
             return msg
 
         return msg_to_snapshot(self._call(fetch, callback_timeout=timeout_s + self.rpc_timeout_s))
@@ -341,7 +354,7 @@ class BackgroundSync:
     def _round(self, final: bool) -> ExchangeReport | None:
         """Ask for a group and exchange with it; None when there was nothing to do."""
         try:
-            msg: GroupMsg = self._call(self.worker.scheduler.antdt_sync_group, job=self.job,
+            msg: GroupMsg = self._ask("antdt_sync_group", job=self.job,
                                        worker=self.worker.address,
                                        progress=self.replica.rows_offset, final=final,
                                        members_version=self._members_version)
@@ -349,8 +362,7 @@ class BackgroundSync:
             logger.warning("sync job %s: scheduler unreachable, retrying: %r", self.job, exc)
             return None
         if msg["members_version"] != self._members_version:
-            members: MembersMsg = self._call(self.worker.scheduler.antdt_sync_members,
-                                             job=self.job)
+            members: MembersMsg = self._ask("antdt_sync_members", job=self.job)
             self._set_members(members["members"], members["members_version"])
         if msg["kind"] != "group":
             return None
@@ -393,9 +405,11 @@ class BackgroundSync:
                         raise TimeoutError(f"{peer} did not answer in {self.rpc_timeout_s:g}s")
                     done, _ = await asyncio.wait([pull], timeout=min(left, MEMBER_CHECK_S))
                     if done:
-                        return msg_to_payload(pull.result())
-                    members: MembersMsg = await self.worker.scheduler.antdt_sync_members(
-                        job=self.job)
+                        return msg_to_payload(cast(PullMsg, rpc.ok(pull.result(),
+                                                                   error=SyncError)))
+                    members = cast(MembersMsg, rpc.ok(
+                        await self.worker.scheduler.antdt_sync_members(job=self.job),
+                        error=SyncError))
                     if peer not in members["members"]:
                         raise SyncError(f"{peer} left the job's members while we pulled")
             finally:
@@ -416,6 +430,11 @@ class BackgroundSync:
         """Apply a member list; the next group call acknowledges ``members_version``."""
         self.replica.set_peers(members)
         self._members_version = members_version
+
+    def _ask(self, handler: str, **kwargs: Any) -> Any:
+        """The scheduler's reply to ``handler`` (a :class:`SyncError` when it refused)."""
+        return rpc.ok(self._call(getattr(self.worker.scheduler, handler), **kwargs),
+                      error=SyncError)
 
     def _call(self, func: Callable[..., Awaitable[Any]], *args: Any,
               callback_timeout: float | None = None, **kwargs: Any) -> Any:

@@ -31,8 +31,9 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.metrics import time
 from distributed.protocol.pickle import dumps
 
-from antdt import config
+from antdt import config, rpc
 from antdt.errors import SyncError
+from antdt.rpc import Reply
 from antdt.sync.background import SyncWorkerPlugin
 from antdt.sync.groups import MemberState, SyncScheduler
 from antdt.sync.wire import PLUGIN_NAME, FinalMsg, GroupMsg, JoinMsg, MembersMsg, group_msg
@@ -59,8 +60,12 @@ class SyncService(SchedulerPlugin):
       all are done or the worker has a leader to adopt from
     - ``antdt_sync_stop(job)``
 
-    A worker that leaves the cluster leaves every job's group scheduling. Registering this plugin
-    also registers :class:`SyncWorkerPlugin` on every worker.
+    Each handler checks its arguments and answers ``{"status": "OK", ...}`` (the message named
+    above) or ``{"status": "error", "message": ...}``: a malformed call never raises inside the
+    scheduler (:func:`antdt.rpc.handler`). The methods of the same names without ``_handler``
+    are the logic, for callers in the scheduler (the job service). A worker that leaves the
+    cluster leaves every job's group scheduling. Registering this plugin also registers
+    :class:`SyncWorkerPlugin` on every worker.
     """
 
     name = PLUGIN_NAME
@@ -78,13 +83,13 @@ class SyncService(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         scheduler.handlers.update({
-            "antdt_sync_start": self.start_job,
-            "antdt_sync_group": self.group,
-            "antdt_sync_members": self.members,
-            "antdt_sync_join": self.join,
-            "antdt_sync_leave": self.leave,
-            "antdt_sync_complete": self.complete,
-            "antdt_sync_stop": self.stop_job,
+            "antdt_sync_start": self.start_handler,
+            "antdt_sync_group": self.group_handler,
+            "antdt_sync_members": self.members_handler,
+            "antdt_sync_join": self.join_handler,
+            "antdt_sync_leave": self.leave_handler,
+            "antdt_sync_complete": self.complete_handler,
+            "antdt_sync_stop": self.stop_handler,
         })
         await scheduler.register_worker_plugin(None, dumps(SyncWorkerPlugin()), name=PLUGIN_NAME,
                                                idempotent=True)
@@ -120,8 +125,6 @@ class SyncService(SchedulerPlugin):
     async def group(self, job: str, worker: str, progress: int, final: bool = False,
                     members_version: int | None = None) -> GroupMsg:
         """See the class docstring."""
-        if not isinstance(progress, int) or progress < 0:
-            raise SyncError(f"antdt_sync_group: progress must be an int >= 0, found {progress!r}")
         if members_version is not None and self._job(job).acknowledge(worker, members_version):
             self._notify(job)
         deadline = time() + self.poll_s
@@ -189,6 +192,62 @@ class SyncService(SchedulerPlugin):
                 return {"done": done, "leader": leader}
             await self._changed(job, left)
 
+    # ---- handlers: arguments checked, errors as replies ----------------------------------------
+
+    @rpc.handler
+    async def start_handler(self, job: object, workers: object, group_size: object = None,
+                            max_wait_s: object = None, max_progress_gap: object = None) -> Reply:
+        job = _name("job", job)
+        if not isinstance(workers, (list, tuple)) or not all(isinstance(w, str)
+                                                             for w in workers):
+            raise SyncError(f"sync job {job!r}: workers must be a list of addresses, found "
+                            f"{str(workers)[:80]!r}")
+        self.start_job(job, list(workers),
+                       rpc.integer("group_size", group_size, 2, optional=True, error=SyncError),
+                       rpc.seconds("max_wait_s", max_wait_s, 3600.0, optional=True,
+                                   error=SyncError),
+                       rpc.integer("max_progress_gap", max_progress_gap, optional=True,
+                                   error=SyncError))
+        return {"status": "OK"}
+
+    @rpc.handler
+    async def stop_handler(self, job: object) -> Reply:
+        self.stop_job(_name("job", job))
+        return {"status": "OK"}
+
+    @rpc.handler
+    async def members_handler(self, job: object) -> Reply:
+        return {"status": "OK", **self.members(_name("job", job))}
+
+    @rpc.handler
+    async def group_handler(self, job: object, worker: object, progress: object,
+                            final: object = False, members_version: object = None) -> Reply:
+        if not isinstance(final, bool):
+            raise SyncError(f"antdt_sync_group: final must be a bool, found {final!r}")
+        msg = await self.group(_name("job", job), _name("worker", worker),
+                               rpc.integer("progress", progress, error=SyncError), final,
+                               rpc.integer("members_version", members_version, optional=True,
+                                           error=SyncError))
+        return {"status": "OK", **msg}
+
+    @rpc.handler
+    async def join_handler(self, job: object, worker: object) -> Reply:
+        return {"status": "OK", **await self.join(_name("job", job), _name("worker", worker))}
+
+    @rpc.handler
+    async def leave_handler(self, job: object, worker: object) -> Reply:
+        self.leave(_name("job", job), _name("worker", worker))
+        return {"status": "OK"}
+
+    @rpc.handler
+    async def complete_handler(self, job: object, worker: object,
+                               adopted_from: object = None) -> Reply:
+        adopted = None if adopted_from is None else _name("adopted_from", adopted_from)
+        msg = await self.complete(_name("job", job), _name("worker", worker), adopted)
+        return {"status": "OK", **msg}
+
+    # ---- cluster events ---------------------------------------------------------------------
+
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str,
                       **kwargs: Any) -> None:
         for job in list(self.jobs):
@@ -226,18 +285,23 @@ class SyncService(SchedulerPlugin):
             event.set()
 
 
+def _name(what: str, value: object) -> str:
+    return rpc.name(what, value, error=SyncError)
+
+
 def start_job(client: Client, job: str, workers: Sequence[str], *, group_size: int | None = None,
               max_wait_s: float | None = None, max_progress_gap: int | None = None) -> None:
-    """From the driver: make ``workers`` the members of ``job``'s sync (before training). None
-    takes the ``antdt.sync`` default of the driver's dask config."""
+    """From a client: make ``workers`` the members of ``job``'s sync (before training). None
+    takes the ``antdt.sync`` default of the client's dask config."""
     if group_size is None:
         group_size = int(config.number("antdt.sync.group-size", low=2, integer=True))
     if max_wait_s is None:
         max_wait_s = config.seconds("antdt.sync.max-wait")
-    client.sync(client.scheduler.antdt_sync_start, job=job, workers=list(workers),
-                group_size=group_size, max_wait_s=max_wait_s, max_progress_gap=max_progress_gap)
+    rpc.ok(client.sync(client.scheduler.antdt_sync_start, job=job, workers=list(workers),
+                       group_size=group_size, max_wait_s=max_wait_s,
+                       max_progress_gap=max_progress_gap), error=SyncError)
 
 
 def stop_job(client: Client, job: str) -> None:
-    """From the driver, after every agent returned: forget ``job``'s sync state."""
-    client.sync(client.scheduler.antdt_sync_stop, job=job)
+    """From a client, after every agent returned: forget ``job``'s sync state."""
+    rpc.ok(client.sync(client.scheduler.antdt_sync_stop, job=job), error=SyncError)

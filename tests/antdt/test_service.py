@@ -7,7 +7,6 @@ import os
 from collections import Counter
 from typing import Any
 
-import pytest
 from distributed import Client, Scheduler, Worker, get_worker
 from distributed.utils import sync
 from distributed.utils_test import gen_cluster
@@ -216,8 +215,9 @@ async def test_malformed_calls_return_errors_and_the_scheduler_keeps_serving(
         {"lease_id": lease["lease_id"], "token": lease["token"]},
         ["not", "a", "dict"],
     ]
-    with pytest.raises(TypeError, match="bogus"):
-        await c.scheduler.antdt_lease(job="j", worker=a.address, bogus=1)
+    bogus = await c.scheduler.antdt_lease(job="j", worker=a.address, bogus=1)
+    assert bogus["status"] == "error" and "unexpected keyword argument 'bogus'" in \
+        bogus["message"]
     reply = await c.scheduler.antdt_commit(job="j", commits=bad_commits)
     assert [r["kind"] for r in reply["replies"]] == ["error"] * 4
     assert plugin.jobs["j"].summary() == before
@@ -256,6 +256,23 @@ async def test_revoke_split_and_restart_over_rpc(c: Client, s: Scheduler, a: Wor
     assert reply["lease"] == {"kind": "stop", "reason": "user cancelled"}
     forgotten = await c.scheduler.antdt_forget_job(job="j")
     assert forgotten["rows_lost"] == 38 and "j" not in plugin.jobs
+
+
+@gen_cluster(client=True)
+async def test_a_worker_removed_while_its_lease_call_waits_is_handed_no_rows(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    await setup_job(c, s, row_groups=[["f", 0, 4]], shard_rows=4)
+    held = (await c.scheduler.antdt_lease(job="j", worker=a.address))["lease"]
+    waiting = asyncio.ensure_future(c.scheduler.antdt_lease(job="j", worker=b.address,
+                                                            wait_s=30))
+    while not s.plugins[PLUGIN_NAME]._changed["j"]._waiters:  # b's call waits for rows
+        await asyncio.sleep(0.01)
+    await s.remove_worker(b.address, stimulus_id="test", close=False)
+    await c.scheduler.antdt_release(job="j", lease_id=held["lease_id"], token=held["token"])
+    reply = await waiting
+    assert reply["lease"] == {"kind": "stop", "reason": f"{b.address} left the cluster"}
+    state = await c.scheduler.antdt_job_state(job="j", leases=True)
+    assert list(state["live"]) == [] and state["rows_todo"] == 4  # for a live worker to lease
 
 
 @gen_cluster(client=True)

@@ -308,7 +308,7 @@ def test_checkpoint_rejects_other_files_and_versions(tmp_path: os.PathLike) -> N
     with pytest.raises(LedgerError, match="not an antdt ledger"):
         ShardLedger.from_bytes(b"PAR1xxxxxxxxxxxx", clock=FakeClock())
     data = bytearray(make().to_bytes())
-    at = data.index(b'"version": 1')
+    at = data.index(b'"version": 2')
     data[at:at + 12] = b'"version": 9'
     with pytest.raises(LedgerError, match="version 9"):
         ShardLedger.from_bytes(bytes(data), clock=FakeClock())
