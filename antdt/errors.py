@@ -22,3 +22,16 @@ class LedgerError(AntdtError):
 class SyncError(AntdtError):
     """A model-sync call is invalid: unknown worker or job, a cursor the log can no longer serve,
     a peer's entries or snapshot that do not fit this replica."""
+
+
+class JobError(AntdtError):
+    """A job call is invalid (unknown job id, a malformed plan) or the job cannot run (no
+    workers, a task of its own that failed); the message names what was expected."""
+
+
+class JobFailed(AntdtError):
+    """A job ended as failed on the cluster; the message carries its error."""
+
+
+class JobCancelled(AntdtError):
+    """A job was cancelled before its end."""

@@ -1,0 +1,21 @@
+"""Jobs on a long-lived Dask cluster: AntDT's master runs each job's control on the scheduler,
+next to the services that own its ledger, controller and sync groups, so a job outlives the
+client that submitted it and several jobs share one cluster.
+
+=============================  ====================================================================
+:mod:`antdt.jobs.spec`         what a client submits (:class:`JobSpec`: a plan of plain values and
+                               the application's code as pickles) and :class:`JobState`
+:mod:`antdt.jobs.runner`       one job's control loop on the scheduler
+:mod:`antdt.jobs.service`      :class:`~antdt.jobs.service.JobService`, the scheduler plugin
+:mod:`antdt.jobs.tasks`        the tasks the master runs on workers (agents, the hooks)
+:mod:`antdt.jobs.client`       :class:`JobClient`: submit, follow, status, logs, cancel
+=============================  ====================================================================
+"""
+
+from __future__ import annotations
+
+from antdt.jobs.client import JobClient, ensure_plugins
+from antdt.jobs.spec import JobCode, JobHooks, JobPlan, JobSpec, JobState
+
+__all__ = ["JobClient", "JobCode", "JobHooks", "JobPlan", "JobSpec", "JobState",
+           "ensure_plugins"]

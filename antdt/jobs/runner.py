@@ -1,0 +1,624 @@
+"""One job's control on the scheduler (AntDT's master, per job): it reads top to bottom like the
+job it runs::
+
+    register the job: the ledger (sharding service), its controller, its sync group
+      ─► the tracking run (hooks.start, a task on a worker)
+      ─► one agent task per worker, and per worker that joins later
+      ─► every tick: collect finished agents, write off those whose worker died (the ledger has
+         re-queued their rows), start joiners, read the agents' events and the controller's
+         actions, buffer metrics (hooks.metrics, a task every few seconds); stop at a deadline
+      ─► the end: hooks.finish on a worker holding the consensus model (another one if that
+         worker dies), or hooks.abort when the job failed or was cancelled
+      ─► forget the job in the services and on the workers; keep its record for ``status``
+
+It runs as a coroutine on the scheduler's event loop and never blocks it: tasks go to workers
+through the :class:`~antdt.jobs.service.JobService`'s own client, and the services are read in
+place. Nothing here runs the application's code: the hooks and the agents' factories are
+pickles only workers open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from distributed import Client, Future
+from distributed.metrics import time
+from distributed.scheduler import KilledWorker
+
+from antdt import config
+from antdt.agent import AgentReport, AgentSpec, Faults, cancel_here, forget_here
+from antdt.errors import AntdtError, JobError
+from antdt.jobs import tasks
+from antdt.jobs.spec import JobSpec, JobState
+from antdt.sync import SyncPeriod
+
+if TYPE_CHECKING:
+    from antdt.jobs.service import JobService
+
+logger = logging.getLogger(__name__)
+
+LAST_ACTIONS = 10
+"""Controller actions a job's record shows."""
+
+POLL_S = 0.05
+"""How often the runner looks at its agents' futures between ticks: a job's end waits at most
+this long to be noticed."""
+
+
+class Cancelled(AntdtError):
+    """The job was cancelled (raised inside the runner to unwind to its end)."""
+
+
+@dataclass
+class Slot:
+    """One agent of the job: its worker, number (faults refer to it), when it started and
+    ended (seconds after training started; None: still running), its rows and busy seconds
+    (from its report, or its latest progress event if it died), its latest samples/s."""
+
+    worker: str
+    index: int
+    future: Future
+    join: bool
+    started: float
+    ended: float | None = None
+    rows: int = 0
+    busy_s: float = 0.0
+    rate: float = 0.0
+    report: AgentReport | None = None
+    dead: bool = False
+
+    @property
+    def live(self) -> bool:
+        return self.report is None and not self.dead
+
+    @property
+    def label(self) -> str:
+        return f"worker{self.index}"
+
+    def as_dict(self) -> dict[str, Any]:
+        report = self.report
+        return {"worker": self.worker, "index": self.index, "label": self.label,
+                "join": self.join, "started": self.started, "ended": self.ended,
+                "rows": self.rows, "busy_s": self.busy_s, "samples_per_s": self.rate,
+                "dead": self.dead, "outcome": report.outcome if report else
+                ("dead" if self.dead else "running"),
+                "batches": report.batches if report else None,
+                "loss": report.loss if report and not math.isnan(report.loss) else None,
+                "exchanges": report.exchanges if report else None,
+                "joined_from": report.joined_from if report else None}
+
+
+class JobRunner:
+    """The control of job ``job_id`` (see the module docstring). :meth:`record` is its state
+    as clients see it; :attr:`version` grows with every change they should see."""
+
+    def __init__(self, service: JobService, job_id: str, spec: JobSpec, client: Client) -> None:
+        assert service.scheduler is not None
+        self.service = service
+        self.scheduler = service.scheduler
+        self.job_id = job_id
+        self.plan = spec.plan
+        self.code = spec.code
+        self.client = client
+        self.state = JobState.STARTING
+        self.version = 0
+        self.submitted_at = time()
+        self.started_at: float | None = None
+        self.ended_at: float | None = None
+        self.error: str | None = None
+        self.run: dict[str, Any] | None = None
+        self.summary: dict[str, Any] | None = None
+        self.slots: list[Slot] = []
+        self.stopped: str | None = None
+        """Why the job was stopped before its end (a deadline, a cancellation), or None."""
+        self.inbox: deque[tuple[float, dict[str, Any]]] = deque()
+        """The agents' events, appended by the service as they are logged."""
+        self.logs: deque[dict[str, Any]] = deque(
+            maxlen=int(config.number("antdt.jobs.log-length", low=1, integer=True)))
+        self._log_seq = 0
+        self._rows: dict[str, Any] = {}
+        self._health: dict[str, str] = {}
+        self._actions: list[dict[str, Any]] = []
+        self._leasing: dict[tuple[str, int], float] = {}
+        self._spans: list[tuple[str, int, float, float, int, str]] = []
+        self._steps: list[tuple[int, dict[str, float]]] = []
+        self._step = 0
+        self._pending_metrics: list[Future] = []
+        self._changed = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._cancel: str | None = None
+        self._train_started = 0.0
+        self._tick_s = config.seconds("antdt.jobs.tick")
+        self._metrics_every = config.seconds("antdt.jobs.metrics-interval")
+        self._last_metrics = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- what clients see -------------------------------------------------------------------
+
+    def record(self) -> dict[str, Any]:
+        """The job as ``status`` and ``follow`` show it (plain, msgpack-able)."""
+        live = {s.worker for s in self.slots if s.live}
+        workers = [{"worker": s.worker, "label": s.label, "rows": s.rows,
+                    "samples_per_s": round(s.rate, 1) if s.worker in live else 0.0,
+                    "state": s.as_dict()["outcome"],
+                    "health": self._health.get(s.worker, "normal") if s.worker in live else "-"}
+                   for s in self.slots]
+        return {"job_id": self.job_id, "name": self.plan.name, "state": self.state.value,
+                "version": self.version, "submitted_at": self.submitted_at,
+                "started_at": self.started_at, "ended_at": self.ended_at, "error": self.error,
+                "stopped": self.stopped, "run": self.run, "rows": dict(self._rows),
+                "workers": workers, "actions": self._actions[-LAST_ACTIONS:],
+                "actions_total": len(self._actions), "summary": self.summary,
+                "tags": dict(self.plan.tags), "sharding": self.plan.sharding,
+                "agents": [s.as_dict() for s in self.slots], "first_lease": self._first_leases()}
+
+    def log_records(self, since: int) -> list[dict[str, Any]]:
+        """The job's log records with ``seq >= since``, oldest first."""
+        return [record for record in self.logs if record["seq"] >= since]
+
+    async def changed(self, version: int, timeout_s: float) -> None:
+        """Return once :attr:`version` differs from ``version``, or after ``timeout_s``."""
+        deadline = time() + timeout_s
+        while self.version == version and (left := deadline - time()) > 0:
+            event = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), left)
+
+    # ---- control ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._main())
+
+    def cancel(self, reason: str) -> bool:
+        """Stop the job: agents stop at their next batch, the tracking run ends as killed.
+        False (nothing done) once the job is finishing or has ended; idempotent."""
+        if self.state not in (JobState.STARTING, JobState.RUNNING):
+            return self.state is JobState.CANCELLING
+        self._cancel = reason
+        self._set_state(JobState.CANCELLING)
+        self.log("warning", f"cancelling: {reason}")
+        ledger = self.service.sharding.jobs.get(self.job_id)
+        if ledger is not None:
+            ledger.stop(reason)
+            self.service.sharding.notify(self.job_id)
+        self._wake.set()
+        return True
+
+    def fail(self, reason: str) -> None:
+        """End the job as failed from outside (the cluster restarted): like :meth:`cancel`,
+        but the job ends ``failed``."""
+        if self.cancel(reason):
+            self.error = reason
+
+    async def wait(self) -> None:
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    def log(self, level: str, message: str, source: str = "job", at: float | None = None) -> None:
+        self._log_seq += 1
+        self.logs.append({"seq": self._log_seq, "time": time() if at is None else at,
+                          "level": level, "source": source, "message": message})
+        getattr(logger, "warning" if level == "warning" else "error" if level == "error"
+                else "info")("job %s: %s", self.job_id, message)
+        self._bump()
+
+    # ---- the job, top to bottom ---------------------------------------------------------------
+
+    async def _main(self) -> None:
+        final = JobState.FAILED
+        try:
+            await self._begin()
+            self._check_cancel()
+            await self._watch()
+            self._check_cancel()
+            await self._finish()
+            final = JobState.FINISHED
+        except Cancelled as exc:
+            await self._abort("KILLED" if self.error is None else "FAILED", str(exc))
+            final = JobState.CANCELLED if self.error is None else JobState.FAILED
+        except AntdtError as exc:
+            await self._failed(str(exc))
+        except Exception as exc:  # a bug: the job fails with it, the scheduler goes on
+            logger.exception("job %s: the master's control failed", self.job_id)
+            await self._failed(f"{type(exc).__name__}: {exc}")
+        finally:
+            await self._clean_up(final)
+            self.ended_at = time()
+            self.log("info" if final is JobState.FINISHED else "warning", final.value)
+            self._set_state(final)  # last: a follower sees the record complete
+
+    async def _begin(self) -> None:
+        plan = self.plan
+        initial = sorted(self.scheduler.workers)
+        if not initial:
+            raise JobError("the cluster has no workers; expected at least one")
+        unknown = sorted(i for i in plan.faults if i >= len(initial))
+        if unknown:
+            raise JobError(f"faults name worker(s) {unknown}, but the cluster has only "
+                           f"{len(initial)} worker(s) (indices 0..{len(initial) - 1})")
+        period = SyncPeriod.parse(plan.sync_period, where="job plan sync_period")
+        for module in plan.preload:  # seconds per process that are not training, done now
+            await self.client.run(importlib.import_module, module, workers=initial)
+        self.service.controller.enabled[self.job_id] = plan.sharding == "antdt"
+        reply = await self.service.sharding.register_job(
+            job=self.job_id, row_groups=plan.row_groups,
+            shard_rows=plan.shard_rows, batch_rows=plan.batch_rows, epochs=plan.epochs,
+            seed=plan.seed, quarantine=plan.quarantine,
+            static=len(initial) if plan.sharding == "static" else None)
+        if reply["status"] != "OK":
+            raise JobError(reply["message"])
+        self.service.sync.start_job(self.job_id, initial)
+        self._read_ledger()
+        self.log("info", f"registered: {reply['rows_expected']:,} rows over {plan.epochs} "
+                         f"epoch(s), {len(initial)} worker(s), sharding {plan.sharding}")
+        self._check_cancel()
+        self.run = await self._hook("start", self.job_id, len(initial))
+        self._check_cancel()
+        self.started_at = self._train_started = time()
+        self._set_state(JobState.RUNNING)
+        for index, worker in enumerate(initial):
+            self._start_agent(worker, index, period)
+
+    async def _watch(self) -> None:
+        """Until every agent returned or died: collect results, write off agents whose worker
+        died, start joiners, read events and actions, buffer metrics; stop at the deadline."""
+        period = SyncPeriod.parse(self.plan.sync_period, where="job plan sync_period")
+        while True:
+            await self._sleep()
+            workers = self.scheduler.workers
+            for slot in self.slots:
+                if slot.live:
+                    await self._check(slot, workers)
+            if self._cancel is None and self.stopped is None:
+                for worker in sorted(set(workers) - {s.worker for s in self.slots}):
+                    self._start_agent(worker, len(self.slots), period, join=True)
+            self._tick()
+            if not any(s.live for s in self.slots):
+                break
+            deadline = self.plan.deadline_s
+            if deadline is not None and self.stopped is None and self._cancel is None \
+                    and time() - self._train_started > deadline:
+                self.stopped = f"the deadline of {deadline:.0f}s of training passed"
+                self.log("warning", f"{self.stopped}; stopping the job")
+                self.service.sharding.jobs[self.job_id].stop(self.stopped)
+                self.service.sharding.notify(self.job_id)
+                await self._cancel_agents()
+            if self._cancel is not None and any(s.live for s in self.slots):
+                await self._cancel_agents()
+        self._tick()  # the agents' last events
+        if not any(s.report is not None for s in self.slots):
+            rows = self._rows
+            raise JobError(f"every agent's worker died ({len(self.slots)} agents); "
+                           f"{rows.get('done', 0):,} of {rows.get('expected', 0):,} rows done")
+
+    async def _finish(self) -> None:
+        """The consensus model from a worker whose agent finished (identical on each after the
+        final sync round), evaluated and logged by the hooks; another worker if that one dies.
+        A job stopped early is logged without a model."""
+        self._set_state(JobState.FINISHING)
+        await self._flush_metrics()
+        report = self._report()
+        holders = [s.worker for s in self.slots if s.report is not None
+                   and s.report.outcome == "finished"] if self.stopped is None else []
+        failures = []
+        for worker in holders:
+            if worker not in self.scheduler.workers:
+                failures.append(f"{worker}: gone")
+                continue
+            self.log("info", f"finishing: the final model is evaluated and logged on {worker}")
+            future = self.client.submit(tasks.finish_task, self.job_id, self.code.hooks,
+                                        self.run, report, True, workers=[worker],
+                                        allow_other_workers=False, pure=False)
+            outcome = await self._result_on(future, worker)
+            if outcome is not None:
+                self.summary = outcome
+                return
+            failures.append(f"{worker}: died while finishing")
+            self.log("warning", f"the worker finishing the job ({worker}) died; trying another")
+        if holders:
+            raise JobError(f"no worker holding the final model could finish the job: "
+                           f"{failures}")
+        self.summary = await self._hook_on_any(tasks.finish_task, self.job_id, self.code.hooks,
+                                               self.run, report, False)
+
+    # ---- agents -----------------------------------------------------------------------------
+
+    def _start_agent(self, worker: str, index: int, period: SyncPeriod,
+                     join: bool = False) -> None:
+        faults = Faults(**self.plan.faults[index]) if index in self.plan.faults and not join \
+            else Faults()
+        spec = AgentSpec(job=self.job_id, batch_rows=self.plan.batch_rows, sync_period=period,
+                         join=join, threads=self.plan.threads, faults=faults)
+        future = self.client.submit(tasks.agent_task, spec, self.code.trainer, self.code.reader,
+                                    workers=[worker], allow_other_workers=False, pure=False,
+                                    key=f"antdt-agent-{self.job_id}-{index}")
+        self.slots.append(Slot(worker, index, future, join, started=self._elapsed()))
+        self.log("info", f"agent {index} started on {worker}" + " (joining)" * join
+                 + f" with faults {faults}" * faults.active)
+
+    async def _sleep(self) -> None:
+        """Until an agent returns, something wakes the runner (a cancellation), or a tick
+        passed. The agents' futures are polled (every :data:`POLL_S`), not awaited: awaiting
+        fetches a result, and a fetch abandoned half-way can cancel another one of the same
+        client."""
+        await _until(lambda: self._wake.is_set()
+                     or any(s.future.done() for s in self.slots if s.live), self._tick_s)
+        self._wake.clear()
+
+    async def _check(self, slot: Slot, workers: Mapping[str, Any]) -> None:
+        """Record a returned agent; write off one whose worker left the cluster; fail the job
+        with the error of one that failed on a live worker (a bug or bad data, not a death)."""
+        status = slot.future.status
+        if status == "finished":
+            slot.report = await slot.future
+            slot.ended = self._elapsed()
+            slot.rows, slot.busy_s = slot.report.rows, slot.report.busy_s
+            if slot.report.outcome == "declined":
+                self.log("info", f"agent {slot.index} on {slot.worker} declined: the job's sync "
+                                 "was over")
+            else:
+                self.log("info", f"agent {slot.index} on {slot.worker} {slot.report.outcome}: "
+                                 f"{slot.rows:,} rows in {slot.report.batches} batches")
+            return
+        gone = slot.worker not in workers
+        if status == "error":
+            error = await slot.future.exception()
+            if gone or isinstance(error, KilledWorker):
+                self._write_off(slot, f"its worker died ({error!r})")
+                return
+            raise JobError(f"the agent on {slot.worker} failed: {error!r}")
+        if status in ("cancelled", "lost") or gone:
+            self._write_off(slot, "its worker left the cluster")
+
+    def _write_off(self, slot: Slot, why: str) -> None:
+        slot.dead = True
+        slot.ended = self._elapsed()
+        slot.future.release()
+        now = time()
+        for worker, lease_id in [key for key in self._leasing if key[0] == slot.worker]:
+            start = self._leasing.pop((worker, lease_id))
+            self._spans.append((worker, lease_id, start, now, 0, "lost"))
+        self.log("warning", f"agent {slot.index} on {slot.worker} is gone: {why}; the ledger "
+                            "re-queued its unsynced rows")
+
+    async def _cancel_agents(self) -> None:
+        with contextlib.suppress(OSError):
+            await self.client.run(cancel_here, self.job_id, on_error="ignore")
+
+    # ---- events, metrics, the report --------------------------------------------------------
+
+    def _tick(self) -> None:
+        """Counters from the ledger, the controller's new actions, the agents' events; one step
+        of metrics for the tracking run (sent every ``antdt.jobs.metrics-interval``)."""
+        self._read_ledger()
+        control = self.service.controller.jobs.get(self.job_id)
+        counts: dict[str, int] = {}
+        if control is not None:
+            actions = control.controller.actions(since=len(self._actions))
+            for record in actions["records"]:
+                self._actions.append(record)
+                lease = "" if record["lease_id"] is None else f" lease {record['lease_id']}"
+                self.log("info", f"controller: {record['action']} {record['worker']}{lease} "
+                                 f"({record['reason']})")
+            counts = actions["counts"]
+            self._health = {w: _health(h["state"]) for w, h in
+                            control.monitor.summary()["workers"].items()}
+        by_worker = {s.worker: s for s in self.slots}
+        fresh: dict[str, float] = {}
+        losses: list[float] = []
+        while self.inbox:
+            at, msg = self.inbox.popleft()
+            kind, worker = msg.get("kind"), str(msg.get("worker"))
+            if kind == "lease":
+                key = (worker, int(msg["lease_id"]))
+                if msg["phase"] == "start":
+                    self._leasing[key] = float(msg["time"])
+                elif self._leasing.pop(key, None) is not None:
+                    self._spans.append((*key, float(msg["start"]), float(msg["time"]),
+                                        int(msg["rows"]), str(msg["outcome"])))
+            elif kind == "progress":
+                fresh[worker] = float(msg["samples_per_s"])
+                if msg.get("loss") is not None:
+                    losses.append(float(msg["loss"]))
+                slot = by_worker.get(worker)
+                if slot is not None and slot.report is None:
+                    slot.rows, slot.busy_s = int(msg["rows"]), float(msg["busy_s"])
+            elif kind == "fault":
+                self.log("warning", f"injected {msg.get('fault')} after {msg.get('rows')} rows",
+                         source=worker, at=at)
+            elif kind == "log":
+                self.log(str(msg.get("level", "warning")), str(msg.get("message")),
+                         source=worker, at=at)
+        for worker, rate in fresh.items():
+            by_worker[worker].rate = rate
+        live = [s for s in self.slots if s.live]
+        rows = self._rows
+        metrics: dict[str, float] = {
+            "rows_done": rows["done"], "rows_trained": rows["trained"],
+            "rows_duplicated": rows["duplicated"],
+            "samples_per_s": sum(s.rate for s in live), "workers_training": len(live)}
+        metrics.update({f"samples_per_s.{by_worker[w].label}": r for w, r in fresh.items()})
+        if losses:
+            metrics["loss"] = sum(losses) / len(losses)
+        metrics["controller.actions"] = len(self._actions)
+        metrics.update({f"controller.{kind}": n for kind, n in counts.items()})
+        if self.state is JobState.RUNNING or self.state is JobState.CANCELLING:
+            self._steps.append((self._step, metrics))
+            self._step += 1
+        if time() - self._last_metrics >= self._metrics_every:
+            self._send_metrics()
+        self._check_metrics()
+        self._bump()
+
+    def _read_ledger(self) -> None:
+        ledger = self.service.sharding.jobs.get(self.job_id)
+        if ledger is None:
+            return
+        summary = ledger.summary()
+        self._rows = {key.removeprefix("rows_"): summary[key] for key in (
+            "rows_expected", "rows_done", "rows_trained", "rows_todo", "rows_leased",
+            "rows_lost", "rows_duplicated", "rows_quarantined")}
+        self._rows.update(epoch=summary["epoch"], epochs=summary["epochs"],
+                          done_by_epoch=summary["rows_done_by_epoch"])
+
+    def _send_metrics(self) -> None:
+        self._last_metrics = time()
+        if not self._steps or self.run is None:
+            return
+        steps, self._steps = self._steps, []
+        self._pending_metrics.append(self.client.submit(
+            tasks.hook_task, self.code.hooks, "metrics", self.run, steps, pure=False))
+
+    def _check_metrics(self) -> None:
+        """Release the metrics tasks that ended; log the ones that failed (metrics that do not
+        reach the tracking run are a loss to report, not a reason to stop training)."""
+        for future in [f for f in self._pending_metrics if f.status != "pending"]:
+            self._pending_metrics.remove(future)
+            if future.status == "error":
+                self.log("warning", "metrics did not reach the tracking run (see the worker's "
+                                    f"log for task {future.key})")
+            future.release()
+
+    async def _flush_metrics(self) -> None:
+        """Send the buffered metrics and wait (a minute at most) until every metrics task
+        ended: the run's history is complete before it is closed."""
+        self._send_metrics()
+        await _until(lambda: all(f.done() for f in self._pending_metrics), 60.0)
+        self._check_metrics()
+
+    def _report(self) -> dict[str, Any]:
+        """The master's account of the job, for ``hooks.finish``: its counters, timings,
+        agents, controller actions and lease spans (seconds since training started)."""
+        self._read_ledger()
+        ended = [s.ended for s in self.slots if s.ended is not None]
+        train_s = max(ended, default=self._elapsed())
+        t0 = self._train_started
+        labels = {s.worker: s.label for s in self.slots}
+        split = {a["lease_id"] for a in self._actions if a["action"] == "split"}
+        spans = [{"worker": labels.get(w, w), "lease_id": lease, "start": start - t0,
+                  "end": end - t0, "rows": rows,
+                  "outcome": "split" if outcome == "finished" and lease in split
+                  else outcome if outcome in ("finished", "revoked") else "lost"}
+                 for w, lease, start, end, rows, outcome in self._spans]
+        marks = [{"time": a["time"] - t0, "worker": labels.get(a["worker"], a["worker"]),
+                  "action": a["action"], "rows": a["rows"], "reason": a["reason"]}
+                 for a in self._actions]
+        return {"job_id": self.job_id, "name": self.plan.name, "rows": dict(self._rows),
+                "train_s": train_s, "wall_s": time() - self.submitted_at,
+                "stopped": self.stopped, "agents": [s.as_dict() for s in self.slots],
+                "actions": list(self._actions), "spans": spans, "marks": marks,
+                "first_lease": self._first_leases(), "sharding": self.plan.sharding}
+
+    def _first_leases(self) -> dict[str, float]:
+        """Per worker, when its first lease started (seconds after training started)."""
+        first: dict[str, float] = {}
+        for worker, _, start, *_ in sorted(self._spans, key=lambda span: span[2]):
+            first.setdefault(worker, start - self._train_started)
+        return first
+
+    # ---- tasks on workers -------------------------------------------------------------------
+
+    async def _hook(self, method: str, *args: Any) -> Any:
+        """``hooks.<method>(*args)`` in a task on any worker (Dask retries it elsewhere if its
+        worker dies)."""
+        return await self._hook_on_any(tasks.hook_task, self.code.hooks, method, *args)
+
+    async def _hook_on_any(self, function: Callable[..., Any], *args: Any) -> Any:
+        future = self.client.submit(function, *args, pure=False)
+        try:
+            return await future
+        except KilledWorker as exc:
+            raise JobError(f"the workers running {function.__name__} kept dying: {exc}") from exc
+        except AntdtError:
+            raise
+        except Exception as exc:  # the application's error, raised on a worker
+            raise JobError(f"{function.__name__} failed on a worker: {exc!r}") from exc
+        finally:
+            future.release()
+
+    async def _result_on(self, future: Future, worker: str) -> Any:
+        """``future``'s result, or None if its (pinned) worker leaves the cluster first."""
+        try:
+            await _until(lambda: future.done() or worker not in self.scheduler.workers,
+                         math.inf)
+            if not future.done():
+                return None
+            return await future
+        except KilledWorker:
+            return None
+        except AntdtError:
+            raise
+        except Exception as exc:  # the application's error, raised on the worker
+            raise JobError(f"finishing the job failed on {worker}: {exc!r}") from exc
+        finally:
+            future.release()
+
+    async def _abort(self, status: str, reason: str) -> None:
+        """Close the tracking run (if it was opened) as ``status``; an error doing so is
+        logged, never hides the job's own outcome."""
+        if self.run is None:
+            return
+        try:
+            await self._hook("abort", self.run, status, reason)
+        except (AntdtError, OSError) as exc:
+            self.log("error", f"could not close the tracking run as {status}: {exc}")
+
+    async def _failed(self, message: str) -> None:
+        self.error = message
+        self.log("error", f"failed: {message}")
+        await self._abort("FAILED", message)
+
+    async def _clean_up(self, final: JobState) -> None:
+        """Stop what still runs, keep the last counters, forget the job in the services and
+        on the workers (other jobs are left alone)."""
+        ledger = self.service.sharding.jobs.get(self.job_id)
+        if ledger is not None and final is not JobState.FINISHED:
+            ledger.stop(self.error or self._cancel or "the job ended")
+            self.service.sharding.notify(self.job_id)
+        if any(s.live for s in self.slots):
+            await self._cancel_agents()
+        self._read_ledger()
+        for slot in self.slots:
+            slot.future.release()
+        with contextlib.suppress(OSError):
+            await self.client.run(forget_here, self.job_id, on_error="ignore")
+        self.service.forget(self.job_id)
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _check_cancel(self) -> None:
+        if self._cancel is not None:
+            raise Cancelled(self._cancel)
+
+    def _elapsed(self) -> float:
+        return time() - self._train_started if self._train_started else 0.0
+
+    def _set_state(self, state: JobState) -> None:
+        self.state = state
+        self._bump()
+
+    def _bump(self) -> None:
+        self.version += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
+def _health(state: str) -> str:
+    """A monitor verdict as ``status`` names it."""
+    return {"ok": "normal", "hung": "hung"}.get(state, "straggler")
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
+    """Return once ``condition()`` holds (checked every :data:`POLL_S`) or after
+    ``timeout_s``."""
+    deadline = time() + timeout_s
+    while not condition() and time() < deadline:
+        await asyncio.sleep(min(POLL_S, max(0.0, deadline - time())))

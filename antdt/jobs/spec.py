@@ -1,0 +1,283 @@
+"""What a client hands AntDT's master to run a job, and what the master reports back.
+
+A job is a :class:`JobSpec`: a :class:`JobPlan` of plain values the master reads (the Parquet
+row groups, batch and shard sizes, epochs, the sync period, the sharding mode, faults to inject)
+and :class:`JobCode`, the application's code as pickled bytes that the master never unpickles:
+only workers do, in the tasks it starts for the job. The framework stays ignorant of models,
+data formats and tracking; the application hands it
+
+* ``trainer`` and ``reader``: the agent's :class:`~antdt.agent.TrainerFactory` and
+  :class:`~antdt.agent.ReaderFactory` (built on each worker);
+* ``hooks``: a :class:`JobHooks` that starts the job's tracking run, logs its metrics, evaluates
+  and logs the final model, and closes the run when the job fails or is cancelled.
+
+The master's view of a job travels as a plain dict (:meth:`antdt.jobs.runner.JobRunner.record`);
+:class:`JobState` names where it stands.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import pickle
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Protocol
+
+import cloudpickle
+
+from antdt.errors import JobError
+
+Sharding = Literal["antdt", "pull", "static"]
+SHARDINGS: tuple[Sharding, ...] = ("antdt", "pull", "static")
+
+FAULT_KEYS = frozenset({"slowdown", "hang_after_rows", "crash_after_rows", "slow_for_rows",
+                        "pause_until", "pause_after_rows"})
+"""The fields of :class:`antdt.agent.Faults`."""
+
+MAX_ROW_GROUPS = 10_000_000
+MAX_CODE_BYTES = 64 * 2**20
+
+
+class JobState(enum.Enum):
+    """Where a job stands. ``finished``, ``failed`` and ``cancelled`` are final."""
+
+    STARTING = "starting"  # registering with the services, starting the tracking run
+    RUNNING = "running"  # agents train
+    FINISHING = "finishing"  # the final model is evaluated and logged
+    CANCELLING = "cancelling"  # agents are asked to stop at their next batch
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def final(self) -> bool:
+        return self in (JobState.FINISHED, JobState.FAILED, JobState.CANCELLED)
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """The plain values of a job: what the master, the ledger and the agents need.
+
+    ``row_groups`` are ``(path, row_group, num_rows)`` of every training row group (bad ones
+    included, so their rows are counted) and ``quarantine`` the bad units ``(path, row_group or
+    None, reason)``. ``sync_period`` is a :class:`~antdt.sync.SyncPeriod` as text (``"1 batch"``,
+    ``"0.1s"``). ``faults`` map the index of a worker in the sorted initial worker list to the
+    fields of its :class:`~antdt.agent.Faults`. ``deadline_s``: stop the job if training takes
+    longer (its rows not done count as lost). ``preload``: modules every worker imports before
+    the agents start (the training stack takes seconds to import). ``tags``: free text the
+    master shows in ``status`` (never secrets).
+    """
+
+    name: str
+    row_groups: list[tuple[str, int, int]]
+    batch_rows: int
+    shard_rows: int
+    epochs: int = 1
+    seed: int = 0
+    sync_period: str = "1 batch"
+    sharding: Sharding = "antdt"
+    threads: int = 1
+    quarantine: list[tuple[str, int | None, str]] = field(default_factory=list)
+    faults: dict[int, dict[str, Any]] = field(default_factory=dict)
+    deadline_s: float | None = None
+    preload: list[str] = field(default_factory=list)
+    tags: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the wire (msgpack): lists, and the fault keys as strings."""
+        plan = asdict(self)
+        plan["row_groups"] = [list(group) for group in self.row_groups]
+        plan["quarantine"] = [list(item) for item in self.quarantine]
+        plan["faults"] = {str(index): dict(faults) for index, faults in self.faults.items()}
+        return plan
+
+    @classmethod
+    def from_dict(cls, raw: object) -> JobPlan:
+        """Validate ``raw`` (from the wire: anything) into a plan, or raise :class:`JobError`
+        naming the key and what was expected."""
+        if not isinstance(raw, Mapping):
+            raise JobError(f"job plan: expected a mapping, found {type(raw).__name__}")
+        unknown = sorted(set(raw) - {f for f in cls.__dataclass_fields__})
+        if unknown:
+            raise JobError(f"job plan: unknown key(s) {unknown}")
+        name = _text(raw, "name")
+        groups = raw.get("row_groups")
+        if not isinstance(groups, (list, tuple)) or len(groups) > MAX_ROW_GROUPS:
+            raise JobError(f"job plan row_groups: expected a list of at most {MAX_ROW_GROUPS} "
+                           f"(path, row_group, num_rows), found {type(groups).__name__}")
+        row_groups = []
+        for i, group in enumerate(groups):
+            if not (isinstance(group, (list, tuple)) and len(group) == 3
+                    and isinstance(group[0], str) and _is_int(group[1]) and _is_int(group[2])):
+                raise JobError(f"job plan row_groups[{i}]: expected (path, row_group, num_rows),"
+                               f" found {str(group)[:120]}")
+            row_groups.append((group[0], int(group[1]), int(group[2])))
+        quarantine = []
+        for i, item in enumerate(_list(raw, "quarantine")):
+            if not (isinstance(item, (list, tuple)) and len(item) == 3
+                    and isinstance(item[0], str) and (item[1] is None or _is_int(item[1]))
+                    and isinstance(item[2], str)):
+                raise JobError(f"job plan quarantine[{i}]: expected (path, row_group or None, "
+                               f"reason), found {str(item)[:120]}")
+            quarantine.append((item[0], None if item[1] is None else int(item[1]), item[2]))
+        sharding = raw.get("sharding", "antdt")
+        if sharding not in SHARDINGS:
+            raise JobError(f"job plan sharding: expected one of {list(SHARDINGS)}, found "
+                           f"{sharding!r}")
+        deadline = raw.get("deadline_s")
+        if deadline is not None and (isinstance(deadline, bool)
+                                     or not isinstance(deadline, (int, float))
+                                     or not math.isfinite(deadline) or deadline <= 0):
+            raise JobError(f"job plan deadline_s: expected seconds > 0 or None, found "
+                           f"{deadline!r}")
+        return cls(
+            name=name, row_groups=row_groups, batch_rows=_int(raw, "batch_rows", 1),
+            shard_rows=_int(raw, "shard_rows", 1), epochs=_int(raw, "epochs", 1, default=1),
+            seed=_int(raw, "seed", 0, default=0),
+            sync_period=_text(raw, "sync_period", default="1 batch"), sharding=sharding,
+            threads=_int(raw, "threads", 1, default=1), quarantine=quarantine,
+            faults=_faults(raw.get("faults", {})),
+            deadline_s=None if deadline is None else float(deadline),
+            preload=[_module(i, name) for i, name in enumerate(_list(raw, "preload"))],
+            tags=_tags(raw.get("tags", {})))
+
+    @property
+    def rows(self) -> int:
+        """Rows of one epoch, quarantined ones included."""
+        return sum(rows for _, _, rows in self.row_groups)
+
+
+class JobHooks(Protocol):
+    """The application's side of a job, run in tasks on workers (so a worker's loss costs a
+    retry, not the job). ``run`` is what :meth:`start` returned: the tracking run's identity,
+    plain data the master keeps and hands to the later hooks.
+
+    * :meth:`start`: open the tracking run (params, config); before training.
+    * :meth:`metrics`: log ``steps`` of ``(step, {name: value})``; every few seconds.
+    * :meth:`finish`: evaluate ``trainer`` (the job's consensus model on this worker; None when
+      the job was stopped early) and log it with ``report`` (the master's account of the job:
+      counters, timings, agents, controller actions, lease spans); close the run and return
+      the job's summary (plain data, shown by ``follow`` and ``status``).
+    * :meth:`abort`: close the run as ``status`` ("FAILED" or "KILLED") with ``reason``.
+    """
+
+    def start(self, job_id: str, workers: int) -> dict[str, Any]: ...
+
+    def metrics(self, run: Mapping[str, Any], steps: Sequence[tuple[int, dict[str, float]]]
+                ) -> None: ...
+
+    def finish(self, run: Mapping[str, Any], trainer: Any, report: Mapping[str, Any]
+               ) -> dict[str, Any]: ...
+
+    def abort(self, run: Mapping[str, Any], status: str, reason: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class JobCode:
+    """The application's code for a job, pickled on the client: the agents' trainer and reader
+    factories and the :class:`JobHooks`. Kept apart so that an agent unpickles only the training
+    stack, and a hook task only the tracking side."""
+
+    trainer: bytes
+    reader: bytes
+    hooks: bytes
+
+    @classmethod
+    def of(cls, trainer: object, reader: object, hooks: JobHooks) -> JobCode:
+        return cls(cloudpickle.dumps(trainer), cloudpickle.dumps(reader),
+                   cloudpickle.dumps(hooks))
+
+    def to_dict(self) -> dict[str, bytes]:
+        return {"trainer": self.trainer, "reader": self.reader, "hooks": self.hooks}
+
+    @classmethod
+    def from_dict(cls, raw: object) -> JobCode:
+        """Check ``raw`` (from the wire) is three pickles of sane size; they are not unpickled
+        here (the master never runs the application's code)."""
+        if not isinstance(raw, Mapping) or set(raw) != {"trainer", "reader", "hooks"}:
+            keys = sorted(raw) if isinstance(raw, Mapping) else type(raw).__name__
+            raise JobError(f"job code: expected a mapping of trainer, reader and hooks, found "
+                           f"{keys}")
+        for key, value in raw.items():
+            if not isinstance(value, bytes) or not 0 < len(value) <= MAX_CODE_BYTES \
+                    or not value.startswith(b"\x80"):
+                raise JobError(f"job code {key}: expected a pickle of at most {MAX_CODE_BYTES} "
+                               f"bytes, found {type(value).__name__} of "
+                               f"{len(value) if isinstance(value, bytes) else '?'} bytes")
+        return cls(raw["trainer"], raw["reader"], raw["hooks"])
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A job as submitted: its plan and its code."""
+
+    plan: JobPlan
+    code: JobCode
+
+
+def load(data: bytes, what: str) -> Any:
+    """Unpickle a piece of :class:`JobCode` on a worker (a clear error when it does not load)."""
+    try:
+        return cloudpickle.loads(data)
+    except (pickle.UnpicklingError, AttributeError, ImportError, EOFError, TypeError) as exc:
+        raise JobError(f"job code {what} does not load on this worker: {exc!r}") from exc
+
+
+# ---- validation helpers -------------------------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _int(raw: Mapping[str, Any], key: str, low: int, default: int | None = None) -> int:
+    value = raw.get(key, default)
+    if not _is_int(value) or value < low:
+        raise JobError(f"job plan {key}: expected an int >= {low}, found {value!r}")
+    return int(value)
+
+
+def _text(raw: Mapping[str, Any], key: str, default: str | None = None) -> str:
+    value = raw.get(key, default)
+    if not isinstance(value, str) or not 0 < len(value) <= 256:
+        raise JobError(f"job plan {key}: expected a str of 1 to 256 characters, found "
+                       f"{str(value)[:80]!r}")
+    return value
+
+
+def _list(raw: Mapping[str, Any], key: str) -> list[Any]:
+    value = raw.get(key, [])
+    if not isinstance(value, (list, tuple)):
+        raise JobError(f"job plan {key}: expected a list, found {type(value).__name__}")
+    return list(value)
+
+
+def _module(index: int, name: object) -> str:
+    if not isinstance(name, str) or not name.replace(".", "").replace("_", "").isalnum():
+        raise JobError(f"job plan preload[{index}]: expected a module name, found {name!r}")
+    return name
+
+
+def _faults(raw: object) -> dict[int, dict[str, Any]]:
+    if not isinstance(raw, Mapping):
+        raise JobError(f"job plan faults: expected a mapping of worker index to faults, found "
+                       f"{type(raw).__name__}")
+    faults = {}
+    for index, fields in raw.items():
+        if not (isinstance(index, int) or (isinstance(index, str) and index.isdigit())):
+            raise JobError(f"job plan faults: expected worker indices, found {index!r}")
+        if not isinstance(fields, Mapping) or not set(fields) <= FAULT_KEYS:
+            raise JobError(f"job plan faults[{index}]: expected a mapping of "
+                           f"{sorted(FAULT_KEYS)}, found {str(fields)[:120]}")
+        faults[int(index)] = dict(fields)
+    return faults
+
+
+def _tags(raw: object) -> dict[str, str]:
+    if not isinstance(raw, Mapping) or len(raw) > 32 or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 1024
+            for k, v in raw.items()):
+        raise JobError(f"job plan tags: expected at most 32 str: str entries, found "
+                       f"{str(raw)[:120]}")
+    return dict(raw)

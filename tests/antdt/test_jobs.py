@@ -1,0 +1,299 @@
+"""AntDT's master: jobs submitted to the JobService on a LocalCluster whose workers run in this
+process, with the trivial model of ``fakes`` and test-only hooks that record every call."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import dask.config
+import pytest
+import torch
+from distributed import Client, LocalCluster
+
+from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec
+from fakes import BATCH_ROWS, GATES, GROUPS, SHARD_ROWS, TOTAL, MakeReader, MakeTrainer
+from waits import bounded
+
+CALLS: dict[str, list[tuple[Any, ...]]] = {}
+"""Every hook call, per tracking run (the workers share this process)."""
+
+
+@dataclass(frozen=True)
+class RecordingHooks:
+    """Test-only hooks: a "run" is a fresh id; every call is recorded in CALLS. ``fail``
+    names a method that raises instead."""
+
+    fail: str | None = None
+
+    def start(self, job_id: str, workers: int) -> dict[str, Any]:
+        self._maybe_fail("start")
+        run = uuid.uuid4().hex
+        CALLS[run] = [("start", job_id, workers)]
+        return {"run_id": run}
+
+    def metrics(self, run: Mapping[str, Any], steps: Sequence[tuple[int, dict[str, float]]]
+                ) -> None:
+        CALLS[run["run_id"]].append(("metrics", list(steps)))
+
+    def finish(self, run: Mapping[str, Any], trainer: Any, report: Mapping[str, Any]
+               ) -> dict[str, Any]:
+        self._maybe_fail("finish")
+        table = None if trainer is None else trainer.table.clone()
+        CALLS[run["run_id"]].append(("finish", table, dict(report)))
+        return {"rows_trained": report["rows"]["trained"], "with_model": trainer is not None}
+
+    def abort(self, run: Mapping[str, Any], status: str, reason: str) -> None:
+        CALLS[run["run_id"]].append(("abort", status, reason))
+
+    def _maybe_fail(self, method: str) -> None:
+        if self.fail == method:
+            raise RuntimeError(f"the test's hooks fail in {method}")
+
+
+def spec(epochs: int = 1, gate: str | None = None, hooks: RecordingHooks = RecordingHooks(),
+         **plan: Any) -> JobSpec:
+    return JobSpec(JobPlan(name="fake", row_groups=list(GROUPS), batch_rows=BATCH_ROWS,
+                           shard_rows=SHARD_ROWS, epochs=epochs, sync_period="0.02s", **plan),
+                   JobCode.of(MakeTrainer(), MakeReader(gate), hooks))
+
+
+@pytest.fixture(scope="module")
+def jobs() -> Iterator[JobClient]:
+    """Two single-thread workers in this process and the job service."""
+    settings = {"antdt.sharding.lease-wait": "100ms", "antdt.sharding.commit-interval": "100ms",
+                "antdt.agent.report-interval": "50ms", "antdt.jobs.tick": "100ms",
+                "antdt.jobs.metrics-interval": "100ms", "antdt.sync.max-wait": "50ms"}
+    with dask.config.set(settings), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                         dashboard_address=":0") as cluster, Client(cluster) as client:
+        cluster.wait_for_workers(2)
+        with JobClient(client) as job_client:
+            yield job_client
+
+
+def calls(record: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+    return CALLS[record["run"]["run_id"]]
+
+
+def test_a_job_trains_every_row_and_reports_through_its_hooks(jobs: JobClient) -> None:
+    submitted = jobs.submit(spec(epochs=2))
+    assert not submitted["attached"] and submitted["job"]["state"] == "starting"
+    record = bounded.call(jobs.follow, submitted["job"]["job_id"])
+
+    assert record["state"] == "finished" and record["error"] is None
+    assert record["ended_at"] >= record["started_at"] >= record["submitted_at"]
+    rows = record["rows"]
+    assert (rows["expected"], rows["done"], rows["trained"], rows["lost"],
+            rows["duplicated"]) == (2 * TOTAL, 2 * TOTAL, 2 * TOTAL, 0, 0)
+    assert rows["done_by_epoch"] == [TOTAL, TOTAL]
+    assert record["summary"] == {"rows_trained": 2 * TOTAL, "with_model": True}
+    made = calls(record)
+    assert made[0] == ("start", record["job_id"], 2)
+    assert [c[0] for c in made[1:]].count("finish") == 1 and made[-1][0] == "finish"
+    steps = [step for c in made if c[0] == "metrics" for step, _ in c[1]]
+    assert steps == list(range(len(steps))) and steps  # every step once, in order
+    _, table, report = made[-1]
+    assert torch.equal(table, torch.full((TOTAL, 1), 2.0))  # the consensus model
+    assert sum(a["rows"] for a in report["agents"]) == 2 * TOTAL
+    assert {a["outcome"] for a in report["agents"]} == {"finished"}
+    assert sum(s["rows"] for s in report["spans"]) == 2 * TOTAL
+    assert set(report["first_lease"]) == {a["worker"] for a in report["agents"]}
+    messages = [r["message"] for r in jobs.logs(record["job_id"])]
+    assert messages[0].startswith("registered: 320 rows") and messages[-1] == "finished"
+
+
+def test_a_second_submit_with_the_same_id_attaches(jobs: JobClient) -> None:
+    job_id = f"attach-{uuid.uuid4().hex[:6]}"
+    first = jobs.submit(spec(), job_id=job_id)
+    again = jobs.submit(spec(), job_id=job_id)
+    assert (first["attached"], again["attached"]) == (False, True)
+    assert again["job"]["job_id"] == job_id
+    record = bounded.call(jobs.follow, job_id)
+    assert record["state"] == "finished"
+    assert [c[0] for c in calls(record)].count("start") == 1  # one job, one run
+
+
+def test_cancel_stops_the_agents_and_ends_the_run_as_killed(jobs: JobClient) -> None:
+    gate = f"gate-{uuid.uuid4().hex[:6]}"
+    GATES[gate] = threading.Event()
+    job_id = jobs.submit(spec(epochs=3, gate=gate))["job"]["job_id"]
+    bounded.until(lambda: len(jobs.status(job_id)["workers"]) == 2, "both agents started")
+    reply = jobs.cancel(job_id, "the test cancels it")
+    GATES[gate].set()
+    record = bounded.call(jobs.follow, job_id)
+
+    assert reply["cancelled"] and reply["job"]["state"] == "cancelling"
+    assert record["state"] == "cancelled" and record["summary"] is None
+    assert calls(record)[-1] == ("abort", "KILLED", "the test cancels it")
+    assert record["rows"]["lost"] == 3 * TOTAL - record["rows"]["done"] > 0
+    again = jobs.cancel(job_id)
+    assert not again["cancelled"] and again["job"]["state"] == "cancelled"
+
+
+def test_two_jobs_run_at_once_each_with_its_own_ledger(jobs: JobClient) -> None:
+    first = jobs.submit(spec(epochs=2))["job"]["job_id"]
+    second = jobs.submit(spec(epochs=1))["job"]["job_id"]
+    records = [bounded.call(jobs.follow, job) for job in (first, second)]
+
+    assert [r["state"] for r in records] == ["finished", "finished"]
+    assert [r["rows"]["done"] for r in records] == [2 * TOTAL, TOTAL]
+    assert [r["rows"]["duplicated"] + r["rows"]["lost"] for r in records] == [0, 0]
+    listed = {r["job_id"]: r["state"] for r in jobs.status()}
+    assert listed[first] == listed[second] == "finished"
+
+
+def test_a_failing_hook_fails_the_job_with_its_error(jobs: JobClient) -> None:
+    job_id = jobs.submit(spec(hooks=RecordingHooks(fail="finish")))["job"]["job_id"]
+    record = bounded.call(jobs.follow, job_id)
+    assert record["state"] == "failed"
+    assert "the test's hooks fail in finish" in record["error"]
+    assert calls(record)[-1][:2] == ("abort", "FAILED")
+
+    job_id = jobs.submit(spec(hooks=RecordingHooks(fail="start")))["job"]["job_id"]
+    record = bounded.call(jobs.follow, job_id)
+    assert record["state"] == "failed" and record["workers"] == []  # no agent started
+    assert "the test's hooks fail in start" in record["error"]
+
+
+def test_faults_naming_a_missing_worker_fail_the_job(jobs: JobClient) -> None:
+    job_id = jobs.submit(spec(faults={5: {"slowdown": 2.0}}))["job"]["job_id"]
+    record = bounded.call(jobs.follow, job_id)
+    assert record["state"] == "failed"
+    assert "faults name worker(s) [5], but the cluster has only 2 worker(s)" in record["error"]
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(handler="antdt_job_submit", plan={"name": "x"}, code={}), "row_groups"),
+    (dict(handler="antdt_job_submit", plan=spec().plan.to_dict() | {"epochs": 0},
+          code=spec().code.to_dict()), "epochs: expected an int >= 1, found 0"),
+    (dict(handler="antdt_job_submit", plan=spec().plan.to_dict(),
+          code={"trainer": b"not a pickle", "reader": b"", "hooks": b""}), "job code"),
+    (dict(handler="antdt_job_submit", plan=spec().plan.to_dict() | {"sharding": "magic"},
+          code=spec().code.to_dict()), "sharding: expected one of"),
+    (dict(handler="antdt_job_status", job_id="no-such-job"), "unknown job 'no-such-job'"),
+    (dict(handler="antdt_job_status", job_id="../etc"), "job_id must be"),
+    (dict(handler="antdt_job_wait", job_id="no-such-job", version=0), "unknown job"),
+    (dict(handler="antdt_job_logs", job_id=7), "job_id must be"),
+    (dict(handler="antdt_job_cancel", job_id="no-such-job"), "unknown job"),
+])
+def test_malformed_calls_are_refused_by_name(jobs: JobClient, call: dict[str, Any],
+                                             message: str) -> None:
+    arguments = dict(call)
+    handler = getattr(jobs.client.scheduler, arguments.pop("handler"))
+    reply = jobs.client.sync(handler, **arguments)  # an error reply, never an exception
+    assert reply["status"] == "error" and message in reply["message"], reply
+
+
+def valid_calls(jobs: JobClient, job_id: str, folder: str) -> dict[str, dict[str, Any]]:
+    """Every scheduler handler of the antdt plugins with arguments of the right types that
+    name the running job ``job_id`` (several of them, called as they are, would disturb it)."""
+    worker = jobs.status(job_id)["workers"][0]["worker"]
+    job = {"job": job_id}
+    lease = {**job, "lease_id": 10**6}
+    return {
+        "antdt_job_submit": {"plan": spec().plan.to_dict(), "code": spec().code.to_dict(),
+                             "job_id": None},
+        "antdt_job_status": {"job_id": job_id},
+        "antdt_job_wait": {"job_id": job_id, "version": 0, "timeout_s": 0.01},
+        "antdt_job_logs": {"job_id": job_id, "since": 0},
+        "antdt_job_cancel": {"job_id": job_id, "reason": "a malformed call"},
+        "antdt_sync_start": {**job, "workers": [worker], "group_size": 2, "max_wait_s": 0.05,
+                             "max_progress_gap": 1},
+        "antdt_sync_group": {**job, "worker": worker, "progress": 0, "final": False,
+                             "members_version": None},
+        "antdt_sync_members": job,
+        "antdt_sync_join": {**job, "worker": worker},
+        "antdt_sync_leave": {**job, "worker": worker},
+        "antdt_sync_complete": {**job, "worker": worker, "adopted_from": None},
+        "antdt_sync_stop": job,
+        "antdt_register_job": {"job": f"{job_id}-new", "row_groups": [["a.parquet", 0, 10]],
+                               "shard_rows": 4, "batch_rows": 2, "epochs": 1, "seed": 0,
+                               "quarantine": None, "max_claim_rows": None, "static": None},
+        "antdt_lease": {**job, "worker": worker, "claim_rows": None, "commits": None,
+                        "wait_s": 0},
+        "antdt_commit": {**job, "commits": []},
+        "antdt_release": {**lease, "token": "guess"},
+        "antdt_quarantine": {**lease, "token": "guess", "stop": 1, "reason": "bad"},
+        "antdt_revoke": lease,
+        "antdt_split": {**lease, "parts": 2},
+        "antdt_job_state": {**job, "leases": False},
+        "antdt_checkpoint": {**job, "path": f"{folder}/ledger.json"},
+        "antdt_restore": {**job, "path": f"{folder}/ledger.json"},
+        "antdt_stop_job": {**job, "reason": "a malformed call"},
+        "antdt_forget_job": job,
+        "antdt_controller_actions": {**job, "since": 0},
+        "antdt_controller_enable": {**job, "enabled": True},
+        "antdt_controller_tick": job,
+        "antdt_worker_health": job,
+    }
+
+
+def required_arguments(dask_scheduler: Any) -> dict[str, list[str]]:
+    """The required parameters of each antdt handler on the scheduler."""
+    return {name: [p.name for p in inspect.signature(handler).parameters.values()
+                   if p.default is inspect.Parameter.empty]
+            for name, handler in dask_scheduler.handlers.items() if name.startswith("antdt_")}
+
+
+WRONG = ({"nested": [1, {"x": None}]}, float("nan"), b"\xff\x00")
+"""Values no handler parameter accepts."""
+ANY_JOB = ("antdt_job_submit", "antdt_register_job", "antdt_sync_start",
+           "antdt_controller_enable", "antdt_sync_leave", "antdt_sync_stop")
+"""The handlers that accept a job they do not know: the first three take a new job's name, the
+controller switch may come before the job registers, and an agent's teardown calls may come
+after its job's sync state is gone."""
+
+
+def test_every_handler_refuses_malformed_calls_while_a_job_runs(jobs: JobClient,
+                                                                tmp_path: Any) -> None:
+    gate = f"gate-{uuid.uuid4().hex[:6]}"
+    GATES[gate] = threading.Event()
+    job_id = jobs.submit(spec(epochs=2, gate=gate))["job"]["job_id"]
+    bounded.until(lambda: len(jobs.status(job_id)["workers"]) == 2, "both agents started")
+    calls = valid_calls(jobs, job_id, str(tmp_path))
+    scheduler = jobs.client.scheduler
+    required = jobs.client.run_on_scheduler(required_arguments)
+    assert set(required) == set(calls)  # every handler is driven
+
+    def refused(handler: str, arguments: dict[str, Any], *words: str) -> None:
+        reply = jobs.client.sync(getattr(scheduler, handler), **arguments)
+        assert reply["status"] == "error", (handler, arguments, reply)
+        assert all(word in reply["message"] for word in words), (handler, arguments, reply)
+
+    for handler, arguments in calls.items():
+        refused(handler, {**arguments, "bogus": 1}, "unexpected keyword argument 'bogus'")
+        for name in arguments:
+            for value in WRONG:
+                refused(handler, {**arguments, name: value}, name)
+            if name in ("job", "job_id") and handler not in ANY_JOB:
+                refused(handler, {**arguments, name: "no-such-job"}, "no-such-job")
+        for name in required[handler]:
+            refused(handler, {n: v for n, v in arguments.items() if n != name},
+                    f"missing a required argument: '{name}'")
+    refused("antdt_restore", {"job": f"{job_id}-restored", "path": str(tmp_path / "none.json")},
+            "does not exist")
+    (tmp_path / "a-file").write_text("not a ledger checkpoint")
+    refused("antdt_checkpoint", {"job": job_id, "path": str(tmp_path / "a-file" / "x.json")},
+            "a-file/x.json")
+    refused("antdt_restore", {"job": f"{job_id}-restored", "path": str(tmp_path / "a-file")},
+            "a-file")
+    # a commit for a lease this caller does not hold (it cannot know the holder's token)
+    live = jobs.client.sync(scheduler.antdt_job_state, job=job_id, leases=True)["live"]
+    commit = jobs.client.sync(scheduler.antdt_commit, job=job_id, commits=[
+        {"lease_id": lease["lease_id"], "token": "guess", "offset": lease["start"] + 1,
+         "synced_offset": lease["start"]} for lease in live])
+    assert live and [r["kind"] for r in commit["replies"]] == ["error"] * len(live)
+    assert all("token" in r["message"] for r in commit["replies"]), commit
+    GATES[gate].set()
+    record = bounded.call(jobs.follow, job_id)
+
+    assert record["state"] == "finished", record["error"]
+    rows = record["rows"]
+    assert (rows["done"], rows["trained"], rows["lost"], rows["duplicated"]) == (
+        2 * TOTAL, 2 * TOTAL, 0, 0)
+    assert jobs.status()  # the job service still answers
