@@ -10,25 +10,30 @@ import sys
 
 import click
 
-from antdt.errors import AntdtError
+from antdt.errors import AntdtError, JobCancelled, JobFailed
 from pipeline import terminal
 from pipeline.bench import bench
+from pipeline.cli_jobs import JOB_COMMANDS, Cluster, cluster_options, follow_and_report
 from pipeline.simulate import command as simulate
 from pipeline.terminal import progress_bar, stderr
 
 
 class _Main(click.Group):
-    """Turns domain errors into one clear line and exit code 2, never a traceback."""
+    """Turns domain errors into one clear line, never a traceback: exit code 1 for a job that
+    failed or was cancelled, 2 for bad input."""
 
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
+        except (JobFailed, JobCancelled) as exc:
+            stderr.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            sys.exit(1)
         except AntdtError as exc:
             stderr.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             sys.exit(2)
 
 
-@click.group(cls=_Main)
+@click.group(name="antdt", cls=_Main)
 @click.option("-v", "--verbose", count=True,
               help="Show the libraries' logs and warnings: -v info, -vv debug.")
 def cli(verbose: int) -> None:
@@ -103,19 +108,21 @@ def data_validate(paths: tuple[str, ...], schema_path: str, as_json: bool) -> No
 @click.option("--local", "local_alias", is_flag=True, help="Alias of --mode local.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Workers of the LocalCluster to start (default: the job's train.workers).")
-@click.option("--scheduler", default=None, metavar="ADDR",
-              help="Use the Dask cluster at ADDR instead of starting a LocalCluster.")
+@cluster_options
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config value, e.g. --set train.epochs=2 (repeatable).")
 @click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: the job's, "
               "else MLflow's default store).")
+@click.option("--job-id", default=None, help="The job's id (async mode).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def train(job_path: str, mode: str | None, local_alias: bool, workers: int | None,
-          scheduler: str | None, overrides: tuple[str, ...], tracking_uri: str | None,
-          as_json: bool) -> None:
-    """Train the model of JOB.yaml, evaluate it and track the run in MLflow."""
+          cluster: Cluster, overrides: tuple[str, ...], tracking_uri: str | None,
+          job_id: str | None, as_json: bool) -> None:
+    """Train the model of JOB.yaml, evaluate it and track the run in MLflow: on a new
+    LocalCluster, or on the Dask cluster at --scheduler (the same as ``antdt submit``)."""
     from pipeline.config import load_job
 
+    scheduler = cluster.given
     if local_alias and mode not in (None, "local"):
         raise click.UsageError(f"--local contradicts --mode {mode}")
     if workers is not None and scheduler is not None:
@@ -127,24 +134,29 @@ def train(job_path: str, mode: str | None, local_alias: bool, workers: int | Non
     chosen = "local" if local_alias else mode or job.train.mode
     if chosen == "local" and (workers is not None or scheduler is not None):
         raise click.UsageError("--workers/--scheduler need --mode async")
-    with progress_bar(f"training ({chosen})", enabled=not as_json) as bar:
-        if chosen == "local":
-            from pipeline.local import train_local
+    if chosen == "local":
+        from pipeline.local import train_local
 
+        with progress_bar("training (local)", enabled=not as_json) as bar:
             summary = train_local(job, progress=bar)
-        else:
-            from pipeline.driver import train_async
+        click.echo(summary.to_json() if as_json else "\n".join(summary.lines()))
+        return
+    from antdt.jobs import JobClient
+    from pipeline.cluster import connect, job_spec
 
-            summary = train_async(job, workers=workers, scheduler=scheduler, progress=bar)
-    if as_json:
-        click.echo(summary.to_json())
-    else:
-        for line in summary.lines():
-            click.echo(line)
+    spec = job_spec(job)  # bad data is refused before a cluster starts
+    if scheduler is not None:
+        with cluster.jobs() as jobs:
+            submitted = jobs.submit(spec, job_id=job_id)["job"]["job_id"]
+            follow_and_report(jobs, submitted, scheduler, as_json, "training (async)")
+        return
+    with connect(workers or job.train.workers) as client, JobClient(client) as jobs:
+        submitted = jobs.submit(spec, job_id=job_id)["job"]["job_id"]
+        follow_and_report(jobs, submitted, None, as_json, "training (async)")
 
 
-cli.add_command(bench)
-cli.add_command(simulate)
+for command in (bench, simulate, *JOB_COMMANDS):
+    cli.add_command(command)
 
 
 def main() -> None:

@@ -96,7 +96,7 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None) -> JobSumm
         progress.total(total_rows)
     step = TrainStep(data.schema, job.model, job.train.optim, seed=job.train.seed)
     reader = ShardReader(data.schema)
-    with Tracker(job, mode="local") as tracker:
+    with Tracker.start(job, mode="local") as tracker:
         tracker.artifact_yaml(data.schema.to_dict(), "schema.yaml")
         rows, steps, train_s = 0, 0, 0.0
         window_loss, window_start = 0.0, time.perf_counter()
@@ -132,6 +132,6 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None) -> JobSumm
             tracking_uri=tracker.tracking_uri, experiment_id=tracker.experiment_id,
         )
         tracker.summary(summary.metrics())
-        log_ranking_model(step, data.schema, job,
-                          example=(data.validation or data.train)[0])
+        with tracker.active():  # the model is the last thing logged: the run ends with it
+            log_ranking_model(step, data.schema, job, example=(data.validation or data.train)[0])
     return summary

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import posixpath
 import re
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import fsspec
 
@@ -52,6 +53,11 @@ class JobSummary:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> JobSummary:
+        """The summary :meth:`to_dict` gave (a cluster job's hooks return it as plain data)."""
+        return cls(**{name: raw[name] for name in cls.__dataclass_fields__ if name in raw})
+
     def metrics(self) -> dict[str, float]:
         """The numeric fields, as final MLflow metrics."""
         return {k: float(v) for k, v in self.to_dict().items()
@@ -84,11 +90,19 @@ class JobSummary:
             steps = ["", "next", f"  the run   mlflow ui --backend-store-uri {self.tracking_uri}",
                      f"            then open http://127.0.0.1:5000/{page}"]
         if self.timeline is not None:
-            steps.append(f"  timeline  {self.timeline}")
+            steps.append(f"  timeline  {_shown(self.timeline)}")
         return steps
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when it is below it."""
+    if "://" in path:
+        return path
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
 def oracle_auc(schema_path: str, files: Sequence[str]) -> float | None:

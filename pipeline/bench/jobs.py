@@ -22,10 +22,10 @@ import click
 from distributed import Client
 
 from data.synth import generate
+from antdt.jobs import JobClient
+from pipeline.cluster import AgentRecord, connect, job_spec, outcome
 from pipeline.config import (FaultConfig, JobConfig, Sharding, apply_override, job_from_dict,
                              load_job)
-from pipeline.driver import AsyncRun, Slot, connect
-from pipeline.local import prepare_data
 from pipeline.report import JobSummary
 
 logger = logging.getLogger(__name__)
@@ -88,21 +88,23 @@ class Outcome:
     stopped it, if it did."""
 
     summary: JobSummary
-    slots: list[Slot]
+    slots: list[AgentRecord]
     first_lease: dict[str, float]
     stopped: str | None
 
 
 def run_async(job: JobConfig, workers: int, *, deadline_s: float | None = None,
               setting: Callable[[Client], AbstractContextManager[Any]] | None = None) -> Outcome:
-    """Train ``job`` on a new LocalCluster of ``workers`` single-threaded workers; ``setting``
-    (given the client) surrounds the run, e.g. a CPU hog next to one worker."""
-    data = prepare_data(job)
+    """Train ``job`` on a new LocalCluster of ``workers`` single-threaded workers, as ``antdt
+    train`` does; ``setting`` (given the client) surrounds the run, e.g. a CPU hog next to one
+    worker."""
+    spec = job_spec(job, deadline_s=deadline_s)
     with connect(workers) as client, \
-            (setting(client) if setting is not None else contextlib.nullcontext()):
-        run = AsyncRun(job, client, data=data, deadline_s=deadline_s)
-        summary = run.run()
-    return Outcome(summary, run.slots, run.first_leases(), run.stopped)
+            (setting(client) if setting is not None else contextlib.nullcontext()), \
+            JobClient(client) as jobs:
+        record = jobs.follow(jobs.submit(spec)["job"]["job_id"])
+    return Outcome(outcome(record), [AgentRecord.of(a) for a in record["agents"]],
+                   record["first_lease"], record["stopped"])
 
 
 def pin_process(cpus: set[int]) -> None:

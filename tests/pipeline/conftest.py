@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import mlflow
 import pytest
 import yaml
 
@@ -18,7 +19,8 @@ from pipeline.terminal import OWN_LOGGERS
 @pytest.fixture(autouse=True)
 def process_settings() -> Iterator[None]:
     """The ``antdt`` CLI sets up this process's logging, warnings and environment for a person
-    (:func:`pipeline.terminal.configure`); a test that invokes it leaves them as they were."""
+    (:func:`pipeline.terminal.configure`); a test that invokes it leaves them as they were, and
+    a test that points MLflow's fluent API at its store leaves it unset again."""
     environ = dict(os.environ)
     root = logging.getLogger()
     handlers, levels = list(root.handlers), {name: logging.getLogger(name).level for name in
@@ -30,6 +32,7 @@ def process_settings() -> Iterator[None]:
     root.handlers[:] = handlers
     for name, level in levels.items():
         logging.getLogger(name).setLevel(level)
+    mlflow.set_tracking_uri(None)  # None: unset, as MLflow resets it itself
 
 
 @pytest.fixture(scope="session")
@@ -86,3 +89,12 @@ def cluster_job(tmp_path: Path, small_data: SynthResult) -> Path:
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
+
+
+@pytest.fixture(scope="session")
+def medium_data(tmp_path_factory: pytest.TempPathFactory) -> SynthResult:
+    """Three days of 150,000 rows, eight sparse features: enough for two epochs of async
+    training to converge, so two runs' AUCs agree to a few thousandths."""
+    out = tmp_path_factory.mktemp("medium")
+    return generate(str(out), rows=450_000, days=3, seed=11, row_group_rows=8192,
+                    files_per_day=2, num_sparse=8)

@@ -4,7 +4,6 @@ scenario (the runs themselves are what ``antdt bench stragglers`` measures)."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 
@@ -12,11 +11,11 @@ from pipeline.bench.jobs import Outcome
 from pipeline.bench.stragglers import (SCENARIOS, ideal_seconds, median_run, others_rate,
                                        scenario_faults)
 from pipeline.config import FaultConfig
-from pipeline.driver import Slot
+from pipeline.cluster import AgentRecord
 from pipeline.report import JobSummary
 
 
-def outcome(*slots: Slot, first: dict[str, float] | None = None) -> Outcome:
+def outcome(*slots: AgentRecord, first: dict[str, float] | None = None) -> Outcome:
     summary = JobSummary(run_id="r", mode="async", workers=len(slots), auc=0.5, logloss=0.7,
                          oracle_auc=None, rows_trained=0, rows_lost=0, rows_duplicated=0,
                          rows_quarantined=0, wall_s=1.0, samples_per_s=0.0)
@@ -25,10 +24,9 @@ def outcome(*slots: Slot, first: dict[str, float] | None = None) -> Outcome:
 
 
 def slot(index: int, rows: int, busy_s: float, *, started: float = 0.0,
-         ended: float | None = 10.0, dead: bool = False, join: bool = False) -> Slot:
-    no_future: Any = None  # the arithmetic never looks at the agent's future
-    return Slot(f"w{index}", index, future=no_future, join=join, started=started, ended=ended,
-                rows=rows, busy_s=busy_s, dead=dead)
+         ended: float | None = 10.0, dead: bool = False, join: bool = False) -> AgentRecord:
+    return AgentRecord(f"w{index}", index, join=join, started=started, ended=ended, rows=rows,
+                       busy_s=busy_s, dead=dead)
 
 
 def test_ideal_shares_the_rows_at_the_measured_rates() -> None:

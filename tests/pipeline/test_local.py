@@ -7,13 +7,13 @@ import shutil
 from pathlib import Path
 
 import mlflow
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
 from click.testing import CliRunner
 
 from antdt.errors import DataError
+from broken_files import break_label
 from data.files import expand, row_groups
 from data.reader import ShardReader
 from data.synth import SynthResult
@@ -87,17 +87,6 @@ def test_cli_reports_config_errors_in_one_line(job_file: Path) -> None:
     assert "Traceback" not in result.output
 
 
-def break_label(path: str) -> int:
-    """Rewrite ``path`` with one label set to 2; return its row count."""
-    table = pq.read_table(path)
-    labels = table.column("label").to_pylist()
-    labels[5] = 2
-    index = table.schema.get_field_index("label")
-    table = table.set_column(index, "label", pa.array(labels, type=table.schema.field(index).type))
-    pq.write_table(table, path, row_group_size=4096)
-    return table.num_rows
-
-
 def test_bad_file_fails_or_is_quarantined(tmp_path: Path, job_file: Path,
                                           tiny_data: SynthResult) -> None:
     copy = tmp_path / "copy"
@@ -107,7 +96,7 @@ def test_bad_file_fails_or_is_quarantined(tmp_path: Path, job_file: Path,
     raw["data"]["validation"] = str(copy / "date=2026-11-03")
     raw["data"]["schema"] = str(copy / "schema.yaml")
     bad = sorted(expand(str(copy / "date=2026-11-01")))[0]
-    break_label(bad)
+    break_label(bad, 4096)
     bad_group_rows = row_groups([bad])[0].num_rows
     job_file.write_text(yaml.safe_dump(raw))
 

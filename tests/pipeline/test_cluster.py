@@ -1,5 +1,6 @@
-"""The async-mode driver end to end: LocalClusters of Nanny-managed worker processes, real Parquet,
-TorchRec, the antdt services, a real MLflow store; a worker process killed for real."""
+"""Cluster jobs from the application's side, end to end: LocalClusters of Nanny-managed worker
+processes with the job service on their scheduler, real Parquet, TorchRec, a real MLflow store;
+a worker process killed for real."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from pathlib import Path
 import dask.config
 import mlflow
 import psutil
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -23,12 +23,13 @@ from distributed import Client, Event, LocalCluster
 from antdt import agent
 from antdt.errors import DataError
 from antdt.sharding.service import PLUGIN_NAME
+from broken_files import break_label
 from data.files import expand, row_groups
 from data.synth import SynthResult
 from models.evaluate import auc
 from pipeline.cli import cli
 from pipeline.config import load_job
-from pipeline.driver import train_async
+from pipeline.cluster import train_async
 from waits import bounded
 
 TRAIN_ROWS = 16_000
@@ -115,13 +116,15 @@ def assert_timeline(run_id: str) -> None:
 
 STRAGGLER_CONTROL = {
     **FAST,
-    "antdt.monitor.window": "300ms", "antdt.monitor.persistent-windows": 2,
+    "antdt.monitor.window": "150ms", "antdt.monitor.persistent-windows": 2,
+    "antdt.sharding.commit-interval": "50ms",
     "antdt.controller.interval": "200ms", "antdt.controller.min-workers": 2,
     "antdt.controller.policies": [
         {"class": "antdt.controller.RevokeHung"}, {"class": "antdt.controller.ReassignStragglers"},
         {"class": "antdt.controller.RetirePersistent", "max_fraction": 1.0}],
 }
-"""Windows short enough for a job of seconds, and persistent stragglers retired."""
+"""Windows and commits short enough for a job of seconds, and persistent stragglers
+retired."""
 
 
 @pytest.mark.slow
@@ -134,13 +137,13 @@ def test_a_persistent_straggler_loses_its_rows_and_is_retired(cluster_job: Path)
         local.wait_for_workers(3)
         pids = client.run(os.getpid)
         victim = sorted(pids)[0]
-        job = load_job(cluster_job, ["train.epochs=3", "train.batch_size=256",
+        job = load_job(cluster_job, ["train.epochs=6", "train.batch_size=256",
                                      "train.shard_rows=2048", "faults=[{worker: 0, slowdown: 6}]"])
         summary = bounded.call(train_async, job, scheduler=local.scheduler_address)
         survivors = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
 
     assert summary.rows_lost == 0
-    assert summary.rows_trained == 3 * TRAIN_ROWS + summary.rows_duplicated
+    assert summary.rows_trained == 6 * TRAIN_ROWS + summary.rows_duplicated
     mlflow.set_tracking_uri(job.mlflow.tracking_uri)
     path = mlflow.artifacts.download_artifacts(run_id=summary.run_id,
                                                artifact_path="straggler_actions.yaml")
@@ -186,16 +189,6 @@ def test_a_worker_process_killed_mid_job_costs_no_row(cluster: LocalCluster,
     assert victim not in workers_of(cluster)  # the nanny restarted it under a new address
 
 
-def break_label(path: str) -> None:
-    """Rewrite ``path`` (same row groups) with label 2 in its first row group."""
-    table = pq.read_table(path)
-    labels = table.column("label").to_pylist()
-    labels[5] = 2
-    index = table.schema.get_field_index("label")
-    table = table.set_column(index, "label", pa.array(labels, type=table.schema.field(index).type))
-    pq.write_table(table, path, row_group_size=2048)
-
-
 @pytest.mark.slow
 def test_bad_rows_are_quarantined_in_the_ledger_and_the_rest_trained(
         cluster: LocalCluster, cluster_job: Path, small_data: SynthResult,
@@ -207,7 +200,7 @@ def test_bad_rows_are_quarantined_in_the_ledger_and_the_rest_trained(
                        validation=str(copy / "date=2026-11-03"), schema=str(copy / "schema.yaml"))
     cluster_job.write_text(yaml.safe_dump(raw))
     bad = sorted(expand(str(copy / "date=2026-11-02")))[1]
-    break_label(bad)
+    break_label(bad, 2048)
     bad_rows = row_groups([bad])[0].num_rows
 
     with pytest.raises(DataError) as info:

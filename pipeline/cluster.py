@@ -1,0 +1,223 @@
+"""A training job on a Dask cluster, from the application's side: the spec it hands AntDT's
+master (:mod:`antdt.jobs`), and submit-and-follow. ``antdt train`` (a LocalCluster it starts),
+``antdt submit`` (a long-lived cluster), the benchmarks and the Airflow DAG all go through here::
+
+    validate the data, here (a bad file is refused before anything starts on the cluster)
+      ─► job_spec: the plan (row groups, sizes, epochs, sync period, sharding, faults) and the
+         code (the trainer and reader recipes, the tracking hooks), with the tracking URI as it
+         resolves here
+      ─► JobClient.submit (an existing job id attaches instead) ─► follow: progress from the
+         job's record ─► the summary the hooks returned
+
+The job's control runs on the cluster's scheduler, its heavy work in tasks on the workers: a
+client that goes away (``--no-wait``, a killed process, Ctrl-C) leaves the job running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from distributed import Client, LocalCluster
+from distributed.security import Security
+
+from antdt.errors import DataError, JobCancelled, JobError, JobFailed
+from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec
+from antdt.sharding import QuarantineSpec
+from data.files import RowGroup, expand, row_groups
+from pipeline.config import JobConfig
+from pipeline.hooks import RankingHooks
+from pipeline.local import PreparedData, prepare_data
+from pipeline.recipes import ReaderRecipe, TrainerRecipe
+from pipeline.report import JobSummary, ProgressSink
+from pipeline.tracking import experiment, redact, resolved_uri
+
+logger = logging.getLogger(__name__)
+
+
+# ---- the spec ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LedgerPlan:
+    """What the sharding service is told: every training row group (bad ones included, so
+    their rows are counted) and the bad units of the training files."""
+
+    row_groups: list[tuple[str, int, int]]
+    quarantine: list[QuarantineSpec]
+
+
+def ledger_plan(job: JobConfig, data: PreparedData) -> LedgerPlan:
+    """Row groups and quarantine of ``job``'s training files for the job's ledger.
+
+    The validator's bad units of the training files become the ledger's quarantine: a bad row
+    group by itself, a bad file with every row group its footer lists (none when it has no
+    readable footer: the ledger then records the file with 0 rows).
+    """
+    train_files = set(expand(list(job.data.train)))
+    quarantine: list[QuarantineSpec] = [(p, g, r) for p, g, r in data.quarantine
+                                        if p in train_files]
+    bad_files = {p for p, g, _ in quarantine if g is None}
+    bad_groups = {(p, g) for p, g, _ in quarantine if g is not None}
+    extra: list[RowGroup] = []
+    for path in sorted({p for p, _, _ in quarantine}):
+        try:
+            listed = row_groups([path])
+        except DataError:
+            continue  # no readable footer: the ledger records the file with 0 rows
+        extra.extend(g for g in listed if path in bad_files or (path, g.index) in bad_groups)
+    groups = [(g.path, g.index, g.num_rows) for g in [*data.train, *extra]]
+    return LedgerPlan(groups, quarantine)
+
+
+def job_spec(job: JobConfig, data: PreparedData | None = None, *,
+             deadline_s: float | None = None) -> JobSpec:
+    """What AntDT's master runs for ``job`` (validated here first unless ``data`` is given).
+    ``deadline_s``: stop the job if training takes longer (benchmarks' baselines that never
+    finish)."""
+    data = data if data is not None else prepare_data(job)
+    plan = ledger_plan(job, data)
+    train = job.train
+    uri = resolved_uri(job)
+    hooks = RankingHooks(job, data.schema, data.validation,
+                         example=(data.validation or data.train)[0], tracking_uri=uri,
+                         experiment_id=experiment(uri, job.mlflow.experiment),
+                         quarantine=[(p, g, r) for p, g, r in plan.quarantine])
+    faults = {f.worker: {"slowdown": f.slowdown, "hang_after_rows": f.hang_after_rows,
+                         "crash_after_rows": f.crash_after_rows,
+                         "slow_for_rows": f.slow_for_rows, "pause_until": f.pause_until,
+                         "pause_after_rows": f.pause_after_rows} for f in job.faults}
+    return JobSpec(
+        JobPlan(name=job.name, row_groups=plan.row_groups, batch_rows=train.batch_size,
+                shard_rows=train.shard_rows, epochs=train.epochs, seed=train.seed,
+                sync_period=str(train.sync_period), sharding=train.sharding,
+                threads=train.threads, quarantine=list(plan.quarantine), faults=faults,
+                deadline_s=deadline_s, preload=["pipeline.recipes"],
+                tags={"experiment": job.mlflow.experiment, "tracking_uri": redact(uri)}),
+        JobCode.of(TrainerRecipe(data.schema, job.model, train.optim, train.seed),
+                   ReaderRecipe(data.schema, train.threads), hooks))
+
+
+# ---- the cluster ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def connect(workers: int | None = None, scheduler: str | None = None, *,
+            security: Security | None = None) -> Iterator[Client]:
+    """A client of the scheduler at ``scheduler``, or of a new LocalCluster of ``workers``
+    Nanny-managed worker processes with one thread each (a GPU resource each when this machine
+    has CUDA), closed at the end. The cluster's processes log ``distributed`` at this process's
+    level (quiet unless ``-v``: :mod:`pipeline.terminal`)."""
+    if scheduler is not None:
+        with Client(scheduler, security=security, set_as_default=False) as client:
+            yield client
+        return
+    if workers is None:
+        raise JobError("connect: give the workers of a LocalCluster to start, or a scheduler")
+    resources = {"GPU": 1} if torch.cuda.is_available() else None
+    level = logging.getLogger("distributed").getEffectiveLevel()
+    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                      dashboard_address=":0", resources=resources,
+                      silence_logs=level) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        # The cluster's own view of its workers can miss one that registered while it started;
+        # a worker that then dies makes the cluster fail on close (KeyError). Refresh the view.
+        cluster.wait_for_workers(workers)
+        logger.info("LocalCluster of %d workers, dashboard %s", workers, client.dashboard_link)
+        yield client
+
+
+# ---- following a job -------------------------------------------------------------------------
+
+
+class Progress:
+    """Feeds a :class:`ProgressSink` (the CLI's bar) from a job's records: rows done or
+    quarantined out of the rows the job expects."""
+
+    def __init__(self, sink: ProgressSink | None) -> None:
+        self.sink = sink
+        self._total = 0
+        self._done = 0
+
+    def __call__(self, record: Mapping[str, Any]) -> None:
+        rows = record.get("rows") or {}
+        if self.sink is None or not rows:
+            return
+        if rows["expected"] != self._total:
+            self._total = rows["expected"]
+            self.sink.total(self._total)
+        done = rows["done"] + rows["quarantined"]
+        if done > self._done:
+            self.sink.advance(done - self._done)
+            self._done = done
+
+
+@dataclass(frozen=True)
+class AgentRecord:
+    """One agent of a finished job as the master recorded it (seconds after training
+    started)."""
+
+    worker: str
+    index: int
+    join: bool
+    started: float
+    ended: float | None
+    rows: int
+    busy_s: float
+    dead: bool
+
+    @classmethod
+    def of(cls, agent: Mapping[str, Any]) -> AgentRecord:
+        return cls(*(agent[name] for name in cls.__dataclass_fields__))
+
+
+def outcome(record: Mapping[str, Any]) -> JobSummary:
+    """The summary of a job that ended; :class:`JobFailed` or :class:`JobCancelled` when it
+    did not finish."""
+    state = record["state"]
+    if state == "failed":
+        raise JobFailed(f"job {record['job_id']} failed: {record['error']}")
+    if state == "cancelled":
+        raise JobCancelled(f"job {record['job_id']} was cancelled: {record['stopped']}")
+    if state != "finished" or record["summary"] is None:
+        raise JobError(f"job {record['job_id']} has not ended: {state}")
+    return JobSummary.from_dict(record["summary"])
+
+
+def follow(jobs: JobClient, job_id: str, progress: ProgressSink | None = None,
+           on_change: Callable[[Mapping[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Follow ``job_id`` to its end, feeding ``progress``; the final record."""
+    bar = Progress(progress)
+
+    def changed(record: dict[str, Any]) -> None:
+        bar(record)
+        if on_change is not None:
+            on_change(record)
+
+    return jobs.follow(job_id, on_change=changed)
+
+
+def run(job: JobConfig, *, workers: int | None = None, scheduler: str | None = None,
+        security: Security | None = None, progress: ProgressSink | None = None,
+        job_id: str | None = None, deadline_s: float | None = None) -> dict[str, Any]:
+    """Submit ``job`` to the cluster at ``scheduler`` (or to a new LocalCluster of ``workers``,
+    default ``train.workers``) and follow it to its end; its final record."""
+    data = prepare_data(job)  # fail on bad data before anything starts on a cluster
+    spec = job_spec(job, data, deadline_s=deadline_s)
+    local = workers or job.train.workers if scheduler is None else None
+    with connect(local, scheduler, security=security) as client, JobClient(client) as jobs:
+        submitted = jobs.submit(spec, job_id=job_id)
+        return follow(jobs, submitted["job"]["job_id"], progress)
+
+
+def train_async(job: JobConfig, *, workers: int | None = None, scheduler: str | None = None,
+                security: Security | None = None, progress: ProgressSink | None = None,
+                job_id: str | None = None) -> JobSummary:
+    """:func:`run`, then the job's summary; :class:`JobFailed` or :class:`JobCancelled` when it
+    did not finish."""
+    return outcome(run(job, workers=workers, scheduler=scheduler, security=security,
+                       progress=progress, job_id=job_id))

@@ -1,0 +1,135 @@
+"""The application's side of a cluster job (:class:`antdt.jobs.JobHooks`), run in tasks on
+workers: the job's MLflow run, its metrics, the evaluation and logging of the final model, and
+the summary a person reads.
+
+What travels to the workers is this small picklable object: the job's config (its tracking URI
+resolved where the job was submitted), its schema and its validation row groups. MLflow and the
+plotting are imported only by the tasks that use them, never by an agent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from data.files import RowGroup
+from data.schema import Schema
+from pipeline.config import JobConfig
+from pipeline.report import JobSummary, oracle_auc
+
+
+@dataclass(frozen=True)
+class RankingHooks:
+    """Tracking and evaluation of one ranking-model job (see the module docstring).
+
+    ``tracking_uri`` is the store the workers write to and ``experiment_id`` the run's
+    experiment in it (both resolved where the job was submitted); ``quarantine`` the bad units
+    of the training files, logged with the run."""
+
+    job: JobConfig
+    schema: Schema
+    validation: list[RowGroup]
+    example: RowGroup
+    tracking_uri: str
+    experiment_id: str
+    quarantine: list[tuple[str, int | None, str]]
+
+    def start(self, job_id: str, workers: int) -> dict[str, Any]:
+        from pipeline.tracking import Tracker
+
+        # the run records the workers that train (the cluster's), not the job file's count
+        tracked = dataclasses.replace(self.job, train=dataclasses.replace(
+            self.job.train, workers=workers))
+        tracker = Tracker.start(tracked, mode="async", tags={"antdt.job_id": job_id},
+                                tracking_uri=self.tracking_uri,
+                                experiment_id=self.experiment_id)
+        tracker.artifact_yaml(self.schema.to_dict(), "schema.yaml")
+        if self.quarantine:
+            tracker.artifact_yaml([list(q) for q in self.quarantine], "quarantine.yaml")
+        return tracker.info()
+
+    def metrics(self, run: Mapping[str, Any],
+                steps: Sequence[tuple[int, dict[str, float]]]) -> None:
+        from pipeline.tracking import Tracker
+
+        Tracker.attach(self.tracking_uri, run).steps(steps)
+
+    def finish(self, run: Mapping[str, Any], trainer: Any,
+               report: Mapping[str, Any]) -> dict[str, Any]:
+        """Evaluate the consensus model (None: the job stopped early, AUC nan), log the final
+        counters, the controller's actions, the timeline and the model; return the summary."""
+        from data.reader import ShardReader
+        from models.evaluate import evaluate
+        from pipeline.local import iterate_batches
+        from pipeline.serving import log_ranking_model
+        from pipeline.timeline import ActionMark, LeaseSpan, render_timeline
+        from pipeline.tracking import Tracker
+
+        tracker = Tracker.attach(self.tracking_uri, run)
+        auc = logloss = math.nan
+        if trainer is not None:
+            metrics = evaluate(trainer.train_step.predict, iterate_batches(
+                ShardReader(self.schema), self.validation, self.job.train.batch_size))
+            auc, logloss = metrics["auc"], metrics["logloss"]
+        rows = report["rows"]
+        agents = report["agents"]
+        train_s = float(report["train_s"])
+        summary = JobSummary(
+            run_id=tracker.run_id, mode="async", workers=len(agents), auc=auc, logloss=logloss,
+            oracle_auc=oracle_auc(self.job.data.schema, [g.path for g in self.validation]),
+            rows_trained=rows["trained"], rows_lost=rows["lost"],
+            rows_duplicated=rows["duplicated"], rows_quarantined=rows["quarantined"],
+            wall_s=float(report["wall_s"]), train_s=train_s,
+            samples_per_s=rows["trained"] / max(train_s, 1e-9),
+            straggler_actions=len(report["actions"]), tracking_uri=tracker.tracking_uri,
+            experiment_id=tracker.experiment_id,
+            timeline=tracker.artifact_location("timeline.png"))
+        tracker.summary({k: v for k, v in summary.metrics().items() if not math.isnan(v)})
+        tracker.summary({f"ledger.{'' if k.startswith('epoch') else 'rows_'}{k}": v
+                         for k, v in rows.items() if isinstance(v, int)})
+        tracker.summary(agent_metrics(agents))
+        if report["actions"]:
+            tracker.artifact_yaml(list(report["actions"]), "straggler_actions.yaml")
+        spans = [LeaseSpan(**span) for span in report["spans"]]
+        marks = [ActionMark(**mark) for mark in report["marks"]]
+        with tempfile.TemporaryDirectory(prefix="antdt-timeline-") as folder:
+            tracker.artifact_file(render_timeline(
+                spans, marks, f"{folder}/timeline.png",
+                title=f"{self.job.name} ({report['job_id']}, {len(agents)} agents, "
+                      f"sharding {report['sharding']})"))
+        if report["stopped"] is not None:
+            tracker.tag("antdt.stopped", report["stopped"])
+        if trainer is None:
+            tracker.end("FINISHED")
+        else:
+            with tracker.active():  # the model is the last thing logged: the run ends with it
+                log_ranking_model(trainer.train_step, self.schema, self.job,
+                                  example=self.example)
+        return summary.to_dict()
+
+    def abort(self, run: Mapping[str, Any], status: str, reason: str) -> None:
+        from pipeline.tracking import Tracker
+
+        Tracker.attach(self.tracking_uri, run).end(status, reason)
+
+
+def agent_metrics(agents: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Final per-agent figures (rows, batches, busy seconds, sync exchanges, mean loss) and the
+    agents' fates (dead, started on a worker that joined mid-job)."""
+    out: dict[str, float] = {"agents_dead": sum(bool(a["dead"]) for a in agents),
+                             "agents_joined": sum(bool(a["join"]) for a in agents)}
+    for agent in agents:
+        if agent["batches"] is None:
+            continue
+        name = agent["label"]
+        out[f"{name}.rows"] = agent["rows"]
+        out[f"{name}.batches"] = agent["batches"]
+        out[f"{name}.busy_s"] = agent["busy_s"]
+        out[f"{name}.sync_exchanges"] = agent["exchanges"]
+        if agent["loss"] is not None:
+            out[f"{name}.loss"] = agent["loss"]
+    return out

@@ -1,0 +1,27 @@
+"""The MLflow run of a job (``pipeline.tracking``), in a real SQLite store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from pipeline.config import load_job
+from pipeline.tracking import Tracker
+
+
+def test_the_fluent_uri_is_restored_unset_so_the_default_follows_the_working_directory(
+        cluster_job: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = load_job(cluster_job)
+    assert not mlflow.is_tracking_uri_set()
+    tracker = Tracker.start(job, mode="async")
+    with tracker.active():
+        mlflow.log_param("inside", "yes")
+    assert not mlflow.is_tracking_uri_set()  # not pinned to this store for later jobs
+    monkeypatch.chdir(tmp_path)
+    assert mlflow.get_tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+    run = mlflow.MlflowClient(job.mlflow.tracking_uri).get_run(tracker.run_id)
+    assert run.data.params["inside"] == "yes" and run.info.status == "FINISHED"
+
