@@ -19,6 +19,7 @@ COMMANDS = {
     "scaling": "pipeline.bench.scaling",
     "sharding": "pipeline.bench.sharding",
     "stragglers": "pipeline.bench.stragglers",
+    "submit": "pipeline.bench.submit",
     "train": "pipeline.bench.train",
 }
 

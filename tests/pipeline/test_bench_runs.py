@@ -54,3 +54,31 @@ def test_bench_quality_trains_the_reference_and_the_async_runs(
     assert run["gap"] == pytest.approx(out["reference_auc"] - run["auc"], abs=2e-4)
     assert run["passed"] is out["passed"] is True
     assert (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.slow
+def test_bench_submit_runs_both_ways_on_one_cluster(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    out = bench(["submit", "--rows", "10000", "--data", str(tmp_path / "data"),
+                 "--workers", "2", "--repeats", "1"])
+    assert out["rows"] == 7_500 and out["workers"] == 2
+    assert set(out["cold"]) == set(out["runs"]) == {"client_driven", "submitted"}
+    for way in ("client_driven", "submitted"):
+        (run,) = out["runs"][way]
+        assert run["first_batch_s"] > 0 and run["samples_per_s"] > 0
+        assert out[f"{way}_samples_per_s"] == run["samples_per_s"]
+    assert out["samples_per_s_ratio"] == pytest.approx(
+        out["submitted_samples_per_s"] / out["client_driven_samples_per_s"])
+    runs = mlflow_runs(tmp_path)
+    assert sorted(runs.values()) == ["FINISHED"] * 4  # each way opened and closed its runs
+
+
+def mlflow_runs(folder: Path) -> dict[str, str]:
+    """Run id -> status of every run in ``folder``'s default MLflow store."""
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    return {run.info.run_id: run.info.status
+            for experiment in client.search_experiments()
+            for run in client.search_runs([experiment.experiment_id])}
