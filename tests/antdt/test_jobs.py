@@ -13,7 +13,7 @@ from typing import Any
 import dask.config
 import pytest
 import torch
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, get_worker
 
 from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec
 from fakes import BATCH_ROWS, GATES, GROUPS, SHARD_ROWS, TOTAL, MakeReader, MakeTrainer
@@ -26,9 +26,11 @@ CALLS: dict[str, list[tuple[Any, ...]]] = {}
 @dataclass(frozen=True)
 class RecordingHooks:
     """Test-only hooks: a "run" is a fresh id; every call is recorded in CALLS. ``fail``
-    names a method that raises instead."""
+    names a method that raises instead; with ``hold``, the first ``finish`` waits for that gate
+    (and records the worker it runs on) before it goes on."""
 
     fail: str | None = None
+    hold: str | None = None
 
     def start(self, job_id: str, workers: int) -> dict[str, Any]:
         self._maybe_fail("start")
@@ -43,6 +45,10 @@ class RecordingHooks:
     def finish(self, run: Mapping[str, Any], trainer: Any, report: Mapping[str, Any]
                ) -> dict[str, Any]:
         self._maybe_fail("finish")
+        if self.hold is not None and not any(c[0] == "held" for c in CALLS[run["run_id"]]):
+            CALLS[run["run_id"]].append(("held", get_worker().address))
+            assert GATES[self.hold].wait(timeout=30), "the test never opened the gate"
+            raise RuntimeError("the test closed this worker: a dead worker returns nothing")
         table = None if trainer is None else trainer.table.clone()
         CALLS[run["run_id"]].append(("finish", table, dict(report)))
         return {"rows_trained": report["rows"]["trained"], "with_model": trainer is not None}
@@ -297,3 +303,31 @@ def test_every_handler_refuses_malformed_calls_while_a_job_runs(jobs: JobClient,
     assert (rows["done"], rows["trained"], rows["lost"], rows["duplicated"]) == (
         2 * TOTAL, 2 * TOTAL, 0, 0)
     assert jobs.status()  # the job service still answers
+
+
+def test_the_worker_finishing_a_job_dies_and_another_one_finishes_it() -> None:
+    gate = f"gate-{uuid.uuid4().hex[:6]}"
+    GATES[gate] = threading.Event()
+    settings = {"antdt.jobs.tick": "100ms", "antdt.agent.report-interval": "50ms",
+                "antdt.sync.max-wait": "50ms"}
+    with dask.config.set(settings), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                         dashboard_address=":0") as cluster, Client(cluster) as client, \
+            JobClient(client) as jobs:
+        cluster.wait_for_workers(2)
+        job_id = jobs.submit(spec(epochs=2, hooks=RecordingHooks(hold=gate)))["job"]["job_id"]
+        run = bounded.until(lambda: (r := jobs.status(job_id)["run"]) and r, "the run opened")
+        held = bounded.until(lambda: next((c[1] for c in CALLS[run["run_id"]]
+                                           if c[0] == "held"), None), "finishing")
+        worker = next(w for w in cluster.workers.values() if w.address == held)
+        client.loop.add_callback(worker.close)  # its finish task is still running
+        bounded.until(lambda: held not in client.scheduler_info()["workers"], "the worker gone")
+        GATES[gate].set()
+        record = bounded.call(jobs.follow, job_id)
+        messages = [r["message"] for r in jobs.logs(job_id)]
+
+    assert record["state"] == "finished", record["error"]
+    assert record["rows"]["done"] == 2 * TOTAL and record["rows"]["lost"] == 0
+    finished = [c for c in calls(record) if c[0] == "finish"]
+    assert len(finished) == 1 and record["summary"]["with_model"]
+    assert f"the worker finishing the job ({held}) died; trying another" in messages
