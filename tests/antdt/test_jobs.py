@@ -15,6 +15,7 @@ import pytest
 import torch
 from distributed import Client, LocalCluster, get_worker
 
+from antdt.errors import JobError
 from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec
 from fakes import BATCH_ROWS, GATES, GROUPS, SHARD_ROWS, TOTAL, MakeReader, MakeTrainer
 from waits import bounded
@@ -331,3 +332,16 @@ def test_the_worker_finishing_a_job_dies_and_another_one_finishes_it() -> None:
     finished = [c for c in calls(record) if c[0] == "finish"]
     assert len(finished) == 1 and record["summary"]["with_model"]
     assert f"the worker finishing the job ({held}) died; trying another" in messages
+
+
+def test_finished_jobs_stay_listed_up_to_the_history_length(jobs: JobClient) -> None:
+    with dask.config.set({"antdt.jobs.history": 2}):  # the in-process scheduler reads it
+        ids = []
+        for _ in range(3):
+            ids.append(jobs.submit(spec())["job"]["job_id"])
+            assert bounded.call(jobs.follow, ids[-1])["state"] == "finished"
+        listed = {record["job_id"] for record in jobs.status()}
+
+    assert ids[0] not in listed and set(ids[1:]) <= listed  # the oldest finished one went
+    with pytest.raises(JobError, match=f"unknown job '{ids[0]}'"):
+        jobs.status(ids[0])

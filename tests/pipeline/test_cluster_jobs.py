@@ -172,6 +172,27 @@ def test_two_jobs_at_once_one_cancelled_midway(cluster: DaskProcesses, job_file:
     assert (states[ids[0]], states[ids[1]]) == ("finished", "cancelled")
     logs = antdt("logs", ids[1], "--scheduler", cluster.address, cwd=tmp_path).stdout
     assert "cancelling: cancelled by a client" in logs
+    followed_logs = antdt("logs", ids[1], "--follow", "--scheduler", cluster.address,
+                          cwd=tmp_path).stdout  # the job has ended: --follow returns
+    assert followed_logs == logs
+
+
+@pytest.mark.slow
+def test_a_bad_job_file_is_refused_before_anything_starts(cluster: DaskProcesses,
+                                                         job_file: Path, tmp_path: Path) -> None:
+    before = json.loads(antdt("status", "--scheduler", cluster.address, "--json",
+                              cwd=tmp_path).stdout)
+    bad = ("--set", "train.epochz=2")
+    submitted = antdt("submit", str(job_file), "--scheduler", cluster.address, *bad,
+                      cwd=tmp_path, check=False)
+    trained = antdt("train", str(job_file), "--local", *bad, cwd=tmp_path, check=False)
+
+    assert submitted.returncode == trained.returncode == 2
+    assert submitted.stderr == trained.stderr  # the same one line as antdt train
+    assert submitted.stderr.count("\n") == 1 and "unknown key(s) ['epochz']" in submitted.stderr
+    after = json.loads(antdt("status", "--scheduler", cluster.address, "--json",
+                             cwd=tmp_path).stdout)
+    assert [r["job_id"] for r in after] == [r["job_id"] for r in before]  # nothing started
 
 
 @pytest.fixture
