@@ -129,6 +129,8 @@ class JobRunner:
         self._actions: list[dict[str, Any]] = []
         self._leasing: dict[tuple[str, int], float] = {}
         self._spans: list[tuple[str, int, float, float, int, str]] = []
+        self._first_lease: dict[str, float] = {}
+        """Per worker, when its first lease started (seconds after training started)."""
         self._steps: list[tuple[int, dict[str, float]]] = []
         self._step = 0
         self._pending_metrics: list[Future] = []
@@ -158,7 +160,8 @@ class JobRunner:
                 "workers": workers, "actions": self._actions[-LAST_ACTIONS:],
                 "actions_total": len(self._actions), "summary": self.summary,
                 "tags": dict(self.plan.tags), "sharding": self.plan.sharding,
-                "agents": [s.as_dict() for s in self.slots], "first_lease": self._first_leases()}
+                "agents": [s.as_dict() for s in self.slots],
+                "first_lease": dict(self._first_lease)}
 
     def log_records(self, since: int) -> list[dict[str, Any]]:
         """The job's log records with ``seq >= since``, oldest first."""
@@ -421,6 +424,8 @@ class JobRunner:
                 key = (worker, int(msg["lease_id"]))
                 if msg["phase"] == "start":
                     self._leasing[key] = float(msg["time"])
+                    self._first_lease.setdefault(worker,
+                                                 float(msg["time"]) - self._train_started)
                 elif self._leasing.pop(key, None) is not None:
                     self._spans.append((*key, float(msg["start"]), float(msg["time"]),
                                         int(msg["rows"]), str(msg["outcome"])))
@@ -515,14 +520,7 @@ class JobRunner:
                 "train_s": train_s, "wall_s": time() - self.submitted_at,
                 "stopped": self.stopped, "agents": [s.as_dict() for s in self.slots],
                 "actions": list(self._actions), "spans": spans, "marks": marks,
-                "first_lease": self._first_leases(), "sharding": self.plan.sharding}
-
-    def _first_leases(self) -> dict[str, float]:
-        """Per worker, when its first lease started (seconds after training started)."""
-        first: dict[str, float] = {}
-        for worker, _, start, *_ in sorted(self._spans, key=lambda span: span[2]):
-            first.setdefault(worker, start - self._train_started)
-        return first
+                "first_lease": dict(self._first_lease), "sharding": self.plan.sharding}
 
     # ---- tasks on workers -------------------------------------------------------------------
 
