@@ -151,19 +151,15 @@ class JobService(SchedulerPlugin):
         runner = self._runner(job_id)
         if isinstance(version, bool) or not isinstance(version, int):
             raise JobError(f"version must be an int, found {version!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-                or not 0 <= timeout_s <= MAX_WAIT_S:
-            raise JobError(f"timeout_s must be a number of seconds in [0, {MAX_WAIT_S:g}], "
-                           f"found {timeout_s!r}")
-        await runner.changed(version, float(timeout_s))
+        wait_s = rpc.seconds("timeout_s", timeout_s, MAX_WAIT_S, error=JobError)
+        await runner.changed(version, wait_s)
         return {"status": "OK", "job": runner.record()}
 
     @rpc.handler
     async def logs(self, job_id: object, since: object = 0) -> Reply:
         runner = self._runner(job_id)
-        if isinstance(since, bool) or not isinstance(since, int) or since < 0:
-            raise JobError(f"since must be an int >= 0, found {since!r}")
-        return {"status": "OK", "records": runner.log_records(since),
+        first = rpc.integer("since", since, error=JobError)
+        return {"status": "OK", "records": runner.log_records(first),
                 "final": runner.state.final}
 
     @rpc.handler
