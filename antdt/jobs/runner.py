@@ -560,11 +560,13 @@ class JobRunner:
             future.release()
 
     async def _abort(self, status: str, reason: str) -> None:
-        """Close the tracking run (if it was opened) as ``status``; an error doing so is
-        logged, never hides the job's own outcome."""
+        """Close the tracking run (if it was opened) as ``status``, after the metrics sent to
+        it so far (a metrics task must not reach a closed run); an error doing so is logged,
+        never hides the job's own outcome."""
         if self.run is None:
             return
         try:
+            await self._flush_metrics()
             await self._hook("abort", self.run, status, reason)
         except (AntdtError, OSError) as exc:
             self.log("error", f"could not close the tracking run as {status}: {exc}")
