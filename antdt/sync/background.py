@@ -160,6 +160,7 @@ class BackgroundSync:
         self.final_leader: str | None = None  # whose state this replica ended with
         self._plugin = plugin
         self._members_version = -1
+        self._members: list[str] = []
         self._stop = threading.Event()
         self._hurry = threading.Event()
         self._batches = 0  # batches trained since the last round began (a period in batches)
@@ -364,6 +365,8 @@ class BackgroundSync:
         if msg["members_version"] != self._members_version:
             members: MembersMsg = self._ask("antdt_sync_members", job=self.job)
             self._set_members(members["members"], members["members_version"])
+        if msg["kind"] == "alone" and self._members == [self.worker.address]:
+            self._publish_alone()
         if msg["kind"] != "group":
             return None
         assert msg["round"] is not None
@@ -429,7 +432,15 @@ class BackgroundSync:
     def _set_members(self, members: Sequence[str], members_version: int) -> None:
         """Apply a member list; the next group call acknowledges ``members_version``."""
         self.replica.set_peers(members)
+        self._members = list(members)
         self._members_version = members_version
+
+    def _publish_alone(self) -> None:
+        """The only member publishes its deltas without an exchange: with nobody to pull them
+        its rows count as synced at once (a job down to one worker, or started with one, gets
+        its rows done as it trains, not only when its leases run out)."""
+        with self.replica.lock:
+            self.replica.log.publish(self.replica.rows_offset)
 
     def _ask(self, handler: str, **kwargs: Any) -> Any:
         """The scheduler's reply to ``handler`` (a :class:`SyncError` when it refused)."""
