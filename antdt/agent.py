@@ -41,6 +41,7 @@ log (``antdt logs`` shows them). The per-batch timings reach the monitor through
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -97,7 +98,10 @@ class Trainer(Protocol[B_contra]):
     parameters (updated by the step's optimiser) and the embedding tables ``(num_rows, dim)``
     (views of the storage the step updates). ``touched(batch)`` names, per table, the row ids
     ``(k,)`` int64 the step on ``batch`` changes. ``state()`` is what the driver fetches at the
-    end (e.g. the model's weights on the CPU).
+    end (e.g. the model's weights on the CPU). ``checkpoint_state()`` is everything a resumed
+    job needs to go on exactly (weights and every optimiser's state, tensors copied: training
+    goes on while it is written) and ``restore_state(state)`` puts it back in place (before the
+    replica is built on the tables).
     """
 
     def step(self, batch: B_contra) -> float: ...
@@ -109,6 +113,10 @@ class Trainer(Protocol[B_contra]):
     def tables(self) -> Mapping[str, torch.Tensor]: ...
 
     def state(self) -> Any: ...
+
+    def checkpoint_state(self) -> Any: ...
+
+    def restore_state(self, state: Any) -> None: ...
 
 
 class TrainerFactory(Protocol):
@@ -227,9 +235,9 @@ def event_topic(job: str) -> str:
 
 
 class AgentPlugin(WorkerPlugin):
-    """Per worker: each job's cancellation flag, and the trainer of a finished agent until the
-    job's master is done with it (it evaluates and logs the model here) and forgets the job
-    (:func:`forget_here`)."""
+    """Per worker: each job's cancellation flag, its running agent (a checkpoint copies its
+    model), and the trainer of a finished agent until the job's master is done with it (it
+    evaluates and logs the model here) and forgets the job (:func:`forget_here`)."""
 
     name = PLUGIN_NAME
     idempotent = True  # registering again (another job, another driver) keeps the state
@@ -237,6 +245,7 @@ class AgentPlugin(WorkerPlugin):
     def __init__(self) -> None:
         self._cancel: dict[str, threading.Event] = {}
         self._trainers: dict[str, Trainer[Any]] = {}
+        self._running: dict[str, Agent] = {}
 
     def cancelled(self, job: str) -> threading.Event:
         """``job``'s cancellation flag on this worker (made on first use, set by the driver)."""
@@ -256,9 +265,21 @@ class AgentPlugin(WorkerPlugin):
     def state(self, job: str) -> Any:
         return self.trainer(job).state()
 
+    def checkpoint_state(self, job: str) -> Any:
+        """The :meth:`Trainer.checkpoint_state` of ``job``'s agent training here, taken between
+        two steps (under the replica lock in the async mode: its tables and dense part are not
+        half-merged)."""
+        agent = self._running.get(job)
+        if agent is None:
+            raise AntdtError(f"no agent of job {job!r} is training on this worker; training "
+                             f"here: {sorted(self._running)}")
+        with agent.replica.lock if agent.replica is not None else contextlib.nullcontext():
+            return agent.trainer.checkpoint_state()
+
     def forget(self, job: str) -> None:
         self._cancel.pop(job, None)
         self._trainers.pop(job, None)
+        self._running.pop(job, None)
 
 
 def plugin_of(worker: Worker) -> AgentPlugin:
@@ -365,6 +386,7 @@ class Agent:
                     self.device)
         forward = _ForwardLogs(self)
         logging.getLogger("antdt").addHandler(forward)
+        self._plugin._running[self.spec.job] = self
         try:
             try:
                 outcome = self._join_sync()
@@ -373,6 +395,8 @@ class Agent:
             except BaseException:
                 self._abandon()
                 raise
+            finally:
+                self._plugin._running.pop(self.spec.job, None)
             self._end(outcome)
         finally:
             logging.getLogger("antdt").removeHandler(forward)
@@ -523,6 +547,7 @@ class Agent:
         if faults.pause_until is None or self._paused or self.rows < faults.pause_after_rows:
             return False
         self._paused = True
+        self._await_synced()
         self.shards.flush()  # the last lease's last commit would ride on the next lease call
         logger.warning("agent of job %s on %s: injected pause after %d rows until event %r",
                        self.spec.job, self.worker.address, self.rows, faults.pause_until)
@@ -532,6 +557,17 @@ class Agent:
             if self.cancelled.is_set():
                 return True
         return False
+
+    def _await_synced(self) -> None:
+        """Before a pause: wait (at most ``antdt.sync.rpc-timeout``) until the peers have this
+        agent's rows, so a paused job's ledger counts them done (a test's state is settled)."""
+        if self.sync is None or self.replica is None:
+            return
+        deadline = time.perf_counter() + config.seconds("antdt.sync.rpc-timeout")
+        while self.sync.synced_offset < self.replica.rows_offset \
+                and time.perf_counter() < deadline and not self.cancelled.is_set():
+            self.sync.hurry()
+            self.cancelled.wait(PAUSE_POLL_S / 10)
 
     def _faults_fire(self) -> bool:
         """Crash or hang once their row counts are reached; True when a hang was cancelled."""

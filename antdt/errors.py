@@ -35,3 +35,8 @@ class JobFailed(AntdtError):
 
 class JobCancelled(AntdtError):
     """A job was cancelled before its end."""
+
+
+class CheckpointError(AntdtError):
+    """A checkpoint cannot be written, found or used: torn or corrupt files, none to resume
+    from, or a job file that differs from the checkpoint's (the message names the key)."""

@@ -1,15 +1,21 @@
 """A trivial model and reader for tests of the agent and of jobs: the "batch" is a row range,
-and the model counts how often each row was trained. They run on workers in the test's own
-process (``LocalCluster(processes=False)``): the gates are shared memory."""
+and the model counts how often each row was trained; test jobs' hooks record every call. They
+run on workers in the test's own process (``LocalCluster(processes=False)``): the gates and the
+recorded calls are shared memory."""
 
 from __future__ import annotations
 
 import threading
 import time
+import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from distributed import get_worker
+
+from antdt.jobs import JobCode, JobPlan, JobSpec
 
 Range = tuple[str, int, int, int]
 """A trivial batch: ``(path, row_group, start, stop)``."""
@@ -83,6 +89,13 @@ class CountingTrainer:
     def tables(self) -> dict[str, torch.Tensor]:
         return {"t": self.table}
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"table": self.table.clone(), "bias": self.bias.clone()}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        self.table.copy_(state["table"])
+        self.bias.copy_(state["bias"])
+
     def state(self) -> dict[str, Any]:
         return {"ranges": list(self.ranges), "table": self.table.clone(),
                 "bias": self.bias.clone(), "losses": list(self.losses),
@@ -95,3 +108,63 @@ class MakeTrainer:
 
     def __call__(self, device: torch.device) -> CountingTrainer:
         return CountingTrainer(self.step_s)
+
+
+# ---- hooks of test jobs ------------------------------------------------------------------
+
+CALLS: dict[str, list[tuple[Any, ...]]] = {}
+"""Every hook call, per tracking run (the workers share this process)."""
+
+
+@dataclass(frozen=True)
+class RecordingHooks:
+    """Test-only hooks: a "run" is a fresh id; every call is recorded in CALLS. ``fail``
+    names a method that raises instead; with ``hold``, the first ``finish`` waits for that gate
+    (and records the worker it runs on) before it goes on."""
+
+    fail: str | None = None
+    hold: str | None = None
+
+    def start(self, job_id: str, workers: int, resume: Mapping[str, Any] | None = None
+              ) -> dict[str, Any]:
+        self._maybe_fail("start")
+        if resume is not None:  # the same run goes on
+            run = resume["run"]["run_id"]
+            CALLS[run].append(("resume", job_id, workers, dict(resume)))
+            return {"run_id": run}
+        run = uuid.uuid4().hex
+        CALLS[run] = [("start", job_id, workers)]
+        return {"run_id": run}
+
+    def metrics(self, run: Mapping[str, Any], steps: Sequence[tuple[int, dict[str, float]]]
+                ) -> None:
+        CALLS[run["run_id"]].append(("metrics", list(steps)))
+
+    def finish(self, run: Mapping[str, Any], trainer: Any, report: Mapping[str, Any]
+               ) -> dict[str, Any]:
+        self._maybe_fail("finish")
+        if self.hold is not None and not any(c[0] == "held" for c in CALLS[run["run_id"]]):
+            CALLS[run["run_id"]].append(("held", get_worker().address))
+            assert GATES[self.hold].wait(timeout=30), "the test never opened the gate"
+            raise RuntimeError("the test closed this worker: a dead worker returns nothing")
+        table = None if trainer is None else trainer.table.clone()
+        CALLS[run["run_id"]].append(("finish", table, dict(report)))
+        return {"rows_trained": report["rows"]["trained"], "with_model": trainer is not None}
+
+    def abort(self, run: Mapping[str, Any], status: str, reason: str) -> None:
+        CALLS[run["run_id"]].append(("abort", status, reason))
+
+    def _maybe_fail(self, method: str) -> None:
+        if self.fail == method:
+            raise RuntimeError(f"the test's hooks fail in {method}")
+
+
+def spec(epochs: int = 1, gate: str | None = None, hooks: RecordingHooks = RecordingHooks(),
+         **plan: Any) -> JobSpec:
+    return JobSpec(JobPlan(name="fake", row_groups=list(GROUPS), batch_rows=BATCH_ROWS,
+                           shard_rows=SHARD_ROWS, epochs=epochs, sync_period="0.02s", **plan),
+                   JobCode.of(MakeTrainer(), MakeReader(gate), hooks))
+
+
+def calls(record: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+    return CALLS[record["run"]["run_id"]]

@@ -7,6 +7,9 @@ job it runs::
       ─► every tick: collect finished agents, write off those whose worker died (the ledger has
          re-queued their rows), start joiners, read the agents' events and the controller's
          actions, buffer metrics (hooks.metrics, a task every few seconds); stop at a deadline
+         and take a checkpoint when one is due (:mod:`antdt.jobs.keeper`)
+      ─► every worker gone: wait for new ones and restart from the last checkpoint (or fail,
+         naming it, after ``antdt.sharding.no-workers-timeout``)
       ─► the end: hooks.finish on a worker holding the consensus model (another one if that
          worker dies), or hooks.abort when the job failed or was cancelled
       ─► forget the job in the services and on the workers; keep its record for ``status``
@@ -24,6 +27,7 @@ import contextlib
 import importlib
 import logging
 import math
+import posixpath
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,8 +39,10 @@ from distributed.scheduler import KilledWorker
 
 from antdt import config
 from antdt.agent import AgentReport, AgentSpec, Faults, cancel_here, forget_here
-from antdt.errors import AntdtError, JobError
-from antdt.jobs import tasks
+from antdt.errors import AntdtError, JobError, LedgerError
+from antdt.jobs import checkpoints, tasks
+from antdt.jobs.checkpoints import Manifest
+from antdt.jobs.keeper import Checkpointer
 from antdt.jobs.spec import JobSpec, JobState
 from antdt.sync import SyncPeriod
 
@@ -142,6 +148,11 @@ class JobRunner:
         self._metrics_every = config.seconds("antdt.jobs.metrics-interval")
         self._last_metrics = 0.0
         self._task: asyncio.Task[None] | None = None
+        self.checkpoints = Checkpointer(job_id, spec.plan, self._write_model, self.log)
+        self.rows_replayed = 0
+        """Rows trained past the checkpoint a job restarted from, before the loss: trained
+        again (over every restart of the job)."""
+        self.resumes = 0
 
     # ---- what clients see -------------------------------------------------------------------
 
@@ -161,7 +172,8 @@ class JobRunner:
                 "actions_total": len(self._actions), "summary": self.summary,
                 "tags": dict(self.plan.tags), "sharding": self.plan.sharding,
                 "agents": [s.as_dict() for s in self.slots],
-                "first_lease": dict(self._first_lease)}
+                "first_lease": dict(self._first_lease), "checkpoint": self._last_checkpoint(),
+                "rows_replayed": self.rows_replayed, "resumes": self.resumes}
 
     def log_records(self, since: int) -> list[dict[str, Any]]:
         """The job's log records with ``seq >= since``, oldest first."""
@@ -250,25 +262,75 @@ class JobRunner:
         period = SyncPeriod.parse(plan.sync_period, where="job plan sync_period")
         for module in plan.preload:  # seconds per process that are not training, done now
             await self.client.run(importlib.import_module, module, workers=initial)
+        if plan.sharding == "static" and (plan.checkpoint_dir or plan.resume):
+            raise JobError("static sharding (the baseline) cannot be checkpointed or resumed; "
+                           "drop train.checkpoint_dir or use the antdt sharding")
         self.service.controller.enabled[self.job_id] = plan.sharding == "antdt"
-        reply = await self.service.sharding.register_job(
-            job=self.job_id, row_groups=plan.row_groups,
-            shard_rows=plan.shard_rows, batch_rows=plan.batch_rows, epochs=plan.epochs,
-            seed=plan.seed, quarantine=plan.quarantine,
-            static=len(initial) if plan.sharding == "static" else None)
-        if reply["status"] != "OK":
-            raise JobError(reply["message"])
+        resume: dict[str, Any] | None = None
+        if plan.resume is not None:
+            resume = await self._resume(plan.resume)
+        else:
+            reply = await self.service.sharding.register_job(
+                job=self.job_id, row_groups=plan.row_groups,
+                shard_rows=plan.shard_rows, batch_rows=plan.batch_rows, epochs=plan.epochs,
+                seed=plan.seed, quarantine=plan.quarantine,
+                static=len(initial) if plan.sharding == "static" else None)
+            if reply["status"] != "OK":
+                raise JobError(reply["message"])
         self.service.sync.start_job(self.job_id, initial)
         self._read_ledger()
-        self.log("info", f"registered: {reply['rows_expected']:,} rows over {plan.epochs} "
+        self.log("info", f"registered: {self._rows['expected']:,} rows over {plan.epochs} "
                          f"epoch(s), {len(initial)} worker(s), sharding {plan.sharding}")
         self._check_cancel()
-        self.run = await self._hook("start", self.job_id, len(initial))
+        self.run = await self._hook("start", self.job_id, len(initial), resume)
+        if resume is not None:
+            self._step = int(resume["step"])
         self._check_cancel()
+        await self.checkpoints.open(self._rows["done"])
         self.started_at = self._train_started = time()
         self._set_state(JobState.RUNNING)
         for index, worker in enumerate(initial):
-            self._start_agent(worker, index, period)
+            self._start_agent(worker, index, period, restore=plan.resume)
+
+    async def _resume(self, path: str) -> dict[str, Any]:
+        """Start from the checkpoint version folder ``path`` (a job resubmitted with
+        ``--resume``): its ledger, and the rows the lost job trained past it (its master's
+        last progress note) counted as replayed. What the tracking hook gets to reopen the
+        run."""
+        manifest = await asyncio.to_thread(checkpoints.verify, path)
+        note = await asyncio.to_thread(checkpoints.read_note, posixpath.dirname(path))
+        lost = note if note is not None and note.get("job_id") == manifest.job_id else {}
+        trained = int(lost.get("rows", {}).get("trained", manifest.rows["trained"]))
+        replayed = max(0, trained - manifest.rows["trained"])
+        self.rows_replayed = int(manifest.extra.get("rows_replayed", 0)) + replayed
+        self.resumes = int(manifest.extra.get("resumes", 0)) + 1
+        await self._restore_ledger(manifest)
+        self.log("warning", f"resumed from checkpoint {path}: {manifest.rows['done']:,} rows "
+                            f"done, {replayed:,} rows the lost job trained past it trained again")
+        return self._resume_info(manifest, max(manifest.step, int(lost.get("step", 0))) + 1)
+
+    async def _restore_ledger(self, manifest: Manifest) -> None:
+        """The job's ledger as the checkpoint has it (replacing the current one, if any); its
+        row groups must be the plan's."""
+        data = await asyncio.to_thread(checkpoints.load_ledger, manifest)
+        self.service.sharding.forget(self.job_id)
+        try:
+            ledger = self.service.sharding.restore_bytes(self.job_id, data)
+        except LedgerError as exc:
+            raise JobError(f"checkpoint {manifest.path}: {exc}") from exc
+        state = ledger.to_state()
+        groups = [(state.paths[f], int(g), int(n)) for f, g, n in
+                  zip(state.rg_file, state.rg_group, state.rg_rows)]
+        if groups != [tuple(g) for g in self.plan.row_groups]:
+            self.service.sharding.forget(self.job_id)
+            raise JobError(f"cannot resume from {manifest.path}: data.train differs (the "
+                           f"checkpoint has {len(groups)} row groups of "
+                           f"{sum(n for *_, n in groups):,} rows, the job "
+                           f"{len(self.plan.row_groups)} of {self.plan.rows:,})")
+
+    def _resume_info(self, manifest: Manifest, step: int) -> dict[str, Any]:
+        return {"run": manifest.run, "checkpoint": manifest.path, "step": step,
+                "rows_replayed": self.rows_replayed, "resumes": self.resumes}
 
     async def _watch(self) -> None:
         """Until every agent returned or died: collect results, write off agents whose worker
@@ -280,6 +342,9 @@ class JobRunner:
             for slot in self.slots:
                 if slot.live:
                     await self._check(slot, workers)
+            if self._every_worker_lost():
+                await self._restart(period)
+                continue
             if self._cancel is None and self.stopped is None:
                 for worker in sorted(set(workers) - {s.worker for s in self.slots}):
                     self._start_agent(worker, len(self.slots), period, join=True)
@@ -302,6 +367,54 @@ class JobRunner:
             raise JobError(f"every agent's worker died ({len(self.slots)} agents); "
                            f"{rows.get('done', 0):,} of {rows.get('expected', 0):,} rows done")
 
+    def _every_worker_lost(self) -> bool:
+        """Every agent died before the job's end (none finished), and it was not stopped."""
+        return bool(self.slots) and self._cancel is None and self.stopped is None \
+            and not any(s.live or (s.report is not None and s.report.outcome == "finished")
+                        for s in self.slots)
+
+    async def _restart(self, period: SyncPeriod) -> None:
+        """Every worker is gone, and the model with them: wait for new workers (up to
+        ``antdt.sharding.no-workers-timeout``) and restart from the newest good checkpoint;
+        fail naming the checkpoint to resume from when none join, or at once when there is
+        no checkpoint."""
+        rows = self._rows
+        lost = f"every agent's worker died ({len(self.slots)} agents); " \
+               f"{rows.get('done', 0):,} of {rows.get('expected', 0):,} rows done"
+        manifest = await self.checkpoints.latest()
+        if manifest is None:
+            raise JobError(f"{lost}, and there is no checkpoint to restart from" + (
+                "" if self.checkpoints.enabled else " (set train.checkpoint_dir to have one)"))
+        timeout = config.seconds("antdt.sharding.no-workers-timeout")
+        self.log("warning", f"{lost}; waiting up to {timeout:g}s for workers, to restart from "
+                            f"checkpoint {manifest.path}")
+        await _until(lambda: bool(self.scheduler.workers) or self._cancel is not None, timeout)
+        self._check_cancel()
+        if not self.scheduler.workers:
+            raise JobError(
+                f"no worker joined within {timeout:g}s (antdt.sharding.no-workers-timeout) "
+                f"after every worker left; the job's last checkpoint is {manifest.path}: "
+                f"resume it with `antdt submit JOB.yaml --resume {self.job_id} --scheduler "
+                "ADDR`")
+        ledger = self.service.sharding.jobs.get(self.job_id)
+        trained = ledger.summary()["rows_trained"] if ledger is not None else rows["trained"]
+        replayed = max(0, trained - manifest.rows["trained"])
+        self.rows_replayed += replayed
+        self.resumes += 1
+        await self._restore_ledger(manifest)
+        workers = sorted(self.scheduler.workers)
+        self.service.sync.stop_job(self.job_id)
+        self.service.sync.start_job(self.job_id, workers)
+        self._read_ledger()
+        self.log("warning", f"restarting from checkpoint {manifest.path} on {len(workers)} "
+                            f"worker(s): {manifest.rows['done']:,} rows done, {replayed:,} "
+                            "rows trained past it are trained again")
+        self.run = await self._hook("start", self.job_id, len(workers),
+                                    self._resume_info(manifest, self._step))
+        self.checkpoints.restart_interval(manifest.rows["done"])
+        for worker in workers:
+            self._start_agent(worker, len(self.slots), period, restore=manifest.path)
+
     async def _finish(self) -> None:
         """The consensus model from a worker whose agent finished (identical on each after the
         final sync round), evaluated and logged by the hooks; another worker if that one dies.
@@ -320,7 +433,7 @@ class JobRunner:
             future = self.client.submit(tasks.finish_task, self.job_id, self.code.hooks,
                                         self.run, report, True, workers=[worker],
                                         allow_other_workers=False, pure=False)
-            outcome = await self._result_on(future, worker)
+            outcome = await self._result_on(future, worker, "finishing the job")
             if outcome is not None:
                 self.summary = outcome
                 return
@@ -335,13 +448,13 @@ class JobRunner:
     # ---- agents -----------------------------------------------------------------------------
 
     def _start_agent(self, worker: str, index: int, period: SyncPeriod,
-                     join: bool = False) -> None:
+                     join: bool = False, restore: str | None = None) -> None:
         faults = Faults(**self.plan.faults[index]) if index in self.plan.faults and not join \
             else Faults()
         spec = AgentSpec(job=self.job_id, batch_rows=self.plan.batch_rows, sync_period=period,
                          join=join, threads=self.plan.threads, faults=faults)
         future = self.client.submit(tasks.agent_task, spec, self.code.trainer, self.code.reader,
-                                    workers=[worker], allow_other_workers=False, pure=False,
+                                    restore, workers=[worker], allow_other_workers=False, pure=False,
                                     key=f"antdt-agent-{self.job_id}-{index}")
         self.slots.append(Slot(worker, index, future, join, started=self._elapsed()))
         self.log("info", f"agent {index} started on {worker}" + " (joining)" * join
@@ -461,7 +574,51 @@ class JobRunner:
         if time() - self._last_metrics >= self._metrics_every:
             self._send_metrics()
         self._check_metrics()
+        self._checkpoint()
         self._bump()
+
+    def _checkpoint(self) -> None:
+        """Note the job's progress; take a checkpoint when one is due, from a live agent that
+        has trained (see :mod:`antdt.jobs.keeper`)."""
+        if not self.checkpoints.enabled:
+            return
+        self.checkpoints.note(self._progress())
+        ledger = self.service.sharding.jobs.get(self.job_id)
+        if self.state is not JobState.RUNNING or self.stopped is not None or ledger is None \
+                or not self.checkpoints.due(ledger.rows_done):
+            return
+        rows = ledger.summary()
+        if rows["rows_done"] + rows["rows_quarantined"] >= rows["rows_expected"]:
+            return  # nothing left to train: the job's end comes first
+        writer = next((s.worker for s in self.slots if s.live and s.rows > 0
+                       and s.worker in self.scheduler.workers), None)
+        if writer is None:
+            return
+        self.checkpoints.take(
+            writer, ledger.to_bytes(),
+            {key.removeprefix("rows_"): int(rows[key]) for key in (
+                "rows_done", "rows_trained", "rows_duplicated", "rows_expected",
+                "rows_quarantined", "epoch")},
+            self._step, self.run, {"rows_replayed": self.rows_replayed, "resumes": self.resumes})
+
+    def _progress(self, state: JobState | None = None) -> dict[str, Any]:
+        """What ``progress.json`` says of the job (see :mod:`antdt.jobs.keeper`)."""
+        return {"job_id": self.job_id, "state": (state or self.state).value, "time": time(),
+                "step": self._step, "error": self.error, "run": self.run,
+                "checkpoint": self._last_checkpoint(),
+                "rows": {k: self._rows.get(k) for k in ("done", "trained", "duplicated",
+                                                        "expected")}}
+
+    def _last_checkpoint(self) -> str | None:
+        last = self.checkpoints.last
+        return None if last is None else last.path
+
+    async def _write_model(self, worker: str, path: str) -> dict[str, Any] | None:
+        future = self.client.submit(tasks.checkpoint_task, self.job_id, path, workers=[worker],
+                                    allow_other_workers=False, pure=False)
+        result: dict[str, Any] | None = await self._result_on(future, worker,
+                                                              "writing a checkpoint")
+        return result
 
     def _read_ledger(self) -> None:
         ledger = self.service.sharding.jobs.get(self.job_id)
@@ -520,7 +677,12 @@ class JobRunner:
                 "train_s": train_s, "wall_s": time() - self.submitted_at,
                 "stopped": self.stopped, "agents": [s.as_dict() for s in self.slots],
                 "actions": list(self._actions), "spans": spans, "marks": marks,
-                "first_lease": dict(self._first_lease), "sharding": self.plan.sharding}
+                "first_lease": dict(self._first_lease), "sharding": self.plan.sharding,
+                "rows_replayed": self.rows_replayed, "resumes": self.resumes,
+                "checkpoints": {"written": self.checkpoints.written,
+                                "bytes": self.checkpoints.bytes,
+                                "seconds": list(self.checkpoints.seconds),
+                                "last": self._last_checkpoint()}}
 
     # ---- tasks on workers -------------------------------------------------------------------
 
@@ -542,7 +704,7 @@ class JobRunner:
         finally:
             future.release()
 
-    async def _result_on(self, future: Future, worker: str) -> Any:
+    async def _result_on(self, future: Future, worker: str, what: str) -> Any:
         """``future``'s result, or None if its (pinned) worker leaves the cluster first."""
         try:
             await _until(lambda: future.done() or worker not in self.scheduler.workers,
@@ -555,7 +717,7 @@ class JobRunner:
         except AntdtError:
             raise
         except Exception as exc:  # the application's error, raised on the worker
-            raise JobError(f"finishing the job failed on {worker}: {exc!r}") from exc
+            raise JobError(f"{what} failed on {worker}: {exc!r}") from exc
         finally:
             future.release()
 
@@ -564,6 +726,10 @@ class JobRunner:
         it so far (a metrics task must not reach a closed run); an error doing so is logged,
         never hides the job's own outcome."""
         if self.run is None:
+            return
+        if not self.scheduler.workers:
+            self.log("warning", f"the tracking run stays open: no worker left to close it as "
+                                f"{status}")
             return
         try:
             await self._flush_metrics()
@@ -591,6 +757,7 @@ class JobRunner:
         with contextlib.suppress(OSError):
             await self.client.run(forget_here, self.job_id, on_error="ignore")
         self.service.forget(self.job_id)
+        await self.checkpoints.close(self._progress(final))
 
     # ---- helpers ------------------------------------------------------------------------------
 

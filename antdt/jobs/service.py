@@ -120,13 +120,14 @@ class JobService(SchedulerPlugin):
     @rpc.handler
     async def submit(self, plan: object, code: object, job_id: object = None) -> Reply:
         """Start a job from ``plan`` (:meth:`JobPlan.to_dict`) and ``code``
-        (:meth:`JobCode.to_dict`); with an existing ``job_id``, attach to that job instead."""
+        (:meth:`JobCode.to_dict`); with an existing ``job_id``, attach to that job instead
+        (unless it ended and the plan resumes it from a checkpoint: that starts it again)."""
+        spec = JobSpec(JobPlan.from_dict(plan), JobCode.from_dict(code))
         if job_id is not None:
             job_id = _job_id(job_id)
             runner = self.runners.get(job_id)
-            if runner is not None:
+            if runner is not None and not (spec.plan.resume and runner.state.final):
                 return {"status": "OK", "attached": True, "job": runner.record()}
-        spec = JobSpec(JobPlan.from_dict(plan), JobCode.from_dict(code))
         self._plugins()
         if job_id is None:
             job_id = f"{spec.plan.name}-{uuid.uuid4().hex[:8]}"

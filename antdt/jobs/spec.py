@@ -26,7 +26,8 @@ from typing import Any, Literal, Protocol
 
 import cloudpickle
 
-from antdt.errors import JobError
+from antdt.errors import CheckpointError, JobError
+from antdt.jobs.checkpoints import Every
 
 Sharding = Literal["antdt", "pull", "static"]
 SHARDINGS: tuple[Sharding, ...] = ("antdt", "pull", "static")
@@ -67,6 +68,13 @@ class JobPlan:
     longer (its rows not done count as lost). ``preload``: modules every worker imports before
     the agents start (the training stack takes seconds to import). ``tags``: free text the
     master shows in ``status`` (never secrets).
+
+    Checkpoints (:mod:`antdt.jobs.checkpoints`): with ``checkpoint_dir`` (a local path or an
+    fsspec URL every process of the cluster reaches), a checkpoint every ``checkpoint_every``
+    (rows, or a duration such as ``"60s"``) under ``<checkpoint_dir>/<job id>/``, the newest
+    ``checkpoint_keep`` kept. ``fingerprint``: what a resumed job must not change (``{key:
+    value}``, written into every checkpoint). ``resume``: the checkpoint version folder the job
+    starts from (its ledger and model; the same tracking run).
     """
 
     name: str
@@ -83,6 +91,11 @@ class JobPlan:
     deadline_s: float | None = None
     preload: list[str] = field(default_factory=list)
     tags: dict[str, str] = field(default_factory=dict)
+    checkpoint_dir: str | None = None
+    checkpoint_every: str = "60s"
+    checkpoint_keep: int = 3
+    fingerprint: dict[str, str] = field(default_factory=dict)
+    resume: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the wire (msgpack): lists, and the fault keys as strings."""
@@ -140,7 +153,12 @@ class JobPlan:
             faults=_faults(raw.get("faults", {})),
             deadline_s=None if deadline is None else float(deadline),
             preload=[_module(i, name) for i, name in enumerate(_list(raw, "preload"))],
-            tags=_tags(raw.get("tags", {})))
+            tags=_tags(raw.get("tags", {})),
+            checkpoint_dir=_optional_text(raw, "checkpoint_dir", 4096),
+            checkpoint_every=_every(raw.get("checkpoint_every", "60s")),
+            checkpoint_keep=_int(raw, "checkpoint_keep", 1, default=3),
+            fingerprint=_tags(raw.get("fingerprint", {}), "fingerprint"),
+            resume=_optional_text(raw, "resume", 4096))
 
     @property
     def rows(self) -> int:
@@ -153,7 +171,11 @@ class JobHooks(Protocol):
     retry, not the job). ``run`` is what :meth:`start` returned: the tracking run's identity,
     plain data the master keeps and hands to the later hooks.
 
-    * :meth:`start`: open the tracking run (params, config); before training.
+    * :meth:`start`: open the tracking run (params, config); before training. With
+      ``resume`` (a job restarting from a checkpoint: ``run``, the run it continues;
+      ``checkpoint``, the version folder; ``step``, the next metrics step; ``rows_replayed``
+      and ``resumes``, counted over the job's life) reopen that run instead and record the
+      resume in it.
     * :meth:`metrics`: log ``steps`` of ``(step, {name: value})``; every few seconds.
     * :meth:`finish`: evaluate ``trainer`` (the job's consensus model on this worker; None when
       the job was stopped early) and log it with ``report`` (the master's account of the job:
@@ -162,7 +184,8 @@ class JobHooks(Protocol):
     * :meth:`abort`: close the run as ``status`` ("FAILED" or "KILLED") with ``reason``.
     """
 
-    def start(self, job_id: str, workers: int) -> dict[str, Any]: ...
+    def start(self, job_id: str, workers: int, resume: Mapping[str, Any] | None = None
+              ) -> dict[str, Any]: ...
 
     def metrics(self, run: Mapping[str, Any], steps: Sequence[tuple[int, dict[str, float]]]
                 ) -> None: ...
@@ -274,10 +297,25 @@ def _faults(raw: object) -> dict[int, dict[str, Any]]:
     return faults
 
 
-def _tags(raw: object) -> dict[str, str]:
+def _tags(raw: object, key: str = "tags") -> dict[str, str]:
     if not isinstance(raw, Mapping) or len(raw) > 32 or not all(
             isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 1024
             for k, v in raw.items()):
-        raise JobError(f"job plan tags: expected at most 32 str: str entries, found "
+        raise JobError(f"job plan {key}: expected at most 32 str: str entries, found "
                        f"{str(raw)[:120]}")
     return dict(raw)
+
+
+def _optional_text(raw: Mapping[str, Any], key: str, longest: int) -> str | None:
+    value = raw.get(key)
+    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= longest):
+        raise JobError(f"job plan {key}: expected a str of 1 to {longest} characters or None, "
+                       f"found {str(value)[:80]!r}")
+    return value
+
+
+def _every(value: object) -> str:
+    try:
+        return str(Every.parse(value, where="job plan checkpoint_every"))
+    except CheckpointError as exc:
+        raise JobError(str(exc)) from exc

@@ -6,18 +6,39 @@ here, on the worker, never on the scheduler.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from distributed import get_worker
 
-from antdt.agent import AgentReport, AgentSpec, plugin_of, run_agent
+import torch
+
+from antdt.agent import AgentReport, AgentSpec, Trainer, TrainerFactory, plugin_of, run_agent
+from antdt.jobs import checkpoints
 from antdt.jobs.spec import load
 
 
-def agent_task(spec: AgentSpec, trainer: bytes, reader: bytes) -> AgentReport:
-    """Run one agent (:func:`antdt.agent.run_agent`) with the job's pickled factories."""
-    return run_agent(spec, load(trainer, "trainer"), load(reader, "reader"))
+def agent_task(spec: AgentSpec, trainer: bytes, reader: bytes,
+               restore: str | None = None) -> AgentReport:
+    """Run one agent (:func:`antdt.agent.run_agent`) with the job's pickled factories; with
+    ``restore`` (a checkpoint version folder) its trainer starts from the checkpoint's model."""
+    make = load(trainer, "trainer")
+    if restore is not None:
+        make = _Restored(make, checkpoints.load_model(checkpoints.read_manifest(restore)))
+    return run_agent(spec, make, load(reader, "reader"))
+
+
+def checkpoint_task(job: str, path: str) -> dict[str, Any]:
+    """Write the model of ``job``'s agent running here into the checkpoint version folder
+    ``path``: its file's size and checksum, the worker and the seconds it took."""
+    worker = get_worker()
+    started = time.perf_counter()
+    state = plugin_of(worker).checkpoint_state(job)
+    taken = time.perf_counter()
+    model = checkpoints.save_model(checkpoints.join(path, checkpoints.MODEL), state)
+    return {"model": model, "worker": worker.address, "copy_s": taken - started,
+            "write_s": time.perf_counter() - taken}
 
 
 def hook_task(hooks: bytes, method: str, *args: Any) -> Any:
@@ -31,3 +52,16 @@ def finish_task(job: str, hooks: bytes, run: Mapping[str, Any], report: Mapping[
     (``with_model``; identical on every worker after the final sync round) or None."""
     trainer = plugin_of(get_worker()).trainer(job) if with_model else None
     return load(hooks, "hooks").finish(run, trainer, report)
+
+
+class _Restored:
+    """A trainer factory whose trainers start from a checkpoint's model ``state``."""
+
+    def __init__(self, make: TrainerFactory, state: Any) -> None:
+        self.make = make
+        self.state = state
+
+    def __call__(self, device: torch.device) -> Trainer[Any]:
+        trainer = self.make(device)
+        trainer.restore_state(self.state)
+        return trainer

@@ -195,13 +195,20 @@ class ShardingService(SchedulerPlugin):
         except OSError as e:
             raise LedgerError(f"job {job!r}: cannot read the checkpoint {path}: {e}") from e
         try:
-            ledger = ShardLedger.from_bytes(data, clock=time)
+            ledger = self.restore_bytes(job, data)
         except LedgerError as e:
             raise LedgerError(f"job {job!r}: checkpoint {path}: {e}") from e
-        ledger.job = job
-        self._add(job, ledger)
         logger.info("job %s restored from %s: %s", job, path, ledger.summary())
         return {"status": "OK", **ledger.summary()}
+
+    def restore_bytes(self, job: str, data: bytes) -> ShardLedger:
+        """Create ``job`` from a ledger checkpoint's bytes (AntDT's master resuming a job)."""
+        if job in self.jobs:
+            raise LedgerError(f"job {job!r} is already registered; forget it before restoring")
+        ledger = ShardLedger.from_bytes(data, clock=time)
+        ledger.job = job
+        self._add(job, ledger)
+        return ledger
 
     @rpc.handler
     async def stop_job(self, job: str, reason: str = "stopped by the driver") -> Reply:

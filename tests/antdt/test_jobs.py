@@ -6,67 +6,18 @@ from __future__ import annotations
 import inspect
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import dask.config
 import pytest
 import torch
-from distributed import Client, LocalCluster, get_worker
+from distributed import Client, LocalCluster
 
 from antdt.errors import JobError
-from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec
-from fakes import BATCH_ROWS, GATES, GROUPS, SHARD_ROWS, TOTAL, MakeReader, MakeTrainer
+from antdt.jobs import JobClient
+from fakes import CALLS, GATES, TOTAL, RecordingHooks, calls, spec
 from waits import bounded
-
-CALLS: dict[str, list[tuple[Any, ...]]] = {}
-"""Every hook call, per tracking run (the workers share this process)."""
-
-
-@dataclass(frozen=True)
-class RecordingHooks:
-    """Test-only hooks: a "run" is a fresh id; every call is recorded in CALLS. ``fail``
-    names a method that raises instead; with ``hold``, the first ``finish`` waits for that gate
-    (and records the worker it runs on) before it goes on."""
-
-    fail: str | None = None
-    hold: str | None = None
-
-    def start(self, job_id: str, workers: int) -> dict[str, Any]:
-        self._maybe_fail("start")
-        run = uuid.uuid4().hex
-        CALLS[run] = [("start", job_id, workers)]
-        return {"run_id": run}
-
-    def metrics(self, run: Mapping[str, Any], steps: Sequence[tuple[int, dict[str, float]]]
-                ) -> None:
-        CALLS[run["run_id"]].append(("metrics", list(steps)))
-
-    def finish(self, run: Mapping[str, Any], trainer: Any, report: Mapping[str, Any]
-               ) -> dict[str, Any]:
-        self._maybe_fail("finish")
-        if self.hold is not None and not any(c[0] == "held" for c in CALLS[run["run_id"]]):
-            CALLS[run["run_id"]].append(("held", get_worker().address))
-            assert GATES[self.hold].wait(timeout=30), "the test never opened the gate"
-            raise RuntimeError("the test closed this worker: a dead worker returns nothing")
-        table = None if trainer is None else trainer.table.clone()
-        CALLS[run["run_id"]].append(("finish", table, dict(report)))
-        return {"rows_trained": report["rows"]["trained"], "with_model": trainer is not None}
-
-    def abort(self, run: Mapping[str, Any], status: str, reason: str) -> None:
-        CALLS[run["run_id"]].append(("abort", status, reason))
-
-    def _maybe_fail(self, method: str) -> None:
-        if self.fail == method:
-            raise RuntimeError(f"the test's hooks fail in {method}")
-
-
-def spec(epochs: int = 1, gate: str | None = None, hooks: RecordingHooks = RecordingHooks(),
-         **plan: Any) -> JobSpec:
-    return JobSpec(JobPlan(name="fake", row_groups=list(GROUPS), batch_rows=BATCH_ROWS,
-                           shard_rows=SHARD_ROWS, epochs=epochs, sync_period="0.02s", **plan),
-                   JobCode.of(MakeTrainer(), MakeReader(gate), hooks))
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +32,6 @@ def jobs() -> Iterator[JobClient]:
         cluster.wait_for_workers(2)
         with JobClient(client) as job_client:
             yield job_client
-
-
-def calls(record: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-    return CALLS[record["run"]["run_id"]]
 
 
 def test_a_job_trains_every_row_and_reports_through_its_hooks(jobs: JobClient) -> None:

@@ -1,0 +1,165 @@
+"""A job's checkpoints as its master takes them (:class:`Checkpointer`), next to its control
+loop on the scheduler.
+
+A checkpoint is taken when one is due (every ``checkpoint_every`` rows done or seconds) and no
+other is being written::
+
+    the ledger's state, now (on the scheduler's loop: the rows it counts done are synced, so
+    every live replica holds their updates)
+      ─► a worker's task copies its running agent's model and optimiser state between two steps
+         (a moment later: the copy holds at least those rows) and writes model.pt
+      ─► ledger.bin, then MANIFEST.json last (sizes, sha256), then older versions pruned
+
+The model therefore covers every row the ledger counts done, plus the rows that worker trained
+or merged after the ledger's copy; a resumed job trains those again (``rows_replayed``).
+Besides the checkpoints, the master notes the job's rows in ``progress.json`` every tick, so a
+job resumed after its scheduler died knows how many rows the lost job had trained past its
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from distributed.metrics import time
+
+from antdt.errors import AntdtError
+from antdt.jobs import checkpoints
+from antdt.jobs.checkpoints import Every, Manifest
+from antdt.jobs.spec import JobPlan
+
+WriteModel = Callable[[str, str], Awaitable[dict[str, Any] | None]]
+"""``write_model(worker, version_path)``: the checkpoint task's reply on ``worker`` (None when
+the worker left the cluster first)."""
+
+Log = Callable[[str, str], None]
+"""``log(level, message)``: the job's log."""
+
+
+class Checkpointer:
+    """The checkpoints of one job (see the module docstring); ``enabled`` only with a
+    ``checkpoint_dir``. ``last`` is the newest good checkpoint (written here, or resumed from);
+    ``written``, ``bytes`` and ``seconds`` describe the ones this master wrote."""
+
+    def __init__(self, job_id: str, plan: JobPlan, write_model: WriteModel, log: Log) -> None:
+        self.job_id = job_id
+        self.folder = None if plan.checkpoint_dir is None else \
+            checkpoints.job_folder(plan.checkpoint_dir, job_id)
+        self.every = Every.parse(plan.checkpoint_every)
+        self.keep = plan.checkpoint_keep
+        self.fingerprint = dict(plan.fingerprint)
+        self.last: Manifest | None = None
+        self.written = 0
+        self.bytes = 0
+        self.seconds: list[float] = []
+        self._write_model = write_model
+        self._log = log
+        self._version = 0
+        self._mark = (0.0, 0)
+        self._taking: asyncio.Task[None] | None = None
+        self._noting: asyncio.Task[None] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.folder is not None
+
+    async def open(self, rows_done: int) -> None:
+        """Learn the versions already in the job's folder (a resumed job numbers on) and start
+        the first interval."""
+        if self.folder is not None:
+            found = await asyncio.to_thread(checkpoints.versions, self.folder)
+            self._version = max(found, default=0)
+        self.restart_interval(rows_done)
+
+    def restart_interval(self, rows_done: int) -> None:
+        self._mark = (time(), rows_done)
+
+    def due(self, rows_done: int) -> bool:
+        if not self.enabled or self._taking is not None:
+            return False
+        since, rows = self._mark
+        if self.every.rows is not None:
+            return rows_done - rows >= self.every.rows
+        assert self.every.seconds is not None
+        return time() - since >= self.every.seconds
+
+    def take(self, worker: str, ledger: bytes, rows: Mapping[str, int], step: int,
+             run: Mapping[str, Any] | None, extra: Mapping[str, Any]) -> None:
+        """Start writing a checkpoint: ``ledger`` (the ledger's bytes, taken now) and the model
+        of ``worker``'s agent; the interval restarts now, whether it succeeds or not."""
+        assert self.folder is not None
+        self.restart_interval(int(rows["done"]))
+        self._version += 1
+        path = checkpoints.version_path(self.folder, self._version)
+        self._taking = asyncio.ensure_future(self._take(path, worker, ledger, dict(rows), step,
+                                                        dict(run or {}), dict(extra)))
+
+    async def _take(self, path: str, worker: str, ledger: bytes, rows: dict[str, int],
+                    step: int, run: dict[str, Any], extra: dict[str, Any]) -> None:
+        started = time()
+        try:
+            model = await self._write_model(worker, path)
+            if model is None:
+                self._log("warning", f"checkpoint {path} not taken: {worker} left the cluster "
+                                     "while writing it")
+                return
+            files = {checkpoints.MODEL: model["model"],
+                     checkpoints.LEDGER: await asyncio.to_thread(
+                         checkpoints.write, checkpoints.join(path, checkpoints.LEDGER), ledger)}
+            manifest = Manifest(job_id=self.job_id, version=self._version, path=path,
+                                created=time(), files=files, rows=rows, step=step,
+                                run=run or None, fingerprint=self.fingerprint, worker=worker,
+                                write_s=time() - started, extra=extra)
+            await asyncio.to_thread(checkpoints.write_manifest, manifest)
+            self.last = manifest
+            self.written += 1
+            self.bytes = sum(int(f["bytes"]) for f in files.values())
+            self.seconds.append(manifest.write_s)
+            self._log("info", f"checkpoint {path}: {rows['done']:,} rows done, "
+                              f"{self.bytes / 1e6:.1f} MB in {manifest.write_s:.2f}s")
+            assert self.folder is not None
+            for gone in await asyncio.to_thread(checkpoints.prune, self.folder, self.keep):
+                self._log("info", f"checkpoint {gone} deleted (keeping the newest {self.keep})")
+        except (AntdtError, OSError) as exc:
+            self._log("warning", f"checkpoint {path} failed: {exc}")
+        finally:
+            self._taking = None
+
+    def note(self, progress: Mapping[str, Any]) -> None:
+        """Replace ``progress.json`` with ``progress`` unless the previous note is still being
+        written (a slow store skips notes rather than queueing them)."""
+        if self.folder is None or self._noting is not None:
+            return
+        self._noting = asyncio.ensure_future(self._note(dict(progress)))
+
+    async def _note(self, progress: dict[str, Any]) -> None:
+        assert self.folder is not None
+        try:
+            await asyncio.to_thread(checkpoints.note, self.folder, progress)
+        except AntdtError as exc:
+            self._log("warning", f"could not note the job's progress: {exc}")
+        finally:
+            self._noting = None
+
+    async def close(self, progress: Mapping[str, Any]) -> None:
+        """Wait for the checkpoint being written (a finishing job keeps its last one whole),
+        then note the job's final ``progress``."""
+        for task in (self._taking, self._noting):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self.folder is not None:
+            self._noting = None
+            await self._note(dict(progress))
+
+    async def latest(self) -> Manifest | None:
+        """The newest good checkpoint in the job's folder (torn or corrupt newer ones are
+        skipped, with a warning naming them)."""
+        if self.folder is None:
+            return None
+        found = await asyncio.to_thread(checkpoints.latest, self.folder,
+                                        lambda message: self._log("warning", message))
+        return found
