@@ -13,7 +13,8 @@ import click
 from antdt.errors import AntdtError, JobCancelled, JobFailed
 from pipeline import terminal
 from pipeline.bench import bench
-from pipeline.cli_jobs import JOB_COMMANDS, Cluster, cluster_options, follow_and_report
+from pipeline.cli_jobs import (JOB_COMMANDS, Cluster, cluster_options, follow_and_report,
+                               resume_spec)
 from pipeline.simulate import command as simulate
 from pipeline.terminal import progress_bar, stderr
 
@@ -114,10 +115,13 @@ def data_validate(paths: tuple[str, ...], schema_path: str, as_json: bool) -> No
 @click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: the job's, "
               "else MLflow's default store).")
 @click.option("--job-id", default=None, help="The job's id (async mode).")
+@click.option("--resume", default=None, metavar="JOB_ID|PATH",
+              help="Continue a job from its newest good checkpoint (a job id under the job's "
+                   "train.checkpoint_dir, or a checkpoint path), in the same MLflow run.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def train(job_path: str, mode: str | None, local_alias: bool, workers: int | None,
           cluster: Cluster, overrides: tuple[str, ...], tracking_uri: str | None,
-          job_id: str | None, as_json: bool) -> None:
+          job_id: str | None, resume: str | None, as_json: bool) -> None:
     """Train the model of JOB.yaml, evaluate it and track the run in MLflow: on a new
     LocalCluster, or on the Dask cluster at --scheduler (the same as ``antdt submit``)."""
     from pipeline.config import load_job
@@ -132,8 +136,9 @@ def train(job_path: str, mode: str | None, local_alias: bool, workers: int | Non
         overrides = (*overrides, f"mlflow.tracking_uri={tracking_uri}")
     job = load_job(job_path, overrides)
     chosen = "local" if local_alias else mode or job.train.mode
-    if chosen == "local" and (workers is not None or scheduler is not None):
-        raise click.UsageError("--workers/--scheduler need --mode async")
+    if chosen == "local" and (workers is not None or scheduler is not None
+                              or resume is not None):
+        raise click.UsageError("--workers/--scheduler/--resume need --mode async")
     if chosen == "local":
         from pipeline.local import train_local
 
@@ -145,6 +150,8 @@ def train(job_path: str, mode: str | None, local_alias: bool, workers: int | Non
     from pipeline.cluster import connect, job_spec
 
     spec = job_spec(job)  # bad data is refused before a cluster starts
+    if resume is not None:
+        spec, job_id = resume_spec(job, spec, resume, job_id)
     if scheduler is not None:
         with cluster.jobs() as jobs:
             submitted = jobs.submit(spec, job_id=job_id)["job"]["job_id"]

@@ -15,7 +15,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 import dask.config
@@ -24,6 +24,10 @@ from rich.table import Table
 
 from antdt.errors import AntdtError
 from pipeline.terminal import progress_bar, stderr
+
+if TYPE_CHECKING:
+    from antdt.jobs import JobSpec
+    from pipeline.config import JobConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -123,6 +127,23 @@ def follow_and_report(jobs: Any, job_id: str, address: str | None, as_json: bool
             click.echo(line)
 
 
+def resume_spec(job: JobConfig, spec: JobSpec, ref: str, job_id: str | None
+                ) -> tuple[JobSpec, str]:
+    """``spec`` resuming from the checkpoint ``ref`` names, and the job's id (the id of the
+    job that wrote it); skipped torn or corrupt checkpoints are warned about on stderr."""
+    from pipeline.cluster import resume_point, resumed
+
+    manifest = resume_point(job, spec, ref, warn=lambda message: stderr.print(
+        f"warning: {message}", highlight=False, markup=False, soft_wrap=True))
+    if job_id is not None and job_id != manifest.job_id:
+        raise click.UsageError(f"--job-id {job_id} contradicts --resume {ref}: the checkpoint "
+                               f"belongs to job {manifest.job_id}")
+    stderr.print(f"resuming job {manifest.job_id} from {manifest.path} "
+                 f"({manifest.rows['done']:,} of {manifest.rows['expected']:,} rows done)",
+                 highlight=False, markup=False, soft_wrap=True)
+    return resumed(spec, manifest), manifest.job_id
+
+
 # ---- the commands ---------------------------------------------------------------------------
 
 
@@ -136,9 +157,13 @@ def follow_and_report(jobs: Any, job_id: str, address: str | None, as_json: bool
 @click.option("--job-id", default=None, help="The job's id; if it exists, attach to that job "
               "instead of starting another (a retried submit).")
 @click.option("--no-wait", is_flag=True, help="Print the job id and return at once.")
+@click.option("--resume", default=None, metavar="JOB_ID|PATH",
+              help="Continue a job from its newest good checkpoint (a job id under the job's "
+                   "train.checkpoint_dir, or a checkpoint path), in the same MLflow run.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary (or the id) as JSON.")
 def submit(job_path: str, cluster: Cluster, overrides: tuple[str, ...],
-           tracking_uri: str | None, job_id: str | None, no_wait: bool, as_json: bool) -> None:
+           tracking_uri: str | None, job_id: str | None, no_wait: bool, resume: str | None,
+           as_json: bool) -> None:
     """Run JOB.yaml on the Dask cluster; follow it to its end (exit 0 when it finished)."""
     from pipeline.cluster import job_spec
     from pipeline.config import load_job
@@ -148,6 +173,8 @@ def submit(job_path: str, cluster: Cluster, overrides: tuple[str, ...],
     job = load_job(job_path, overrides)
     address = cluster.address()
     spec = job_spec(job)  # a bad job file or bad data is refused here, before the cluster
+    if resume is not None:
+        spec, job_id = resume_spec(job, spec, resume, job_id)
     with cluster.jobs() as jobs:
         reply = jobs.submit(spec, job_id=job_id)
         record = reply["job"]

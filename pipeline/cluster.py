@@ -16,8 +16,12 @@ client that goes away (``--no-wait``, a killed process, Ctrl-C) leaves the job r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
+import json
 import logging
-from collections.abc import Callable, Iterator, Mapping
+import posixpath
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +29,12 @@ import torch
 from distributed import Client, LocalCluster
 from distributed.security import Security
 
-from antdt.errors import DataError, JobCancelled, JobError, JobFailed
-from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec
+from antdt.errors import CheckpointError, DataError, JobCancelled, JobError, JobFailed
+from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec, checkpoints
+from antdt.jobs.checkpoints import Manifest
 from antdt.sharding import QuarantineSpec
 from data.files import RowGroup, expand, row_groups
+from data.schema import Schema
 from pipeline.config import JobConfig
 from pipeline.hooks import RankingHooks
 from pipeline.local import PreparedData, prepare_data
@@ -74,6 +80,50 @@ def ledger_plan(job: JobConfig, data: PreparedData) -> LedgerPlan:
     return LedgerPlan(groups, quarantine)
 
 
+def fingerprint(job: JobConfig, schema: Schema, row_groups: Sequence[tuple[str, int, int]]
+                ) -> dict[str, str]:
+    """What a job resumed from a checkpoint must keep (keys as in the job file): its training
+    row groups, schema, model shape, optimiser kinds, and what the ledger was built with.
+    Learning rates, workers and the sync period may change."""
+    def short(value: object) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+    train = job.train
+    files = {path for path, _, _ in row_groups}
+    rows = sum(n for _, _, n in row_groups)
+    return {
+        "data.train": f"{len(files)} files, {rows:,} rows, digest {short(list(row_groups))}",
+        "data.schema": f"digest {short(schema.to_dict())}",
+        **{f"model.{key}": str(value) for key, value in job.model.to_dict().items()},
+        "train.epochs": str(train.epochs), "train.batch_size": str(train.batch_size),
+        "train.shard_rows": str(train.shard_rows), "train.seed": str(train.seed),
+        "train.sparse_optimizer": train.optim.sparse_optimizer,
+        "train.dense_optimizer": train.optim.dense_optimizer,
+    }
+
+
+def resume_point(job: JobConfig, spec: JobSpec, ref: str,
+                 warn: Callable[[str], None] = logger.warning) -> Manifest:
+    """The checkpoint ``--resume ref`` names (a job id under the job's ``train.checkpoint_dir``,
+    a job's checkpoint folder or one checkpoint), newer torn or corrupt ones skipped with
+    ``warn``; refused when the job had finished or when ``spec`` changes what the checkpoint
+    fixed (the message names the key)."""
+    manifest = checkpoints.resolve(ref, job.train.checkpoint_dir, warn)
+    note = checkpoints.read_note(posixpath.dirname(manifest.path))
+    if note is not None and note.get("job_id") == manifest.job_id \
+            and note.get("state") == "finished":
+        run = (note.get("run") or {}).get("run_id")
+        raise CheckpointError(f"--resume {ref}: job {manifest.job_id} finished; its model is in "
+                              f"MLflow run {run}")
+    checkpoints.check_fingerprint(manifest, spec.plan.fingerprint)
+    return manifest
+
+
+def resumed(spec: JobSpec, manifest: Manifest) -> JobSpec:
+    """``spec`` starting from the checkpoint ``manifest``."""
+    return dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, resume=manifest.path))
+
+
 def job_spec(job: JobConfig, data: PreparedData | None = None, *,
              deadline_s: float | None = None) -> JobSpec:
     """What AntDT's master runs for ``job`` (validated here first unless ``data`` is given).
@@ -97,7 +147,10 @@ def job_spec(job: JobConfig, data: PreparedData | None = None, *,
                 sync_period=str(train.sync_period), sharding=train.sharding,
                 threads=train.threads, quarantine=list(plan.quarantine), faults=faults,
                 deadline_s=deadline_s, preload=["pipeline.recipes"],
-                tags={"experiment": job.mlflow.experiment, "tracking_uri": redact(uri)}),
+                tags={"experiment": job.mlflow.experiment, "tracking_uri": redact(uri)},
+                checkpoint_dir=train.checkpoint_dir, checkpoint_every=train.checkpoint_every,
+                checkpoint_keep=train.checkpoint_keep,
+                fingerprint=fingerprint(job, data.schema, plan.row_groups)),
         JobCode.of(TrainerRecipe(data.schema, job.model, train.optim, train.seed),
                    ReaderRecipe(data.schema, train.threads), hooks))
 
@@ -203,11 +256,16 @@ def follow(jobs: JobClient, job_id: str, progress: ProgressSink | None = None,
 
 def run(job: JobConfig, *, workers: int | None = None, scheduler: str | None = None,
         security: Security | None = None, progress: ProgressSink | None = None,
-        job_id: str | None = None, deadline_s: float | None = None) -> dict[str, Any]:
+        job_id: str | None = None, deadline_s: float | None = None,
+        resume: str | None = None) -> dict[str, Any]:
     """Submit ``job`` to the cluster at ``scheduler`` (or to a new LocalCluster of ``workers``,
-    default ``train.workers``) and follow it to its end; its final record."""
+    default ``train.workers``) and follow it to its end; its final record. ``resume``: start
+    from that checkpoint (:func:`resume_point`), as the job that wrote it."""
     data = prepare_data(job)  # fail on bad data before anything starts on a cluster
     spec = job_spec(job, data, deadline_s=deadline_s)
+    if resume is not None:
+        manifest = resume_point(job, spec, resume)
+        spec, job_id = resumed(spec, manifest), manifest.job_id
     local = workers or job.train.workers if scheduler is None else None
     with connect(local, scheduler, security=security) as client, JobClient(client) as jobs:
         submitted = jobs.submit(spec, job_id=job_id)
@@ -216,8 +274,8 @@ def run(job: JobConfig, *, workers: int | None = None, scheduler: str | None = N
 
 def train_async(job: JobConfig, *, workers: int | None = None, scheduler: str | None = None,
                 security: Security | None = None, progress: ProgressSink | None = None,
-                job_id: str | None = None) -> JobSummary:
+                job_id: str | None = None, resume: str | None = None) -> JobSummary:
     """:func:`run`, then the job's summary; :class:`JobFailed` or :class:`JobCancelled` when it
     did not finish."""
     return outcome(run(job, workers=workers, scheduler=scheduler, security=security,
-                       progress=progress, job_id=job_id))
+                       progress=progress, job_id=job_id, resume=resume))

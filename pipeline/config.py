@@ -40,7 +40,8 @@ from typing import Any, Literal, Mapping, Sequence
 
 import yaml
 
-from antdt.errors import ConfigError
+from antdt.errors import CheckpointError, ConfigError
+from antdt.jobs.checkpoints import Every
 from antdt.sync import SyncPeriod
 from data.schema import read_yaml
 from models.config import ModelConfig, OptimConfig
@@ -75,6 +76,11 @@ class TrainConfig:
     sync_period: SyncPeriod = SyncPeriod(batches=1)
     shard_rows: int = SHARD_BATCHES * 4096
     sharding: Sharding = "antdt"
+    checkpoint_dir: str | None = None
+    """Where the job's checkpoints go (a local path or an fsspec URL; None: no checkpoints)."""
+    checkpoint_every: str = "60s"
+    """Rows done between checkpoints, or a duration such as ``60s``."""
+    checkpoint_keep: int = 3
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -227,7 +233,8 @@ def _number(raw: Mapping[str, Any], key: str, default: float, where: str, *,
 
 def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
     own = {"batch_size", "epochs", "seed", "threads", "log_every", "mode", "workers",
-           "sync_period", "shard_rows", "sharding"}
+           "sync_period", "shard_rows", "sharding", "checkpoint_dir", "checkpoint_every",
+           "checkpoint_keep"}
     _reject_unknown(raw, own | _OPTIM_KEYS, where)
     defaults = TrainConfig()
     optim = OptimConfig.from_dict({k: v for k, v in raw.items() if k in _OPTIM_KEYS}, where=where)
@@ -239,6 +246,15 @@ def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
         raise ConfigError(f"{where}.sharding: expected one of {list(SHARDINGS)}, found "
                           f"{sharding!r}")
     batch_size = _positive_int(raw, "batch_size", defaults.batch_size, where)
+    checkpoint_dir = raw.get("checkpoint_dir")
+    if checkpoint_dir is not None and (not isinstance(checkpoint_dir, str) or not checkpoint_dir):
+        raise ConfigError(f"{where}.checkpoint_dir: expected a path or fsspec URL, found "
+                          f"{checkpoint_dir!r}")
+    try:
+        every = Every.parse(raw.get("checkpoint_every", defaults.checkpoint_every),
+                            where=f"{where}.checkpoint_every")
+    except CheckpointError as exc:
+        raise ConfigError(str(exc)) from exc
     return TrainConfig(
         batch_size=batch_size,
         epochs=_positive_int(raw, "epochs", defaults.epochs, where),
@@ -251,6 +267,9 @@ def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
                      if "sync_period" in raw else defaults.sync_period),
         shard_rows=_positive_int(raw, "shard_rows", SHARD_BATCHES * batch_size, where),
         sharding=sharding,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=str(every),
+        checkpoint_keep=_positive_int(raw, "checkpoint_keep", defaults.checkpoint_keep, where),
         optim=optim,
     )
 

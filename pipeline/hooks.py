@@ -20,6 +20,7 @@ from data.files import RowGroup
 from data.schema import Schema
 from pipeline.config import JobConfig
 from pipeline.report import JobSummary, oracle_auc
+from pipeline.tracking import public_config
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,20 @@ class RankingHooks:
     experiment_id: str
     quarantine: list[tuple[str, int | None, str]]
 
-    def start(self, job_id: str, workers: int) -> dict[str, Any]:
+    def start(self, job_id: str, workers: int, resume: Mapping[str, Any] | None = None
+              ) -> dict[str, Any]:
         from pipeline.tracking import Tracker
 
         # the run records the workers that train (the cluster's), not the job file's count
         tracked = dataclasses.replace(self.job, train=dataclasses.replace(
             self.job.train, workers=workers))
+        if resume is not None:
+            tracker = Tracker.reopen(self.tracking_uri, resume["run"])
+            tracker.resumed(public_config(tracked), checkpoint=str(resume["checkpoint"]),
+                            resumes=int(resume["resumes"]),
+                            rows_replayed=int(resume["rows_replayed"]),
+                            step=int(resume["step"]))
+            return tracker.info()
         tracker = Tracker.start(tracked, mode="async", tags={"antdt.job_id": job_id},
                                 tracking_uri=self.tracking_uri,
                                 experiment_id=self.experiment_id)
@@ -86,12 +95,14 @@ class RankingHooks:
             wall_s=float(report["wall_s"]), train_s=train_s,
             samples_per_s=rows["trained"] / max(train_s, 1e-9),
             straggler_actions=len(report["actions"]), tracking_uri=tracker.tracking_uri,
+            rows_replayed=int(report.get("rows_replayed", 0)),
             experiment_id=tracker.experiment_id,
             timeline=tracker.artifact_location("timeline.png"))
         tracker.summary({k: v for k, v in summary.metrics().items() if not math.isnan(v)})
         tracker.summary({f"ledger.{'' if k.startswith('epoch') else 'rows_'}{k}": v
                          for k, v in rows.items() if isinstance(v, int)})
         tracker.summary(agent_metrics(agents))
+        tracker.summary(checkpoint_metrics(report.get("checkpoints") or {}))
         if report["actions"]:
             tracker.artifact_yaml(list(report["actions"]), "straggler_actions.yaml")
         spans = [LeaseSpan(**span) for span in report["spans"]]
@@ -115,6 +126,17 @@ class RankingHooks:
         from pipeline.tracking import Tracker
 
         Tracker.attach(self.tracking_uri, run).end(status, reason)
+
+
+def checkpoint_metrics(checkpoints: Mapping[str, Any]) -> dict[str, float]:
+    """How many checkpoints the job's last master wrote, the last one's size, the median write
+    time (nothing when it wrote none)."""
+    seconds = sorted(checkpoints.get("seconds") or [])
+    if not seconds:
+        return {}
+    return {"checkpoints.written": checkpoints["written"],
+            "checkpoints.bytes": checkpoints["bytes"],
+            "checkpoints.write_s_median": seconds[len(seconds) // 2]}
 
 
 def agent_metrics(agents: Sequence[Mapping[str, Any]]) -> dict[str, float]:

@@ -7,7 +7,9 @@ training stack (torch, TorchRec, ``models``, ``data``), never MLflow or the driv
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torchrec.datasets.utils import Batch
@@ -46,6 +48,13 @@ class RankingTrainer:
     def state(self) -> dict[str, torch.Tensor]:
         """The model's weights on the CPU (no optimiser state: what serving needs)."""
         return {k: v.detach().cpu().clone() for k, v in self.train_step.model.state_dict().items()}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Weights and both optimisers' state (:meth:`TrainStep.state_dict`, copied)."""
+        return self.train_step.state_dict()
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        self.train_step.load_state_dict(state)
 
 
 @dataclass(frozen=True)

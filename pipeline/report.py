@@ -49,6 +49,8 @@ class JobSummary:
     experiment_id: str = ""
     timeline: str | None = None
     """Where the run's timeline PNG is: a local path, or its artifact URI (async mode only)."""
+    rows_replayed: int = 0
+    """Rows a resumed job trained again: trained past its checkpoint before the loss."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -72,7 +74,8 @@ class JobSummary:
             f"AUC      {self.auc:.4f}{best}",
             f"logloss  {self.logloss:.4f}",
             f"rows     trained {self.rows_trained:,}  lost {self.rows_lost:,}  "
-            f"duplicated {self.rows_duplicated:,}  quarantined {self.rows_quarantined:,}",
+            f"duplicated {self.rows_duplicated:,}  quarantined {self.rows_quarantined:,}"
+            + (f"  replayed {self.rows_replayed:,}" if self.rows_replayed else ""),
             f"speed    {self.samples_per_s:,.0f} samples/s, {self.wall_s:.1f} s wall",
             f"control  {self.straggler_actions:,} straggler action(s)",
             *self.next_steps(),

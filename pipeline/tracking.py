@@ -124,6 +124,29 @@ class Tracker:
         return tracker
 
     @classmethod
+    def reopen(cls, tracking_uri: str, run: Mapping[str, Any]) -> Tracker:
+        """The run ``run`` (:meth:`info`) of a job that resumes from a checkpoint: running again
+        (its end, if it had one, and the error it ended with, undone)."""
+        tracker = cls.attach(tracking_uri, run)
+        tracker.client.update_run(tracker.run_id, status="RUNNING")
+        tags = tracker.client.get_run(tracker.run_id).data.tags
+        for key in ("antdt.error", "antdt.cancelled"):
+            if key in tags:
+                tracker.client.delete_tag(tracker.run_id, key)
+        return tracker
+
+    def resumed(self, config: Mapping[str, Any], *, checkpoint: str, resumes: int,
+                rows_replayed: int, step: int) -> None:
+        """Record a resume: tags (how many, from which checkpoint), the event as metrics at the
+        step where the run's series go on, and the job's config as it resumed (params are
+        immutable: a changed learning rate shows here)."""
+        self.client.log_batch(self.run_id, tags=[
+            RunTag("antdt.resumes", str(resumes)), RunTag("antdt.resumed_from", checkpoint)])
+        self._log(self._metrics([(step, {"resumes": resumes,
+                                         "rows_replayed": rows_replayed})]), synchronous=True)
+        self.client.log_dict(self.run_id, dict(config), f"resumes/job-{resumes}.yaml")
+
+    @classmethod
     def attach(cls, tracking_uri: str, run: Mapping[str, Any]) -> Tracker:
         """The run ``run`` (:meth:`info`) opened elsewhere, in the store at ``tracking_uri``."""
         return cls(tracking_uri, str(run["run_id"]), str(run["experiment_id"]))

@@ -23,24 +23,12 @@ from distributed import Client, Event
 from distributed.security import Security
 
 from antdt.agent import event_topic
+from commands import ANTDT, antdt
 from dask_processes import DaskProcesses, wait_for_workers
-from data.synth import SynthResult
 from pipeline.config import load_job
 from waits import bounded
 
-ANTDT = str(Path(sys.executable).parent / "antdt")
 TRAIN_ROWS = 16_000
-
-
-def antdt(*args: str, cwd: Path, check: bool = True,
-          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``antdt ARGS`` in a process of its own (``env``: variables to add); its output on
-    failure."""
-    result = subprocess.run([ANTDT, *args], cwd=cwd, capture_output=True, text=True,
-                            timeout=300, env={**os.environ, **(env or {})})
-    if check:
-        assert result.returncode == 0, f"antdt {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
-    return result
 
 
 def status(address: str, job_id: str, cwd: Path, *tls: str) -> dict[str, Any]:
@@ -193,20 +181,6 @@ def test_a_bad_job_file_is_refused_before_anything_starts(cluster: DaskProcesses
     after = json.loads(antdt("status", "--scheduler", cluster.address, "--json",
                              cwd=tmp_path).stdout)
     assert [r["job_id"] for r in after] == [r["job_id"] for r in before]  # nothing started
-
-
-@pytest.fixture
-def medium_job(cluster_job: Path, medium_data: SynthResult) -> Path:
-    """Two epochs of 300,000 rows in batches of 1,024, synced every batch, the default model
-    size: fault-free runs' AUCs agree to about 0.005 (the small test model's to 0.03)."""
-    out = Path(medium_data.out)
-    raw = yaml.safe_load(cluster_job.read_text())
-    raw["model"] = {"arch": "dlrm", "embedding_dim": 16}
-    raw["data"].update(train=[str(out / "date=2026-11-01"), str(out / "date=2026-11-02")],
-                       validation=str(out / "date=2026-11-03"), schema=str(out / "schema.yaml"))
-    raw["train"].update(epochs=2, batch_size=1024, shard_rows=4096, sync_period="1 batch")
-    cluster_job.write_text(yaml.safe_dump(raw))
-    return cluster_job
 
 
 @pytest.mark.slow
