@@ -303,6 +303,10 @@ def job_details(r: Mapping[str, Any]) -> list[Any]:
     if run:
         lines.append(f"MLflow run {run['run_id']} (experiment {run['experiment_id']}, "
                      f"{run['tracking_uri']})")
+    if r.get("checkpoint"):
+        lines.append(f"last checkpoint {r['checkpoint']} ({r['checkpoints']['written']} written "
+                     f"by this master; resumed {r['resumes']} time(s), "
+                     f"{r['rows_replayed']:,} rows replayed)")
     if r["error"]:
         lines.append(f"error: {r['error']}")
     if r["stopped"]:

@@ -173,7 +173,8 @@ class JobRunner:
                 "tags": dict(self.plan.tags), "sharding": self.plan.sharding,
                 "agents": [s.as_dict() for s in self.slots],
                 "first_lease": dict(self._first_lease), "checkpoint": self._last_checkpoint(),
-                "rows_replayed": self.rows_replayed, "resumes": self.resumes}
+                "checkpoints": self._checkpoints(), "rows_replayed": self.rows_replayed,
+                "resumes": self.resumes}
 
     def log_records(self, since: int) -> list[dict[str, Any]]:
         """The job's log records with ``seq >= since``, oldest first."""
@@ -609,6 +610,12 @@ class JobRunner:
                 "rows": {k: self._rows.get(k) for k in ("done", "trained", "duplicated",
                                                         "expected")}}
 
+    def _checkpoints(self) -> dict[str, Any]:
+        """The checkpoints this master wrote: how many, the last one's bytes and path, and the
+        seconds each took."""
+        return {"written": self.checkpoints.written, "bytes": self.checkpoints.bytes,
+                "seconds": list(self.checkpoints.seconds), "last": self._last_checkpoint()}
+
     def _last_checkpoint(self) -> str | None:
         last = self.checkpoints.last
         return None if last is None else last.path
@@ -679,10 +686,7 @@ class JobRunner:
                 "actions": list(self._actions), "spans": spans, "marks": marks,
                 "first_lease": dict(self._first_lease), "sharding": self.plan.sharding,
                 "rows_replayed": self.rows_replayed, "resumes": self.resumes,
-                "checkpoints": {"written": self.checkpoints.written,
-                                "bytes": self.checkpoints.bytes,
-                                "seconds": list(self.checkpoints.seconds),
-                                "last": self._last_checkpoint()}}
+                "checkpoints": self._checkpoints()}
 
     # ---- tasks on workers -------------------------------------------------------------------
 

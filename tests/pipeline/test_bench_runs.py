@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import dask.config
 import pytest
 from click.testing import CliRunner
 
@@ -82,3 +83,21 @@ def mlflow_runs(folder: Path) -> dict[str, str]:
     return {run.info.run_id: run.info.status
             for experiment in client.search_experiments()
             for run in client.search_runs([experiment.experiment_id])}
+
+
+@pytest.mark.slow
+def test_bench_checkpoint_runs_with_and_without_checkpoints(
+        cluster_job: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with dask.config.set({"antdt.jobs.tick": "100ms"}):  # the master checks 10x a second
+        out = bench(["checkpoint", "--job", str(cluster_job), "--every", "3000",
+                     "--target-s", "3", "--repeats", "1", "--scale", "2"])
+    assert out["every"] == "3000" and out["rows"] == out["epochs"] * 16_000
+    assert len(out["runs"]["none"]) == len(out["runs"]["checkpoints"]) == 1
+    assert out["checkpoints_per_job"][0] >= 1  # every 3,000 rows of 16,000 and more
+    assert out["samples_per_s_ratio"] == pytest.approx(
+        out["samples_per_s_checkpoints"] / out["samples_per_s_none"])
+    default, larger = out["sizes"]["default"], out["sizes"]["tables_x2"]
+    assert 0 < default["bytes"] < larger["bytes"] < 2 * default["bytes"] + 1_000_000
+    assert larger["write_s"] > 0 and larger["disk_s"] > 0 and larger["copy_s"] > 0
+    assert not list(tmp_path.glob("antdt-bench-checkpoint-*"))  # its files are gone

@@ -102,6 +102,12 @@ def test_distributed_defaults_and_faults(tmp_path: Path) -> None:
     ("train.sync_period=soon", "train.sync_period: expected seconds > 0 (0.5, '500ms') or "
                                "batches ('4 batches'), found 'soon'"),
     ("train.shard_rows=-5", "train.shard_rows: expected an integer >= 1, found -5"),
+    ("train.checkpoint_every=soon", "train.checkpoint_every: expected rows (an int >= 1) or a "
+                                    "duration such as '60s', '5m', found 'soon'"),
+    ("train.checkpoint_every=0", "train.checkpoint_every: expected rows (an int >= 1) or a "
+                                 "duration such as '60s', '5m', found 0"),
+    ("train.checkpoint_dir=''", "train.checkpoint_dir: expected a path or fsspec URL, found ''"),
+    ("train.checkpoint_keep=0", "train.checkpoint_keep: expected an integer >= 1, found 0"),
     ("faults={worker: 0}", "faults: expected a list"),
     ("faults=[{slowdown: 2}]", "faults[0]: missing key 'worker'"),
     ("faults=[{worker: 0, slowdown: 0.5}]", "faults[0].slowdown: expected a finite number >= 1.0"),
