@@ -307,7 +307,8 @@ class JobRunner:
         self.resumes = int(manifest.extra.get("resumes", 0)) + 1
         await self._restore_ledger(manifest)
         self.log("warning", f"resumed from checkpoint {path}: {manifest.rows['done']:,} rows "
-                            f"done, {replayed:,} rows the lost job trained past it trained again")
+                            f"done; {replayed:,} rows the lost job had trained past it are "
+                            "trained again")
         return self._resume_info(manifest, max(manifest.step, int(lost.get("step", 0))) + 1)
 
     async def _restore_ledger(self, manifest: Manifest) -> None:
@@ -408,7 +409,7 @@ class JobRunner:
         self.service.sync.start_job(self.job_id, workers)
         self._read_ledger()
         self.log("warning", f"restarting from checkpoint {manifest.path} on {len(workers)} "
-                            f"worker(s): {manifest.rows['done']:,} rows done, {replayed:,} "
+                            f"worker(s): {manifest.rows['done']:,} rows done; {replayed:,} "
                             "rows trained past it are trained again")
         self.run = await self._hook("start", self.job_id, len(workers),
                                     self._resume_info(manifest, self._step))
