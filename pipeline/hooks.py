@@ -93,7 +93,7 @@ class RankingHooks:
             rows_trained=rows["trained"], rows_lost=rows["lost"],
             rows_duplicated=rows["duplicated"], rows_quarantined=rows["quarantined"],
             wall_s=float(report["wall_s"]), train_s=train_s,
-            samples_per_s=rows["trained"] / max(train_s, 1e-9),
+            samples_per_s=report["rows_trained_here"] / max(train_s, 1e-9),
             straggler_actions=len(report["actions"]), tracking_uri=tracker.tracking_uri,
             rows_replayed=int(report.get("rows_replayed", 0)),
             experiment_id=tracker.experiment_id,

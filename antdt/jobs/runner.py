@@ -153,6 +153,9 @@ class JobRunner:
         """Rows trained past the checkpoint a job restarted from, before the loss: trained
         again (over every restart of the job)."""
         self.resumes = 0
+        self._trained_before = 0
+        """The ledger's rows trained when this master started training (a resumed job's
+        checkpoint has some), less the rows a restart in place rolled back."""
 
     # ---- what clients see -------------------------------------------------------------------
 
@@ -288,6 +291,7 @@ class JobRunner:
             self._step = int(resume["step"])
         self._check_cancel()
         await self.checkpoints.open(self._rows["done"])
+        self._trained_before = self._rows["trained"]
         self.started_at = self._train_started = time()
         self._set_state(JobState.RUNNING)
         for index, worker in enumerate(initial):
@@ -403,6 +407,7 @@ class JobRunner:
         replayed = max(0, trained - manifest.rows["trained"])
         self.rows_replayed += replayed
         self.resumes += 1
+        self._trained_before -= replayed  # trained here, then rolled back with the ledger
         await self._restore_ledger(manifest)
         workers = sorted(self.scheduler.workers)
         self.service.sync.stop_job(self.job_id)
@@ -665,8 +670,10 @@ class JobRunner:
         self._check_metrics()
 
     def _report(self) -> dict[str, Any]:
-        """The master's account of the job, for ``hooks.finish``: its counters, timings,
-        agents, controller actions and lease spans (seconds since training started)."""
+        """The master's account of the job, for ``hooks.finish``: its counters (and the rows
+        trained while this master trained, ``rows_trained_here``: a resumed job's ledger
+        starts with its checkpoint's), timings, agents, controller actions and lease spans
+        (seconds since training started)."""
         self._read_ledger()
         ended = [s.ended for s in self.slots if s.ended is not None]
         train_s = max(ended, default=self._elapsed())
@@ -682,6 +689,7 @@ class JobRunner:
                   "action": a["action"], "rows": a["rows"], "reason": a["reason"]}
                  for a in self._actions]
         return {"job_id": self.job_id, "name": self.plan.name, "rows": dict(self._rows),
+                "rows_trained_here": self._rows["trained"] - self._trained_before,
                 "train_s": train_s, "wall_s": time() - self.submitted_at,
                 "stopped": self.stopped, "agents": [s.as_dict() for s in self.slots],
                 "actions": list(self._actions), "spans": spans, "marks": marks,

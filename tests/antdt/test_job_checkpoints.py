@@ -108,7 +108,8 @@ def test_a_job_resumes_from_a_checkpoint_in_the_same_run(
     resume = [c for c in made if c[0] == "resume"]
     assert len(resume) == 1 and resume[0][3]["checkpoint"] == manifest.path
     assert resume[0][3]["step"] > manifest.step  # the run's series go on after the old ones
-    _, table, _ = made[-1]
+    _, table, report = made[-1]
+    assert report["rows_trained_here"] == rows["trained"] - manifest.rows["trained"]
     # every row in every epoch reached the final model (the checkpoint's rows included)
     assert bool((table >= 3).all())
     assert record["resumes"] == 1
@@ -152,6 +153,8 @@ def test_new_workers_restart_the_job_from_its_last_checkpoint(
     assert bool((table >= 3).all())  # no row of any epoch missing from the final model
     assert table.sum() - 3 * TOTAL <= record["rows_replayed"] + rows["duplicated"]
     assert report["rows_replayed"] == record["rows_replayed"]
+    # this master trained the rows the ledger counts, and those the restart rolled back
+    assert report["rows_trained_here"] == rows["trained"] + record["rows_replayed"]
     messages = [r["message"] for r in jobs.logs(job_id)]
     assert any(m.startswith("restarting from checkpoint ") for m in messages)
 
