@@ -645,8 +645,11 @@ class JobRunner:
                           done_by_epoch=summary["rows_done_by_epoch"])
 
     def _send_metrics(self) -> None:
+        """Send the buffered steps in one metrics task, unless the previous one is still on its
+        way: one at a time, the run gets its steps in order, and a slow tracking store gets
+        fewer, larger batches instead of a queue of tasks."""
         self._last_metrics = time()
-        if not self._steps or self.run is None:
+        if not self._steps or self.run is None or self._pending_metrics:
             return
         steps, self._steps = self._steps, []
         self._pending_metrics.append(self.client.submit(
@@ -663,9 +666,13 @@ class JobRunner:
             future.release()
 
     async def _flush_metrics(self) -> None:
-        """Send the buffered metrics and wait (a minute at most) until every metrics task
-        ended: the run's history is complete before it is closed."""
+        """Send the buffered metrics after the one on its way and wait (a minute at most each)
+        until they arrived: the run's history is complete before it is closed."""
+        await self._metrics_arrived()
         self._send_metrics()
+        await self._metrics_arrived()
+
+    async def _metrics_arrived(self) -> None:
         await _until(lambda: all(f.done() for f in self._pending_metrics), 60.0)
         self._check_metrics()
 
