@@ -79,7 +79,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     """Where the job's checkpoints go (a local path or an fsspec URL; None: no checkpoints)."""
     checkpoint_every: str = "60s"
-    """Rows done between checkpoints, or a duration such as ``60s``."""
+    """Rows trained between checkpoints, or a duration such as ``60s``."""
     checkpoint_keep: int = 3
     optim: OptimConfig = field(default_factory=OptimConfig)
 

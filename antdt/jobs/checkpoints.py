@@ -45,7 +45,7 @@ _VERSION = re.compile(r"^v(\d{6,})$")
 
 @dataclass(frozen=True)
 class Every:
-    """How often a job checkpoints: every ``rows`` rows done, or every ``seconds``.
+    """How often a job checkpoints: every ``rows`` rows trained, or every ``seconds``.
 
     >>> Every.parse(100_000), Every.parse("30s"), Every.parse("2m")
     (Every(rows=100000, seconds=None), Every(rows=None, seconds=30.0), Every(rows=None, seconds=120.0))

@@ -1,8 +1,8 @@
 """A job's checkpoints as its master takes them (:class:`Checkpointer`), next to its control
 loop on the scheduler.
 
-A checkpoint is taken when one is due (every ``checkpoint_every`` rows done or seconds) and no
-other is being written::
+A checkpoint is taken when one is due (see :meth:`Checkpointer.due`: one completes every
+``checkpoint_every`` rows trained or seconds) and no other is being written::
 
     the ledger's state, now (on the scheduler's loop: the rows it counts done are synced, so
     every live replica holds their updates)
@@ -66,32 +66,37 @@ class Checkpointer:
     def enabled(self) -> bool:
         return self.folder is not None
 
-    async def open(self, rows_done: int) -> None:
+    async def open(self, rows_trained: int) -> None:
         """Learn the versions already in the job's folder (a resumed job numbers on) and start
         the first interval."""
         if self.folder is not None:
             found = await asyncio.to_thread(checkpoints.versions, self.folder)
             self._version = max(found, default=0)
-        self.restart_interval(rows_done)
+        self.restart_interval(rows_trained)
 
-    def restart_interval(self, rows_done: int) -> None:
-        self._mark = (time(), rows_done)
+    def restart_interval(self, rows_trained: int) -> None:
+        self._mark = (time(), rows_trained)
 
-    def due(self, rows_done: int) -> bool:
+    def due(self, rows_trained: int, samples_per_s: float, next_look_s: float) -> bool:
+        """Whether to start a checkpoint now, so that one is complete every ``every`` rows
+        trained (or seconds): a job lost just before a checkpoint completes trains at most that
+        much again. It starts early by what the job trains until the master looks again
+        (``next_look_s``) and while the last checkpoint took to write, at ``samples_per_s``."""
         if not self.enabled or self._taking is not None:
             return False
         since, rows = self._mark
+        lead_s = next_look_s + (self.seconds[-1] if self.seconds else 0.0)
         if self.every.rows is not None:
-            return rows_done - rows >= self.every.rows
+            return rows_trained - rows + samples_per_s * lead_s >= self.every.rows
         assert self.every.seconds is not None
-        return time() - since >= self.every.seconds
+        return time() - since + lead_s >= self.every.seconds
 
     def take(self, worker: str, ledger: bytes, rows: Mapping[str, int], step: int,
              run: Mapping[str, Any] | None, extra: Mapping[str, Any]) -> None:
         """Start writing a checkpoint: ``ledger`` (the ledger's bytes, taken now) and the model
         of ``worker``'s agent; the interval restarts now, whether it succeeds or not."""
         assert self.folder is not None
-        self.restart_interval(int(rows["done"]))
+        self.restart_interval(int(rows["trained"]))
         self._version += 1
         path = checkpoints.version_path(self.folder, self._version)
         self._taking = asyncio.ensure_future(self._take(path, worker, ledger, dict(rows), step,

@@ -290,7 +290,7 @@ class JobRunner:
         if resume is not None:
             self._step = int(resume["step"])
         self._check_cancel()
-        await self.checkpoints.open(self._rows["done"])
+        await self.checkpoints.open(self._rows["trained"])
         self._trained_before = self._rows["trained"]
         self.started_at = self._train_started = time()
         self._set_state(JobState.RUNNING)
@@ -418,7 +418,7 @@ class JobRunner:
                             "rows trained past it are trained again")
         self.run = await self._hook("start", self.job_id, len(workers),
                                     self._resume_info(manifest, self._step))
-        self.checkpoints.restart_interval(manifest.rows["done"])
+        self.checkpoints.restart_interval(manifest.rows["trained"])
         for worker in workers:
             self._start_agent(worker, len(self.slots), period, restore=manifest.path)
 
@@ -591,10 +591,12 @@ class JobRunner:
             return
         self.checkpoints.note(self._progress())
         ledger = self.service.sharding.jobs.get(self.job_id)
-        if self.state is not JobState.RUNNING or self.stopped is not None or ledger is None \
-                or not self.checkpoints.due(ledger.rows_done):
+        if self.state is not JobState.RUNNING or self.stopped is not None or ledger is None:
             return
         rows = ledger.summary()
+        rate = sum(s.rate for s in self.slots if s.live)
+        if not self.checkpoints.due(rows["rows_trained"], rate, self._tick_s):
+            return
         if rows["rows_done"] + rows["rows_quarantined"] >= rows["rows_expected"]:
             return  # nothing left to train: the job's end comes first
         writer = next((s.worker for s in self.slots if s.live and s.rows > 0

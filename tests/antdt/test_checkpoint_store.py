@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from antdt.errors import CheckpointError
-from antdt.jobs import checkpoints
+from antdt.jobs import JobPlan, checkpoints
 from antdt.jobs.checkpoints import Every, Manifest
+from antdt.jobs.keeper import Checkpointer
 
 
 def write_version(folder: Path, version: int, done: int) -> Manifest:
@@ -124,3 +125,18 @@ def test_every_reads_rows_or_a_duration(value: object, rows: int | None,
 def test_every_refuses_anything_else_naming_it(value: object) -> None:
     with pytest.raises(CheckpointError, match=f"checkpoint_every: expected .*{value!r}"):
         Every.parse(value)
+
+
+def test_a_checkpoint_starts_early_enough_to_complete_within_its_interval() -> None:
+    plan = JobPlan(name="j", row_groups=[("a.parquet", 0, 10)], batch_rows=1, shard_rows=1,
+                   checkpoint_dir="/nowhere", checkpoint_every="1000")
+    keeper = Checkpointer("j", plan, write_model=None, log=print)  # type: ignore[arg-type]
+    keeper.restart_interval(rows_trained=0)
+    # at 1,000 rows/s the master looks again in 0.1 s: due once 900 rows are trained
+    assert not keeper.due(899, samples_per_s=1000.0, next_look_s=0.1)
+    assert keeper.due(900, samples_per_s=1000.0, next_look_s=0.1)
+    keeper.seconds.append(0.5)  # the last checkpoint took 0.5 s to write: start 500 rows earlier
+    assert keeper.due(400, samples_per_s=1000.0, next_look_s=0.1)
+    assert not keeper.due(399, samples_per_s=1000.0, next_look_s=0.1)
+    keeper.restart_interval(rows_trained=400)
+    assert not keeper.due(799, samples_per_s=1000.0, next_look_s=0.1)
