@@ -41,10 +41,11 @@ Log = Callable[[str, str], None]
 
 class Checkpointer:
     """The checkpoints of one job (see the module docstring); ``enabled`` only with a
-    ``checkpoint_dir``. ``last`` is the newest good checkpoint (written here, or resumed from);
+    ``checkpoint_dir``; ``written()`` is called when a checkpoint ended (the master looks again). ``last`` is the newest good checkpoint (written here, or resumed from);
     ``written``, ``bytes`` and ``seconds`` describe the ones this master wrote."""
 
-    def __init__(self, job_id: str, plan: JobPlan, write_model: WriteModel, log: Log) -> None:
+    def __init__(self, job_id: str, plan: JobPlan, write_model: WriteModel, log: Log,
+                 written: Callable[[], None] = lambda: None) -> None:
         self.job_id = job_id
         self.folder = None if plan.checkpoint_dir is None else \
             checkpoints.job_folder(plan.checkpoint_dir, job_id)
@@ -57,6 +58,7 @@ class Checkpointer:
         self.seconds: list[float] = []
         self._write_model = write_model
         self._log = log
+        self._written = written
         self._version = 0
         self._mark = (0.0, 0)
         self._taking: asyncio.Task[None] | None = None
@@ -132,6 +134,7 @@ class Checkpointer:
             self._log("warning", f"checkpoint {path} failed: {exc}")
         finally:
             self._taking = None
+            self._written()  # the next one may be due already
 
     def note(self, progress: Mapping[str, Any]) -> None:
         """Replace ``progress.json`` with ``progress`` unless the previous note is still being

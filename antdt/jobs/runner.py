@@ -148,7 +148,8 @@ class JobRunner:
         self._metrics_every = config.seconds("antdt.jobs.metrics-interval")
         self._last_metrics = 0.0
         self._task: asyncio.Task[None] | None = None
-        self.checkpoints = Checkpointer(job_id, spec.plan, self._write_model, self.log)
+        self.checkpoints = Checkpointer(job_id, spec.plan, self._write_model, self.log,
+                                        written=self._wake.set)
         self.rows_replayed = 0
         """Rows trained past the checkpoint a job restarted from, before the loss: trained
         again (over every restart of the job)."""
