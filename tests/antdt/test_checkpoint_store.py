@@ -87,14 +87,16 @@ def test_resolve_a_job_id_a_job_folder_or_a_version(tmp_path: Path) -> None:
     folder = tmp_path / "job"
     write_version(folder, 1, done=40)
     newest = write_version(folder, 2, done=80)
-    assert checkpoints.resolve("job", str(tmp_path), print).version == 2
-    assert checkpoints.resolve(str(folder), None, print).version == 2
+    skipped: list[str] = []
+    assert checkpoints.resolve("job", str(tmp_path), skipped.append).version == 2
+    assert checkpoints.resolve(str(folder), None, skipped.append).version == 2
     assert checkpoints.resolve(newest.path.replace("v000002", "v000001"), None,
-                               print).version == 1
+                               skipped.append).version == 1
+    assert skipped == []
     with pytest.raises(CheckpointError, match="needs the job's train.checkpoint_dir"):
-        checkpoints.resolve("job", None, print)
+        checkpoints.resolve("job", None, skipped.append)
     with pytest.raises(CheckpointError, match=f"no good checkpoint in {tmp_path}/other"):
-        checkpoints.resolve("other", str(tmp_path), print)
+        checkpoints.resolve("other", str(tmp_path), skipped.append)
 
 
 def test_a_changed_fingerprint_is_refused_by_name(tmp_path: Path) -> None:
@@ -130,7 +132,8 @@ def test_every_refuses_anything_else_naming_it(value: object) -> None:
 def test_a_checkpoint_starts_early_enough_to_complete_within_its_interval() -> None:
     plan = JobPlan(name="j", row_groups=[("a.parquet", 0, 10)], batch_rows=1, shard_rows=1,
                    checkpoint_dir="/nowhere", checkpoint_every="1000")
-    keeper = Checkpointer("j", plan, write_model=None, log=print)  # type: ignore[arg-type]
+    keeper = Checkpointer("j", plan, write_model=None,  # type: ignore[arg-type]
+                          log=lambda level, message: None)
     keeper.restart_interval(rows_trained=0)
     # at 1,000 rows/s the master looks again in 0.1 s: due once 900 rows are trained
     assert not keeper.due(899, samples_per_s=1000.0, next_look_s=0.1)
