@@ -14,7 +14,7 @@ from antdt.errors import AntdtError, JobCancelled, JobFailed
 from pipeline import terminal
 from pipeline.bench import bench
 from pipeline.cli_jobs import (JOB_COMMANDS, Cluster, cluster_options, follow_and_report,
-                               resume_spec)
+                               resume_option, resume_spec)
 from pipeline.simulate import command as simulate
 from pipeline.terminal import progress_bar, stderr
 
@@ -115,9 +115,7 @@ def data_validate(paths: tuple[str, ...], schema_path: str, as_json: bool) -> No
 @click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: the job's, "
               "else MLflow's default store).")
 @click.option("--job-id", default=None, help="The job's id (async mode).")
-@click.option("--resume", default=None, metavar="JOB_ID|PATH",
-              help="Continue a job from its newest good checkpoint (a job id under the job's "
-                   "train.checkpoint_dir, or a checkpoint path), in the same MLflow run.")
+@resume_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def train(job_path: str, mode: str | None, local_alias: bool, workers: int | None,
           cluster: Cluster, overrides: tuple[str, ...], tracking_uri: str | None,

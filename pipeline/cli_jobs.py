@@ -127,6 +127,13 @@ def follow_and_report(jobs: Any, job_id: str, address: str | None, as_json: bool
             click.echo(line)
 
 
+resume_option = click.option(
+    "--resume", default=None, metavar="JOB_ID|PATH",
+    help="Continue a job from its newest good checkpoint (a job id under the job's "
+         "train.checkpoint_dir, or a checkpoint path), in the same MLflow run.")
+"""``--resume`` of ``antdt submit`` and ``antdt train``."""
+
+
 def resume_spec(job: JobConfig, spec: JobSpec, ref: str, job_id: str | None
                 ) -> tuple[JobSpec, str]:
     """``spec`` resuming from the checkpoint ``ref`` names, and the job's id (the id of the
@@ -157,9 +164,7 @@ def resume_spec(job: JobConfig, spec: JobSpec, ref: str, job_id: str | None
 @click.option("--job-id", default=None, help="The job's id; if it exists, attach to that job "
               "instead of starting another (a retried submit).")
 @click.option("--no-wait", is_flag=True, help="Print the job id and return at once.")
-@click.option("--resume", default=None, metavar="JOB_ID|PATH",
-              help="Continue a job from its newest good checkpoint (a job id under the job's "
-                   "train.checkpoint_dir, or a checkpoint path), in the same MLflow run.")
+@resume_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary (or the id) as JSON.")
 def submit(job_path: str, cluster: Cluster, overrides: tuple[str, ...],
            tracking_uri: str | None, job_id: str | None, no_wait: bool, resume: str | None,

@@ -303,7 +303,9 @@ class JobRunner:
         ``--resume``): its ledger, and the rows the lost job trained past it (its master's
         last progress note) counted as replayed. What the tracking hook gets to reopen the
         run."""
-        manifest = await asyncio.to_thread(checkpoints.verify, path)
+        # the client chose a good version; the ledger's checksum is checked here, the model's by
+        # every agent that loads it (reading it on the scheduler too would be a third read)
+        manifest = await asyncio.to_thread(checkpoints.read_manifest, path)
         note = await asyncio.to_thread(checkpoints.read_note, posixpath.dirname(path))
         lost = note if note is not None and note.get("job_id") == manifest.job_id else {}
         trained = int(lost.get("rows", {}).get("trained", manifest.rows["trained"]))
