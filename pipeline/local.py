@@ -113,10 +113,11 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None) -> JobSumm
                         progress.advance(n)
                     if steps % job.train.log_every == 0:
                         now = time.perf_counter()
-                        tracker.metrics({"loss": window_loss / job.train.log_every,
-                                         "samples_per_s": job.train.log_every * job.train.batch_size
-                                         / max(now - window_start, 1e-9),
-                                         "rows_done": rows}, step=steps)
+                        tracker.metrics({"train.loss": window_loss / job.train.log_every,
+                                         "train.samples_per_s":
+                                             job.train.log_every * job.train.batch_size
+                                             / max(now - window_start, 1e-9),
+                                         "train.rows_trained": rows}, step=steps)
                         window_loss, window_start = 0.0, now
             train_s += time.perf_counter() - epoch_start
         metrics = evaluate(step.predict, iterate_batches(reader, data.validation,

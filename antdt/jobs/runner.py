@@ -54,6 +54,11 @@ logger = logging.getLogger(__name__)
 LAST_ACTIONS = 10
 """Controller actions a job's record shows."""
 
+SERIES = "train."
+"""Prefix of the metrics the master logs every tick (rows, samples/s, loss over time): a run's
+final figures (``samples_per_s``, ``rows_trained``, ...) are the job's own, under their plain
+names, and never shadowed by a tick's value."""
+
 POLL_S = 0.05
 """How often the runner looks at its agents' futures between ticks: a job's end waits at most
 this long to be noticed."""
@@ -570,12 +575,14 @@ class JobRunner:
         live = [s for s in self.slots if s.live]
         rows = self._rows
         metrics: dict[str, float] = {
-            "rows_done": rows["done"], "rows_trained": rows["trained"],
-            "rows_duplicated": rows["duplicated"],
-            "samples_per_s": sum(s.rate for s in live), "workers_training": len(live)}
-        metrics.update({f"samples_per_s.{by_worker[w].label}": r for w, r in fresh.items()})
+            f"{SERIES}rows_done": rows["done"], f"{SERIES}rows_trained": rows["trained"],
+            f"{SERIES}rows_duplicated": rows["duplicated"],
+            f"{SERIES}samples_per_s": sum(s.rate for s in live),
+            f"{SERIES}workers": len(live)}
+        metrics.update({f"{SERIES}samples_per_s.{by_worker[w].label}": r
+                        for w, r in fresh.items()})
         if losses:
-            metrics["loss"] = sum(losses) / len(losses)
+            metrics[f"{SERIES}loss"] = sum(losses) / len(losses)
         metrics["controller.actions"] = len(self._actions)
         metrics.update({f"controller.{kind}": n for kind, n in counts.items()})
         if self.state is JobState.RUNNING or self.state is JobState.CANCELLING:

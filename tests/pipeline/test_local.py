@@ -43,10 +43,12 @@ def test_local_training_learns_counts_rows_and_tracks_the_run(job_file: Path) ->
     assert run.info.status == "FINISHED"
     assert run.data.metrics["auc"] == pytest.approx(summary.auc)
     assert run.data.metrics["rows_trained"] == summary.rows_trained
+    # the summary figures are the job's own; the series over time have their own names
+    assert run.data.metrics["samples_per_s"] == pytest.approx(summary.samples_per_s)
     assert run.data.params["train.batch_size"] == "512"
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(summary.run_id)}
     assert {"job.yaml", "schema.yaml"} <= artifacts
-    history = mlflow.MlflowClient().get_metric_history(summary.run_id, "loss")
+    history = mlflow.MlflowClient().get_metric_history(summary.run_id, "train.loss")
     assert len(history) >= 2
 
 
@@ -76,7 +78,8 @@ def test_cli_train_json_prints_the_summary(job_file: Path) -> None:
     batches = sum(-(-g.num_rows // 1024) for g in prepare_data(job).train)
     mlflow.set_tracking_uri(job.mlflow.tracking_uri)
     assert mlflow.get_run(summary["run_id"]).data.params["train.batch_size"] == "1024"
-    steps = [m.step for m in mlflow.MlflowClient().get_metric_history(summary["run_id"], "loss")]
+    steps = [m.step for m in mlflow.MlflowClient().get_metric_history(summary["run_id"],
+                                                                   "train.loss")]
     assert max(steps) == batches - batches % job.train.log_every
 
 
