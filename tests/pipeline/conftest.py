@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +19,7 @@ import yaml
 
 from data.synth import SynthResult, generate
 from pipeline.terminal import OWN_LOGGERS
+from waits import bounded
 
 
 @pytest.fixture(autouse=True)
@@ -112,3 +118,37 @@ def medium_job(cluster_job: Path, medium_data: SynthResult) -> Path:
     raw["train"].update(epochs=2, batch_size=1024, shard_rows=4096, sync_period="1 batch")
     cluster_job.write_text(yaml.safe_dump(raw))
     return cluster_job
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[str]:
+    """A real ``mlflow server`` on loopback (no auth: it ignores the credentials clients send);
+    its URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    folder = tmp_path / "mlflow-server"
+    folder.mkdir()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}"],
+        cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        bounded.until(lambda: _answers(f"{url}/health"), "the MLflow server answers",
+                      timeout_s=120)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False

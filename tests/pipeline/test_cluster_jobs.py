@@ -8,9 +8,7 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
-import urllib.request
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -302,40 +300,6 @@ def test_tls_jobs_and_a_client_without_certificates_is_refused(job_file: Path,
     summary = json.loads(out.splitlines()[-1])
     assert summary["rows_lost"] == 0 and summary["job_id"] == "secure"
     assert summary["rows_trained"] == 2 * TRAIN_ROWS + summary["rows_duplicated"]
-
-
-@pytest.fixture
-def mlflow_server(tmp_path: Path) -> Iterator[str]:
-    """A real ``mlflow server`` on loopback (no auth: it ignores the credentials clients send);
-    its URL."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    folder = tmp_path / "mlflow-server"
-    folder.mkdir()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}"],
-        cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        bounded.until(lambda: _answers(f"{url}/health"), "the MLflow server answers",
-                      timeout_s=120)
-        yield url
-    finally:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait(timeout=30)
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return bool(response.status == 200)
-    except OSError:
-        return False
 
 
 @pytest.mark.slow
