@@ -13,6 +13,7 @@ import click
 from antdt.errors import AntdtError, JobCancelled, JobFailed
 from pipeline import terminal
 from pipeline.bench import bench
+from pipeline.cli_experiments import EXPERIMENT_COMMANDS
 from pipeline.cli_jobs import (JOB_COMMANDS, Cluster, cluster_options, follow_and_report,
                                resume_option, resume_spec)
 from pipeline.simulate import command as simulate
@@ -160,7 +161,7 @@ def train(job_path: str, mode: str | None, local_alias: bool, workers: int | Non
         follow_and_report(jobs, submitted, None, as_json, "training (async)")
 
 
-for command in (bench, simulate, *JOB_COMMANDS):
+for command in (bench, simulate, *JOB_COMMANDS, *EXPERIMENT_COMMANDS):
     cli.add_command(command)
 
 

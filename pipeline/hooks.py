@@ -29,7 +29,8 @@ class RankingHooks:
 
     ``tracking_uri`` is the store the workers write to and ``experiment_id`` the run's
     experiment in it (both resolved where the job was submitted); ``quarantine`` the bad units
-    of the training files, logged with the run."""
+    of the training files, logged with the run; ``run_tags`` and ``run_name`` what the run
+    starts with besides antdt's own (a sweep's trial: its parent run and its values)."""
 
     job: JobConfig
     schema: Schema
@@ -38,6 +39,8 @@ class RankingHooks:
     tracking_uri: str
     experiment_id: str
     quarantine: list[tuple[str, int | None, str]]
+    run_tags: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    run_name: str | None = None
 
     def start(self, job_id: str, workers: int, resume: Mapping[str, Any] | None = None
               ) -> dict[str, Any]:
@@ -53,9 +56,10 @@ class RankingHooks:
                             rows_replayed=int(resume["rows_replayed"]),
                             step=int(resume["step"]))
             return tracker.info()
-        tracker = Tracker.start(tracked, mode="async", tags={"antdt.job_id": job_id},
+        tracker = Tracker.start(tracked, mode="async",
+                                tags={**self.run_tags, "antdt.job_id": job_id},
                                 tracking_uri=self.tracking_uri,
-                                experiment_id=self.experiment_id)
+                                experiment_id=self.experiment_id, run_name=self.run_name)
         tracker.artifact_yaml(self.schema.to_dict(), "schema.yaml")
         if self.quarantine:
             tracker.artifact_yaml([list(q) for q in self.quarantine], "quarantine.yaml")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 from torchrec.datasets.utils import Batch
@@ -83,8 +83,11 @@ def epoch_order(groups: list[RowGroup], seed: int, epoch: int) -> list[RowGroup]
     return [groups[i] for i in order]
 
 
-def train_local(job: JobConfig, progress: ProgressSink | None = None) -> JobSummary:
-    """Train ``job`` in this process, evaluate it, and track it in MLflow."""
+def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
+                tags: Mapping[str, str] | None = None, run_name: str | None = None
+                ) -> JobSummary:
+    """Train ``job`` in this process, evaluate it, and track it in MLflow (a run named
+    ``run_name``, with ``tags`` besides antdt's own)."""
     started = time.perf_counter()
     prepare_process(job.train.threads)
     data = prepare_data(job)
@@ -96,7 +99,7 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None) -> JobSumm
         progress.total(total_rows)
     step = TrainStep(data.schema, job.model, job.train.optim, seed=job.train.seed)
     reader = ShardReader(data.schema)
-    with Tracker.start(job, mode="local") as tracker:
+    with Tracker.start(job, mode="local", tags=tags, run_name=run_name) as tracker:
         tracker.artifact_yaml(data.schema.to_dict(), "schema.yaml")
         rows, steps, train_s = 0, 0, 0.0
         window_loss, window_start = 0.0, time.perf_counter()

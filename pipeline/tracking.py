@@ -104,14 +104,16 @@ class Tracker:
 
     @classmethod
     def start(cls, job: JobConfig, *, mode: str, tags: Mapping[str, str] | None = None,
-              tracking_uri: str | None = None, experiment_id: str | None = None) -> Tracker:
+              tracking_uri: str | None = None, experiment_id: str | None = None,
+              run_name: str | None = None) -> Tracker:
         """Open a run for ``job`` in ``experiment_id`` (default: the job's experiment, made if
-        missing) with its config as params and as ``job.yaml``."""
+        missing) with its config as params and as ``job.yaml``; named ``run_name`` (default:
+        the job's name and mode)."""
         uri = tracking_uri or resolved_uri(job)
         client = MlflowClient(uri)
         if experiment_id is None:
             experiment_id = experiment(uri, job.mlflow.experiment)
-        run = client.create_run(experiment_id, run_name=f"{job.name}-{mode}",
+        run = client.create_run(experiment_id, run_name=run_name or f"{job.name}-{mode}",
                                 tags={"antdt.mode": mode, "antdt.job": job.name, **(tags or {})})
         tracker = cls(uri, run.info.run_id, experiment_id)
         config = public_config(job)
