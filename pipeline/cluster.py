@@ -125,10 +125,12 @@ def resumed(spec: JobSpec, manifest: Manifest) -> JobSpec:
 
 
 def job_spec(job: JobConfig, data: PreparedData | None = None, *,
-             deadline_s: float | None = None) -> JobSpec:
+             deadline_s: float | None = None, workers: int | None = None,
+             run_tags: Mapping[str, str] | None = None, run_name: str | None = None) -> JobSpec:
     """What AntDT's master runs for ``job`` (validated here first unless ``data`` is given).
     ``deadline_s``: stop the job if training takes longer (benchmarks' baselines that never
-    finish)."""
+    finish); ``workers``: train on that many of the cluster's workers, the least busy (default:
+    every worker); ``run_tags``, ``run_name``: what its MLflow run starts with."""
     data = data if data is not None else prepare_data(job)
     plan = ledger_plan(job, data)
     train = job.train
@@ -136,7 +138,8 @@ def job_spec(job: JobConfig, data: PreparedData | None = None, *,
     hooks = RankingHooks(job, data.schema, data.validation,
                          example=(data.validation or data.train)[0], tracking_uri=uri,
                          experiment_id=experiment(uri, job.mlflow.experiment),
-                         quarantine=[(p, g, r) for p, g, r in plan.quarantine])
+                         quarantine=[(p, g, r) for p, g, r in plan.quarantine],
+                         run_tags=dict(run_tags or {}), run_name=run_name)
     faults = {f.worker: {"slowdown": f.slowdown, "hang_after_rows": f.hang_after_rows,
                          "crash_after_rows": f.crash_after_rows,
                          "slow_for_rows": f.slow_for_rows, "pause_until": f.pause_until,
@@ -146,7 +149,7 @@ def job_spec(job: JobConfig, data: PreparedData | None = None, *,
                 shard_rows=train.shard_rows, epochs=train.epochs, seed=train.seed,
                 sync_period=str(train.sync_period), sharding=train.sharding,
                 threads=train.threads, quarantine=list(plan.quarantine), faults=faults,
-                deadline_s=deadline_s, preload=["pipeline.recipes"],
+                deadline_s=deadline_s, workers=workers, preload=["pipeline.recipes"],
                 tags={"experiment": job.mlflow.experiment, "tracking_uri": redact(uri)},
                 checkpoint_dir=train.checkpoint_dir, checkpoint_every=train.checkpoint_every,
                 checkpoint_keep=train.checkpoint_keep,

@@ -29,7 +29,7 @@ import logging
 import math
 import posixpath
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -128,6 +128,8 @@ class JobRunner:
         self.run: dict[str, Any] | None = None
         self.summary: dict[str, Any] | None = None
         self.slots: list[Slot] = []
+        self._chosen: set[str] = set()
+        """The workers chosen for the job's agents (placed before they start)."""
         self.stopped: str | None = None
         """Why the job was stopped before its end (a deadline, a cancellation), or None."""
         self.inbox: deque[tuple[float, dict[str, Any]]] = deque()
@@ -262,12 +264,12 @@ class JobRunner:
 
     async def _begin(self) -> None:
         plan = self.plan
-        initial = sorted(self.scheduler.workers)
+        initial = self._choose(self.scheduler.workers, plan.workers)
         if not initial:
             raise JobError("the cluster has no workers; expected at least one")
         unknown = sorted(i for i in plan.faults if i >= len(initial))
         if unknown:
-            raise JobError(f"faults name worker(s) {unknown}, but the cluster has only "
+            raise JobError(f"faults name worker(s) {unknown}, but the job trains on only "
                            f"{len(initial)} worker(s) (indices 0..{len(initial) - 1})")
         period = SyncPeriod.parse(plan.sync_period, where="job plan sync_period")
         for module in plan.preload:  # seconds per process that are not training, done now
@@ -360,7 +362,7 @@ class JobRunner:
                 await self._restart(period)
                 continue
             if self._cancel is None and self.stopped is None:
-                for worker in sorted(set(workers) - {s.worker for s in self.slots}):
+                for worker in self._joiners(workers):
                     self._start_agent(worker, len(self.slots), period, join=True)
             self._tick()
             if not any(s.live for s in self.slots):
@@ -417,7 +419,7 @@ class JobRunner:
         self.resumes += 1
         self._trained_before -= replayed  # trained here, then rolled back with the ledger
         await self._restore_ledger(manifest)
-        workers = sorted(self.scheduler.workers)
+        workers = self._choose(self.scheduler.workers, self.plan.workers)
         self.service.sync.stop_job(self.job_id)
         self.service.sync.start_job(self.job_id, workers)
         self._read_ledger()
@@ -461,6 +463,45 @@ class JobRunner:
                                                self.run, report, False)
 
     # ---- agents -----------------------------------------------------------------------------
+
+    def _choose(self, workers: Collection[str], wanted: int | None) -> list[str]:
+        """The workers to train on, sorted: all of ``workers``, or the ``wanted`` least busy of
+        them (fewest other unfinished jobs placed on a worker, then fewest tasks running
+        there: a sweep's trials side by side). Recorded at once, before anything awaits, so two
+        jobs starting together choose apart."""
+        if wanted is None:
+            chosen = sorted(workers)
+        else:
+            jobs: dict[str, int] = {}
+            for runner in self.service.runners.values():
+                if runner is not self and not runner.state.final:
+                    for worker in runner.placed:
+                        jobs[worker] = jobs.get(worker, 0) + 1
+            by_load = sorted(workers, key=lambda w: (jobs.get(w, 0), self._tasks_on(w), w))
+            chosen = sorted(by_load[:wanted])
+        self._chosen.update(chosen)
+        return chosen
+
+    def _joiners(self, workers: Collection[str]) -> list[str]:
+        """Workers without an agent of this job that get one now: every new worker, or while
+        the job has fewer agents training or finished than its plan's ``workers`` (one died or
+        was retired), the least busy."""
+        free = set(workers) - {s.worker for s in self.slots}
+        if self.plan.workers is None:
+            return sorted(free)
+        wanted = self.plan.workers - sum(
+            s.live or (s.report is not None and s.report.outcome == "finished")
+            for s in self.slots)
+        return self._choose(free, wanted) if wanted > 0 and free else []
+
+    def _tasks_on(self, worker: str) -> int:
+        state = self.scheduler.workers.get(worker)
+        return 0 if state is None else len(state.processing)
+
+    @property
+    def placed(self) -> set[str]:
+        """The workers this job has chosen or runs agents on."""
+        return self._chosen | {s.worker for s in self.slots}
 
     def _start_agent(self, worker: str, index: int, period: SyncPeriod,
                      join: bool = False, restore: str | None = None) -> None:

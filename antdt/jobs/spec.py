@@ -65,7 +65,10 @@ class JobPlan:
     None, reason)``. ``sync_period`` is a :class:`~antdt.sync.SyncPeriod` as text (``"1 batch"``,
     ``"0.1s"``). ``faults`` map the index of a worker in the sorted initial worker list to the
     fields of its :class:`~antdt.agent.Faults`. ``deadline_s``: stop the job if training takes
-    longer (its rows not done count as lost). ``preload``: modules every worker imports before
+    longer (its rows not done count as lost). ``workers``: train on at most that many workers,
+    the least busy when the job starts (fewest other jobs' agents and tasks; a worker joins only
+    while the job has fewer live agents), so several jobs share a cluster side by side (None:
+    every worker, and every worker that joins). ``preload``: modules every worker imports before
     the agents start (the training stack takes seconds to import). ``tags``: free text the
     master shows in ``status`` (never secrets).
 
@@ -89,6 +92,7 @@ class JobPlan:
     quarantine: list[tuple[str, int | None, str]] = field(default_factory=list)
     faults: dict[int, dict[str, Any]] = field(default_factory=dict)
     deadline_s: float | None = None
+    workers: int | None = None
     preload: list[str] = field(default_factory=list)
     tags: dict[str, str] = field(default_factory=dict)
     checkpoint_dir: str | None = None
@@ -152,6 +156,7 @@ class JobPlan:
             threads=_int(raw, "threads", 1, default=1), quarantine=quarantine,
             faults=_faults(raw.get("faults", {})),
             deadline_s=None if deadline is None else float(deadline),
+            workers=None if raw.get("workers") is None else _int(raw, "workers", 1),
             preload=[_module(i, name) for i, name in enumerate(_list(raw, "preload"))],
             tags=_tags(raw.get("tags", {})),
             checkpoint_dir=_optional_text(raw, "checkpoint_dir", 4096),

@@ -118,7 +118,28 @@ def test_faults_naming_a_missing_worker_fail_the_job(jobs: JobClient) -> None:
     job_id = jobs.submit(spec(faults={5: {"slowdown": 2.0}}))["job"]["job_id"]
     record = bounded.call(jobs.follow, job_id)
     assert record["state"] == "failed"
-    assert "faults name worker(s) [5], but the cluster has only 2 worker(s)" in record["error"]
+    assert "faults name worker(s) [5], but the job trains on only 2 worker(s)" in record["error"]
+
+    job_id = jobs.submit(spec(workers=1, faults={1: {"slowdown": 2.0}}))["job"]["job_id"]
+    record = bounded.call(jobs.follow, job_id)
+    assert "faults name worker(s) [1], but the job trains on only 1 worker(s)" in record["error"]
+
+
+def test_jobs_that_ask_for_fewer_workers_train_side_by_side(jobs: JobClient) -> None:
+    gate = f"gate-{uuid.uuid4().hex[:6]}"
+    GATES[gate] = threading.Event()
+    first, second = (jobs.submit(spec(gate=gate, workers=1))["job"]["job_id"] for _ in "12")
+    bounded.until(lambda: all(jobs.status(job)["workers"] for job in (first, second)),
+                  "both jobs' agents started")
+    placed = [{w["worker"] for w in jobs.status(job)["workers"]} for job in (first, second)]
+    GATES[gate].set()
+    records = [bounded.call(jobs.follow, job) for job in (first, second)]
+
+    assert len(placed[0]) == len(placed[1]) == 1 and placed[0] != placed[1]
+    assert [r["state"] for r in records] == ["finished", "finished"]
+    assert [r["rows"]["done"] for r in records] == [TOTAL, TOTAL]
+    assert [calls(r)[0][2] for r in records] == [1, 1]  # each run records one worker
+    assert [len(r["agents"]) for r in records] == [1, 1]  # no other worker joined
 
 
 @pytest.mark.parametrize("call, message", [
