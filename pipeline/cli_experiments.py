@@ -7,7 +7,104 @@ which import MLflow only when a command runs.
 
 from __future__ import annotations
 
+import json
+import sys
+from typing import TYPE_CHECKING
+
 import click
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.cli_jobs import Cluster, cluster_options
+from pipeline.terminal import progress_bar
+
+if TYPE_CHECKING:
+    from pipeline.sweep import SweepResult
 
 EXPERIMENT_COMMANDS: list[click.Command] = []
 """The commands of this module, added to ``antdt`` by :mod:`pipeline.cli`."""
+
+
+@click.command()
+@click.argument("job_path", metavar="JOB.yaml")
+@click.option("--grid", "grid_specs", multiple=True, required=True, metavar="KEY=V1,V2",
+              help="A setting and the values it takes, e.g. --grid train.optim.sparse_lr="
+                   "0.01,0.05 (repeatable: every combination is a trial).")
+@click.option("--sample", type=click.IntRange(min=1), default=None,
+              help="Run this many combinations drawn at random instead of all of them.")
+@click.option("--seed", type=int, default=0, show_default=True, help="The seed of --sample.")
+@click.option("--metric", default="auc", show_default=True,
+              help="The summary metric that picks the best trial (logloss, wall_s... lower is "
+                   "better; others higher).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config value of every trial (repeatable).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Workers of the LocalCluster to start (default: this machine's cores, at "
+                   "least the widest trial's train.workers).")
+@cluster_options
+@click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: the job's, "
+              "else MLflow's default store).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def sweep(job_path: str, grid_specs: tuple[str, ...], sample: int | None, seed: int,
+          metric: str, overrides: tuple[str, ...], workers: int | None, cluster: Cluster,
+          tracking_uri: str | None, as_json: bool) -> None:
+    """Train JOB.yaml once per combination of the --grid values, every trial an MLflow run
+    nested under the sweep's run, side by side on the Dask cluster at --scheduler (default: a
+    new LocalCluster); report the best trial. A failed trial is recorded and the others go
+    on; exit 1 only when none finished."""
+    from pipeline.sweep import Grid, plan_trials, run_sweep
+
+    if workers is not None and cluster.given is not None:
+        raise click.UsageError("--workers starts a LocalCluster; with --scheduler the "
+                               "cluster's own workers train: give one or the other")
+    if tracking_uri:
+        overrides = (*overrides, f"mlflow.tracking_uri={tracking_uri}")
+    grid = Grid.parse(grid_specs)
+    trials = plan_trials(job_path, overrides, grid, sample=sample, seed=seed)
+    scheduler = cluster.address() if cluster.given is not None else None
+    with progress_bar(f"sweep ({len(trials)} trials)", enabled=not as_json) as bar:
+        result = run_sweep(trials, grid, metric=metric, workers=workers, scheduler=scheduler,
+                           security=cluster.security(), progress=bar)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), sort_keys=True))
+    else:
+        Console().print(sweep_table(result))
+        for line in sweep_lines(result):
+            click.echo(line)
+    if result.best is None:
+        sys.exit(1)
+
+
+def sweep_table(result: SweepResult) -> Table:
+    """One row a trial: its values, how it ended, the metric (the best in bold green)."""
+    keys = [key for key in result.trials[0].values] if result.trials else []
+    table = Table(title=f"sweep {result.parent_run_id} ({len(result.trials)} trials)")
+    for column in ("trial", *keys, "state", result.metric, "run"):
+        table.add_column(column, justify="right" if column in ("trial", result.metric)
+                         else "left", overflow="fold")
+    for trial in result.trials:
+        value = trial.to_dict(result.metric)["metric"]
+        shown = "-" if value is None else f"{value:.4f}"
+        if trial is result.best:
+            shown = f"[bold green]{shown}[/]"
+        state = trial.state if trial.error is None else f"[red]{trial.state}[/]: {trial.error}"
+        table.add_row(str(trial.index), *(trial.values[key] for key in keys), state, shown,
+                      (trial.run_id or "-")[:8])
+    return table
+
+
+def sweep_lines(result: SweepResult) -> list[str]:
+    """The best trial and how to look at every trial."""
+    lines = []
+    if result.best is None:
+        lines.append(f"no trial finished with a {result.metric}")
+    else:
+        value = result.best.to_dict(result.metric)["metric"]
+        lines.append(f"best     {result.best.name}, {result.metric} {value:.4f}, "
+                     f"run {result.best.run_id}")
+    lines.append(f"compare  antdt compare --runs {result.parent_run_id} "
+                 f"--tracking-uri {result.tracking_uri}")
+    return lines
+
+
+EXPERIMENT_COMMANDS.append(sweep)
