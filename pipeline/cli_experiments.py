@@ -108,3 +108,59 @@ def sweep_lines(result: SweepResult) -> list[str]:
 
 
 EXPERIMENT_COMMANDS.append(sweep)
+
+
+@click.command()
+@click.option("--experiment", default=None, metavar="NAME",
+              help="Compare the newest runs of this experiment (default: antdt, a job "
+                   "config's default).")
+@click.option("--runs", "run_ids", default=None, metavar="ID,ID,...",
+              help="Compare these runs, in this order; a run with child runs (a sweep's "
+                   "parent) stands for its children.")
+@click.option("--last", type=click.IntRange(min=1), default=None, metavar="N",
+              help="How many of the experiment's newest runs (default: 10).")
+@click.option("--metric", default="auc", show_default=True,
+              help="The summary metric runs are ranked and plotted by (e.g. logloss, wall_s).")
+@click.option("--plot", "plot_path", default=None, metavar="OUT.png",
+              type=click.Path(dir_okay=False),
+              help="Also draw the metric per run and the runs' training curves to a PNG.")
+@click.option("--json", "as_json", is_flag=True, help="Print the runs as a JSON list.")
+@click.option("--tracking-uri", default=None,
+              help="MLflow tracking URI (default: MLflow's default store as it resolves here).")
+def compare(experiment: str | None, run_ids: str | None, last: int | None, metric: str,
+            plot_path: str | None, as_json: bool, tracking_uri: str | None) -> None:
+    """Compare MLflow runs side by side: the params that differ, the metrics, and the rows each
+    run trained, lost, duplicated or quarantined (a better model that saw less data stands
+    out)."""
+    import mlflow
+    from rich.measure import Measurement
+
+    from pipeline import compare as comparing
+    from pipeline.terminal import stderr
+
+    ids = None if run_ids is None else [i.strip() for i in run_ids.split(",") if i.strip()]
+    if ids is not None and not ids:
+        raise click.UsageError("--runs names no run: give run ids separated by commas")
+    comparison = comparing.compare(tracking_uri or mlflow.get_tracking_uri(),
+                                   experiment=experiment, run_ids=ids, last=last, metric=metric)
+    if as_json:
+        click.echo(json.dumps(comparison.to_json()))
+    elif not comparison.runs:
+        click.echo(f"no runs in {comparison.title} ({comparison.store})")
+    else:
+        console = Console()
+        shown = comparing.table(comparison)
+        if not console.is_terminal:  # a pipe or a file: the whole table, never folded
+            wide = console.options.update_width(10_000)
+            console.width = max(console.width, Measurement.get(console, wide, shown).maximum)
+        console.print(shown)
+        console.print(comparing.legend(comparison), highlight=False, markup=False)
+    if plot_path is not None:
+        if not comparison.runs:
+            stderr.print(f"no plot: no runs in {comparison.title}", highlight=False)
+            return
+        drawn = comparing.plot(comparison, plot_path)
+        stderr.print(f"wrote {drawn.path}", highlight=False, markup=False)
+
+
+EXPERIMENT_COMMANDS.append(compare)
