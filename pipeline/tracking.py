@@ -144,8 +144,9 @@ class Tracker:
         immutable: a changed learning rate shows here)."""
         self.client.log_batch(self.run_id, tags=[
             RunTag("antdt.resumes", str(resumes)), RunTag("antdt.resumed_from", checkpoint)])
-        self._log(self._metrics([(step, {"resumes": resumes,
-                                         "rows_replayed": rows_replayed})]), synchronous=True)
+        self._log(self._metrics([(step, {"train.resumes": resumes,
+                                         "train.rows_replayed": rows_replayed})]),
+                  synchronous=True)
         self.client.log_dict(self.run_id, dict(config), f"resumes/job-{resumes}.yaml")
 
     @classmethod

@@ -100,7 +100,7 @@ def test_a_job_outlives_the_client_that_submitted_it(cluster: DaskProcesses, job
     assert run.data.metrics["auc"] == pytest.approx(record["summary"]["auc"])
     assert run.data.tags["antdt.job_id"] == job_id
     assert mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model") is not None
-    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "rows_done")
+    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "train.rows_done")
     assert len(history) >= 2 and history[-1].value == 2 * TRAIN_ROWS
 
 

@@ -213,4 +213,5 @@ def test_a_job_resumes_after_its_scheduler_and_every_worker_were_killed(
     assert run.info.status == "FINISHED" and run.data.tags["antdt.resumes"] == "1"
     assert run.data.tags["antdt.resumed_from"] == manifest.path
     assert run.data.metrics["rows_replayed"] == summary["rows_replayed"]
+    assert run.data.metrics["train.resumes"] == 1  # the event, at the step it resumed
     assert resumed_from is not None and resumed_from.extra["resumes"] == 1
