@@ -15,7 +15,7 @@ from pipeline import terminal
 from pipeline.bench import bench
 from pipeline.cli_experiments import EXPERIMENT_COMMANDS
 from pipeline.cli_jobs import (JOB_COMMANDS, Cluster, cluster_options, follow_and_report,
-                               resume_option, resume_spec)
+                               register_option, registering, resume_option, resume_spec)
 from pipeline.simulate import command as simulate
 from pipeline.terminal import progress_bar, stderr
 
@@ -117,10 +117,11 @@ def data_validate(paths: tuple[str, ...], schema_path: str, as_json: bool) -> No
               "else MLflow's default store).")
 @click.option("--job-id", default=None, help="The job's id (async mode).")
 @resume_option
+@register_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def train(job_path: str, mode: str | None, local_alias: bool, workers: int | None,
           cluster: Cluster, overrides: tuple[str, ...], tracking_uri: str | None,
-          job_id: str | None, resume: str | None, as_json: bool) -> None:
+          job_id: str | None, resume: str | None, register: str | None, as_json: bool) -> None:
     """Train the model of JOB.yaml, evaluate it and track the run in MLflow: on a new
     LocalCluster, or on the Dask cluster at --scheduler (the same as ``antdt submit``)."""
     from pipeline.config import load_job
@@ -133,7 +134,7 @@ def train(job_path: str, mode: str | None, local_alias: bool, workers: int | Non
                                "cluster's own workers train: give one or the other")
     if tracking_uri:
         overrides = (*overrides, f"mlflow.tracking_uri={tracking_uri}")
-    job = load_job(job_path, overrides)
+    job = registering(load_job(job_path, overrides), register)
     chosen = "local" if local_alias else mode or job.train.mode
     if chosen == "local" and (workers is not None or scheduler is not None
                               or resume is not None):

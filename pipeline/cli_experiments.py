@@ -164,3 +164,45 @@ def compare(experiment: str | None, run_ids: str | None, last: int | None, metri
 
 
 EXPERIMENT_COMMANDS.append(compare)
+
+
+def _paths(values: tuple[str, ...]) -> list[str] | None:
+    """``--on`` values: each comma-separated, the option repeatable (None: not given)."""
+    paths = [p.strip() for value in values for p in value.split(",") if p.strip()]
+    return paths or None
+
+
+@click.command()
+@click.argument("name")
+@click.option("--version", "version", type=click.IntRange(min=1), default=None,
+              help="The candidate version (default: the newest).")
+@click.option("--metric", default="auc", show_default=True,
+              help="What to compare: auc (higher is better) or logloss (lower is better).")
+@click.option("--on", "on", multiple=True, metavar="PATHS",
+              help="The validation data both models score: Parquet files, folders or globs, "
+                   "comma-separated or the option repeated (default: the candidate's "
+                   "validation paths, from its antdt.data.validation tag).")
+@click.option("--min-gain", type=float, default=0.0, show_default=True,
+              help="How much better the candidate must score to replace the champion.")
+@click.option("--tracking-uri", default=None,
+              help="MLflow tracking URI (default: MLflow's default store as it resolves here).")
+@click.option("--json", "as_json", is_flag=True, help="Print the decision as JSON.")
+def promote(name: str, version: int | None, metric: str, on: tuple[str, ...], min_gain: float,
+            tracking_uri: str | None, as_json: bool) -> None:
+    """Score a version of the registered model NAME and its champion (the version the
+    champion alias names) on the same validation data, both loaded from the registry as a
+    server would; move the alias to the candidate only if it scores better by at least
+    --min-gain (with no champion yet, it becomes the champion). The decision and both scores
+    are recorded on the candidate version and its run."""
+    from pipeline.registry import promote as promoting
+
+    decision = promoting(name, version=version, metric=metric, on=_paths(on),
+                         min_gain=min_gain, tracking_uri=tracking_uri)
+    if as_json:
+        click.echo(json.dumps(decision.to_dict(), sort_keys=True))
+    else:
+        for line in decision.lines():
+            click.echo(line)
+
+
+EXPERIMENT_COMMANDS.append(promote)

@@ -9,6 +9,7 @@ them Dask's own ``distributed.comm.tls`` settings apply.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -133,6 +134,26 @@ resume_option = click.option(
          "train.checkpoint_dir, or a checkpoint path), in the same MLflow run.")
 """``--resume`` of ``antdt submit`` and ``antdt train``."""
 
+register_option = click.option(
+    "--register", default=None, metavar="NAME",
+    help="Register the trained model as a new version of NAME in the MLflow model registry, "
+         "tagged with the run's figures and data window (default: the job's "
+         "mlflow.registered_model).")
+"""``--register`` of ``antdt submit`` and ``antdt train``."""
+
+
+def registering(job: JobConfig, name: str | None) -> JobConfig:
+    """``job`` registering its model as ``name`` (None: as its job file says), the name checked
+    before anything trains."""
+    from pipeline.registry import check_model_name
+
+    if name is not None:
+        job = dataclasses.replace(job, mlflow=dataclasses.replace(job.mlflow,
+                                                                  registered_model=name))
+    if job.mlflow.registered_model is not None:
+        check_model_name(job.mlflow.registered_model)
+    return job
+
 
 def resume_spec(job: JobConfig, spec: JobSpec, ref: str, job_id: str | None
                 ) -> tuple[JobSpec, str]:
@@ -165,17 +186,18 @@ def resume_spec(job: JobConfig, spec: JobSpec, ref: str, job_id: str | None
               "instead of starting another (a retried submit).")
 @click.option("--no-wait", is_flag=True, help="Print the job id and return at once.")
 @resume_option
+@register_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary (or the id) as JSON.")
 def submit(job_path: str, cluster: Cluster, overrides: tuple[str, ...],
            tracking_uri: str | None, job_id: str | None, no_wait: bool, resume: str | None,
-           as_json: bool) -> None:
+           register: str | None, as_json: bool) -> None:
     """Run JOB.yaml on the Dask cluster; follow it to its end (exit 0 when it finished)."""
     from pipeline.cluster import job_spec
     from pipeline.config import load_job
 
     if tracking_uri:
         overrides = (*overrides, f"mlflow.tracking_uri={tracking_uri}")
-    job = load_job(job_path, overrides)
+    job = registering(load_job(job_path, overrides), register)
     address = cluster.address()
     spec = job_spec(job)  # a bad job file or bad data is refused here, before the cluster
     if resume is not None:

@@ -1,10 +1,11 @@
 """The application's side of a cluster job (:class:`antdt.jobs.JobHooks`), run in tasks on
-workers: the job's MLflow run, its metrics, the evaluation and logging of the final model, and
-the summary a person reads.
+workers: the job's MLflow run (tagged with its data window when it starts), its metrics, the
+evaluation, logging and registration of the final model, and the summary a person reads.
 
 What travels to the workers is this small picklable object: the job's config (its tracking URI
-resolved where the job was submitted), its schema and its validation row groups. MLflow and the
-plotting are imported only by the tasks that use them, never by an agent.
+resolved where the job was submitted, the registered model's name if any), its schema and its
+validation row groups. MLflow and the plotting are imported only by the tasks that use them,
+never by an agent.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class RankingHooks:
 
     def start(self, job_id: str, workers: int, resume: Mapping[str, Any] | None = None
               ) -> dict[str, Any]:
+        from pipeline.registry import check_model_name, data_window
         from pipeline.tracking import Tracker
 
         # the run records the workers that train (the cluster's), not the job file's count
@@ -56,8 +58,11 @@ class RankingHooks:
                             rows_replayed=int(resume["rows_replayed"]),
                             step=int(resume["step"]))
             return tracker.info()
+        if self.job.mlflow.registered_model is not None:
+            check_model_name(self.job.mlflow.registered_model)
+        data_tags = data_window(self.job.data).tags()  # the files as training starts to read them
         tracker = Tracker.start(tracked, mode="async",
-                                tags={**self.run_tags, "antdt.job_id": job_id},
+                                tags={**data_tags, **self.run_tags, "antdt.job_id": job_id},
                                 tracking_uri=self.tracking_uri,
                                 experiment_id=self.experiment_id, run_name=self.run_name)
         tracker.artifact_yaml(self.schema.to_dict(), "schema.yaml")
@@ -74,11 +79,12 @@ class RankingHooks:
     def finish(self, run: Mapping[str, Any], trainer: Any,
                report: Mapping[str, Any]) -> dict[str, Any]:
         """Evaluate the consensus model (None: the job stopped early, AUC nan), log the final
-        counters, the controller's actions, the timeline and the model; return the summary."""
+        counters, the controller's actions, the timeline and the model, registered when the job
+        names a registered model; return the summary."""
         from data.reader import ShardReader
         from models.evaluate import evaluate
         from pipeline.local import iterate_batches
-        from pipeline.serving import log_ranking_model
+        from pipeline.registry import log_and_register
         from pipeline.timeline import ActionMark, LeaseSpan, render_timeline
         from pipeline.tracking import Tracker
 
@@ -120,10 +126,9 @@ class RankingHooks:
             tracker.tag("antdt.stopped", report["stopped"])
         if trainer is None:
             tracker.end("FINISHED")
-        else:
-            with tracker.active():  # the model is the last thing logged: the run ends with it
-                log_ranking_model(trainer.train_step, self.schema, self.job,
-                                  example=self.example)
+        else:  # the model is the last thing logged: the run ends with it
+            summary = log_and_register(tracker, trainer.train_step, self.schema, self.job,
+                                       example=self.example, summary=summary)
         return summary.to_dict()
 
     def abort(self, run: Mapping[str, Any], status: str, reason: str) -> None:

@@ -23,8 +23,8 @@ from data.validate import validate
 from models.evaluate import evaluate
 from models.train_step import TrainStep
 from pipeline.config import JobConfig
+from pipeline.registry import check_model_name, data_window, log_and_register
 from pipeline.report import JobSummary, ProgressSink, oracle_auc
-from pipeline.serving import log_ranking_model
 from pipeline.tracking import Tracker
 
 logger = logging.getLogger(__name__)
@@ -87,10 +87,14 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
                 tags: Mapping[str, str] | None = None, run_name: str | None = None
                 ) -> JobSummary:
     """Train ``job`` in this process, evaluate it, and track it in MLflow (a run named
-    ``run_name``, with ``tags`` besides antdt's own)."""
+    ``run_name``, with ``tags`` besides antdt's own, and its data window's); register the
+    model when the job names a registered model (:mod:`pipeline.registry`)."""
     started = time.perf_counter()
+    if job.mlflow.registered_model is not None:
+        check_model_name(job.mlflow.registered_model)
     prepare_process(job.train.threads)
     data = prepare_data(job)
+    data_tags = data_window(job.data).tags()  # the files as training starts to read them
     total_rows = sum(g.num_rows for g in data.train) * job.train.epochs
     logger.info("training on %d rows (%d row groups x %d epochs), validating on %d rows",
                 total_rows, len(data.train), job.train.epochs,
@@ -99,7 +103,8 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
         progress.total(total_rows)
     step = TrainStep(data.schema, job.model, job.train.optim, seed=job.train.seed)
     reader = ShardReader(data.schema)
-    with Tracker.start(job, mode="local", tags=tags, run_name=run_name) as tracker:
+    with Tracker.start(job, mode="local", tags={**data_tags, **(tags or {})},
+                       run_name=run_name) as tracker:
         tracker.artifact_yaml(data.schema.to_dict(), "schema.yaml")
         rows, steps, train_s = 0, 0, 0.0
         window_loss, window_start = 0.0, time.perf_counter()
@@ -136,6 +141,7 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
             tracking_uri=tracker.tracking_uri, experiment_id=tracker.experiment_id,
         )
         tracker.summary(summary.metrics())
-        with tracker.active():  # the model is the last thing logged: the run ends with it
-            log_ranking_model(step, data.schema, job, example=(data.validation or data.train)[0])
+        # the model is the last thing logged: the run ends with it
+        summary = log_and_register(tracker, step, data.schema, job,
+                                   example=(data.validation or data.train)[0], summary=summary)
     return summary

@@ -51,6 +51,10 @@ class JobSummary:
     """Where the run's timeline PNG is: a local path, or its artifact URI (async mode only)."""
     rows_replayed: int = 0
     """Rows a resumed job trained again: trained past its checkpoint before the loss."""
+    registered_model: str | None = None
+    """The registered model the run's model became a version of (None: not registered)."""
+    registered_version: str | None = None
+    """That version (a string, as MLflow's URIs and REST API spell it: ``models:/NAME/3``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -78,12 +82,14 @@ class JobSummary:
             + (f"  replayed {self.rows_replayed:,}" if self.rows_replayed else ""),
             f"speed    {self.samples_per_s:,.0f} samples/s, {self.wall_s:.1f} s wall",
             f"control  {self.straggler_actions:,} straggler action(s)",
+            *([f"registered {self.registered_model} version {self.registered_version}"]
+              if self.registered_model is not None else []),
             *self.next_steps(),
         ]
 
     def next_steps(self) -> list[str]:
         """How to look at the run: MLflow's UI (started on the run's own store when it is not a
-        server) and the timeline picture."""
+        server), the timeline picture, and how to promote the version it registered."""
         if not self.tracking_uri:
             return []
         page = f"#/experiments/{self.experiment_id}/runs/{self.run_id}"
@@ -94,6 +100,9 @@ class JobSummary:
                      f"            then open http://127.0.0.1:5000/{page}"]
         if self.timeline is not None:
             steps.append(f"  timeline  {_shown(self.timeline)}")
+        if self.registered_model is not None:
+            steps.append(f"  promote   antdt promote {self.registered_model} --version "
+                         f"{self.registered_version} --tracking-uri {self.tracking_uri}")
         return steps
 
     def to_json(self) -> str:

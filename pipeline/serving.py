@@ -18,6 +18,7 @@ import pyarrow as pa
 import torch
 import yaml
 from mlflow.models import ModelSignature
+from mlflow.models.model import ModelInfo
 from mlflow.types.schema import AnyType, ColSpec, DataType, TensorSpec
 from mlflow.types.schema import Schema as MlflowSchema
 
@@ -105,9 +106,11 @@ def input_schema(frame: pd.DataFrame) -> MlflowSchema:
     return MlflowSchema(specs)
 
 
-def log_ranking_model(step: TrainStep, schema: Schema, job: JobConfig, example: RowGroup) -> None:
+def log_ranking_model(step: TrainStep, schema: Schema, job: JobConfig, example: RowGroup
+                      ) -> ModelInfo:
     """Log ``step``'s model as an MLflow pyfunc (with signature and input example) to the active
-    run, and register it when the job names a registered model."""
+    run; what MLflow says of it (its ``models:/<id>`` URI). Registering it is
+    :mod:`pipeline.registry`'s, once the run's figures are known to tag the version with."""
     frame = example_rows(example, schema)
     with tempfile.TemporaryDirectory(prefix="antdt-model-") as tmp:
         spec_path = Path(tmp) / "spec.yaml"
@@ -118,10 +121,10 @@ def log_ranking_model(step: TrainStep, schema: Schema, job: JobConfig, example: 
         torch.save({k: v.detach().cpu() for k, v in step.model.state_dict().items()}, weights_path)
         output = MlflowSchema([TensorSpec(np.dtype(np.float32), (-1,))])
         signature = ModelSignature(inputs=input_schema(frame), outputs=output)
-        mlflow.pyfunc.log_model(
+        info: ModelInfo = mlflow.pyfunc.log_model(
             name="model", python_model=RankingModel(),
             artifacts={"spec": str(spec_path), "weights": str(weights_path)},
             signature=signature, input_example=frame,
-            registered_model_name=job.mlflow.registered_model,
             pip_requirements=[f"antdt=={__version__}"],
         )
+    return info

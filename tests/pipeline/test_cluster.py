@@ -63,12 +63,13 @@ def test_cli_trains_async_on_two_workers_and_tracks_the_run(cluster_job: Path) -
     with dask.config.set(FAST):
         result = bounded.call(CliRunner().invoke, cli, [
             "train", str(cluster_job), "--workers", "2", "--json", "--set", "train.epochs=2",
-            "--set", "train.sync_period=2 batches"])
+            "--set", "train.sync_period=2 batches", "--register", "small-async"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert {"run_id", "auc", "logloss", "oracle_auc", "rows_trained", "rows_lost",
             "rows_duplicated", "rows_quarantined", "wall_s", "samples_per_s", "workers",
             "straggler_actions"} <= set(summary)
+    assert (summary["registered_model"], summary["registered_version"]) == ("small-async", "1")
     assert summary["mode"] == "async" and summary["workers"] == 2
     assert summary["rows_trained"] == 2 * TRAIN_ROWS
     assert summary["rows_lost"] == summary["rows_duplicated"] == summary["rows_quarantined"] == 0
@@ -107,6 +108,15 @@ def test_cli_trains_async_on_two_workers_and_tracks_the_run(cluster_job: Path) -
     frame = pq.read_table(expand(list(job.data.validation))).to_pandas()
     assert auc(frame["label"].to_numpy(), model.predict(frame)) == pytest.approx(summary["auc"],
                                                                                  abs=1e-4)
+    # registered from the worker that finished the job, tagged with its figures and data
+    version = mlflow.MlflowClient().get_model_version("small-async", "1")
+    assert version.run_id == summary["run_id"]
+    assert float(version.tags["antdt.auc"]) == pytest.approx(summary["auc"])
+    assert (version.tags["antdt.mode"], version.tags["antdt.workers"]) == ("async", "2")
+    assert int(version.tags["antdt.rows_trained"]) == 2 * TRAIN_ROWS
+    assert json.loads(version.tags["antdt.data.validation"]) == list(job.data.validation)
+    assert version.tags["antdt.data.train_files"] == "4"
+    assert version.tags["antdt.data.fingerprint"] == run.data.tags["antdt.data.fingerprint"]
 
 
 def assert_timeline(run_id: str) -> None:
