@@ -58,6 +58,7 @@ from rich.table import Table
 from rich.text import Text
 
 from antdt.errors import AntdtError
+from pipeline.report import higher_is_better
 from pipeline.tracking import redact
 
 DEFAULT_EXPERIMENT = "antdt"
@@ -76,10 +77,6 @@ METRICS = ("auc", "logloss", "oracle_auc", "wall_s", "train_s", "samples_per_s",
            "straggler_actions")
 """The summary metrics a run shows (``--json``: under ``metrics``; the rows under ``rows``)."""
 
-_LOWER_IS_BETTER = frozenset({
-    "logloss", "wall_s", "train_s", "straggler_actions", "rows_lost", "rows_duplicated",
-    "rows_quarantined", "rows_replayed", "agents_dead", "checkpoints.write_s_median"})
-
 ISSUES = {"fewer_rows_trained": "fewer rows trained", "rows_lost": "rows lost",
           "rows_duplicated": "rows duplicated", "rows_quarantined": "rows quarantined"}
 """The data issues a run can have (:meth:`Comparison.issues`), and how a person reads them."""
@@ -92,12 +89,6 @@ class CompareError(AntdtError):
 def ranked_metrics(metric: str) -> tuple[str, ...]:
     """The metrics whose best value is highlighted: :data:`RANKED` and ``metric``."""
     return RANKED + (() if metric in RANKED else (metric,))
-
-
-def higher_is_better(metric: str) -> bool:
-    """Which way ``metric`` improves: lower for losses, times, and rows lost or set aside;
-    higher for everything else (AUC, throughput, rows trained)."""
-    return not (metric in _LOWER_IS_BETTER or metric.endswith("loss"))
 
 
 @dataclass(frozen=True)

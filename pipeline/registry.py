@@ -40,7 +40,6 @@ and as the run's metrics ``promotion.candidate.<metric>``, ``promotion.champion.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import hashlib
@@ -49,9 +48,9 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import mlflow
 import numpy as np
@@ -69,9 +68,9 @@ from data.schema import Schema
 from models import evaluate
 from models.train_step import TrainStep
 from pipeline.config import DataConfig, JobConfig
-from pipeline.report import JobSummary
+from pipeline.report import JobSummary, higher_is_better
 from pipeline.serving import RankingModel, log_ranking_model
-from pipeline.tracking import _FLUENT, Tracker, redact
+from pipeline.tracking import Tracker, fluent, redact
 
 logger = logging.getLogger(__name__)
 
@@ -250,18 +249,9 @@ class Outcome(enum.Enum):
     """The candidate is the champion: nothing was scored, moved or recorded."""
 
 
-class MetricSpec(NamedTuple):
-    """A metric a promotion can compare on."""
-
-    compute: Callable[[np.ndarray, np.ndarray], float]
-    higher_is_better: bool
-
-
-METRICS: dict[str, MetricSpec] = {
-    "auc": MetricSpec(evaluate.auc, higher_is_better=True),
-    "logloss": MetricSpec(evaluate.logloss, higher_is_better=False),
-}
-"""The metrics :func:`promote` compares on, by name."""
+METRICS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
+    "auc": evaluate.auc, "logloss": evaluate.logloss}
+"""The metrics :func:`promote` compares on, by name: labels and scores -> the value."""
 
 
 def gain(metric: str, candidate: float, champion: float) -> float:
@@ -272,7 +262,7 @@ def gain(metric: str, candidate: float, champion: float) -> float:
     (True, True)
     """
     difference = candidate - champion
-    return difference if METRICS[metric].higher_is_better else -difference
+    return difference if higher_is_better(metric) else -difference
 
 
 @dataclass(frozen=True)
@@ -404,7 +394,7 @@ def score_versions(name: str, versions: Sequence[str], files: Sequence[str], tra
     """The labels of every row of ``files`` (n,) and each version's click probabilities (n,),
     the versions loaded from the registry (``models:/NAME/VERSION``) and fed raw rows read
     with pyarrow, one row group at a time, as pandas frames without the label."""
-    with _fluent(tracking_uri):
+    with fluent(tracking_uri):
         models = [mlflow.pyfunc.load_model(f"models:/{name}/{v}") for v in versions]
     found = {v: _label(model, name, v) for v, model in zip(versions, models)}
     label = found[versions[0]]
@@ -436,7 +426,7 @@ def _label(model: PyFuncModel, name: str, version: str) -> str:
 
 def _metric(metric: str, labels: np.ndarray, scores: np.ndarray, name: str, version: str,
             paths: Sequence[str]) -> float:
-    value = METRICS[metric].compute(labels, scores)
+    value = METRICS[metric](labels, scores)
     if not math.isfinite(value):
         raise RegistryError(f"cannot compute {metric} of {name} version {version} on "
                             f"{list(paths)} ({len(labels):,} rows): found {value} (an AUC needs "
@@ -490,17 +480,3 @@ def _record(client: MlflowClient, candidate: ModelVersion, decision: Decision) -
     client.log_batch(candidate.run_id,
                      metrics=[Metric(k, v, now, 0) for k, v in decision.metrics().items()],
                      tags=[RunTag(k, v) for k, v in tags.items()])
-
-
-@contextlib.contextmanager
-def _fluent(tracking_uri: str) -> Iterator[None]:
-    """``tracking_uri`` as MLflow's fluent store (``models:/`` URIs resolve there) for the
-    block, then restored (unset again if it was); one thread at a time, like
-    :meth:`Tracker.active`."""
-    with _FLUENT:
-        previous = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
-        mlflow.set_tracking_uri(tracking_uri)
-        try:
-            yield
-        finally:
-            mlflow.set_tracking_uri(previous)  # type: ignore[arg-type]  # None: unset

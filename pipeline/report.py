@@ -16,6 +16,22 @@ import fsspec
 _DATE = re.compile(r"date=(\d{4}-\d{2}-\d{2})")
 
 
+LOWER_IS_BETTER = frozenset({
+    "logloss", "wall_s", "train_s", "straggler_actions", "rows_lost", "rows_duplicated",
+    "rows_quarantined", "rows_replayed", "agents_dead", "checkpoints.write_s_median"})
+"""Summary metrics that improve downwards (with every name ending in ``loss``)."""
+
+
+def higher_is_better(metric: str) -> bool:
+    """Which way ``metric`` improves: lower for losses, times, and rows lost or set aside;
+    higher for everything else (AUC, throughput, rows trained).
+
+    >>> higher_is_better("auc"), higher_is_better("logloss"), higher_is_better("train.loss")
+    (True, False, False)
+    """
+    return not (metric in LOWER_IS_BETTER or metric.endswith("loss"))
+
+
 class ProgressSink(Protocol):
     """Where a job reports its progress in rows (the CLI's progress bar, or nothing)."""
 

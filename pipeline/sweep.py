@@ -28,18 +28,12 @@ from typing import Any
 
 from antdt.errors import AntdtError, ConfigError
 from pipeline.config import JobConfig, load_job
-from pipeline.report import JobSummary, ProgressSink
+from pipeline.report import JobSummary, ProgressSink, higher_is_better
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.25
 """How often the sweep looks at its running trials."""
-
-LOWER_IS_BETTER = frozenset({"logloss", "wall_s", "train_s", "rows_lost", "rows_duplicated",
-                             "rows_quarantined", "rows_replayed", "straggler_actions"})
-"""Summary metrics where less is better; for every other one (``auc``, ``samples_per_s``...)
-more is."""
-
 
 @dataclass(frozen=True)
 class Grid:
@@ -172,7 +166,7 @@ def best_of(trials: Sequence[Trial], metric: str) -> Trial | None:
     scored = [t for t in trials if t.state == "finished" and _value(t, metric) is not None]
     if not scored:
         return None
-    sign = -1.0 if metric in LOWER_IS_BETTER else 1.0
+    sign = 1.0 if higher_is_better(metric) else -1.0
     return max(scored, key=lambda t: sign * float(_value(t, metric) or 0.0))
 
 

@@ -221,16 +221,9 @@ class Tracker:
         """This run as MLflow's active run, for the fluent calls that need one (logging a
         model). The run ends with the block (``FINISHED``, or ``FAILED`` if it raises): make it
         the last thing logged. One thread at a time, since the fluent API's tracking URI is the
-        process's; restored after (unset again if it was: MLflow's default then still follows
-        the working directory)."""
-        with _FLUENT:
-            previous = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
-            mlflow.set_tracking_uri(self._uri)
-            try:
-                with mlflow.start_run(run_id=self.run_id):
-                    yield
-            finally:
-                mlflow.set_tracking_uri(previous)
+        process's (:func:`fluent`)."""
+        with fluent(self._uri), mlflow.start_run(run_id=self.run_id):
+            yield
 
     # ---- internals ------------------------------------------------------------------------------
 
@@ -246,6 +239,21 @@ class Tracker:
                                               synchronous=synchronous)
             if operation is not None:
                 self._pending.append(operation)
+
+
+@contextlib.contextmanager
+def fluent(tracking_uri: str) -> Iterator[None]:
+    """``tracking_uri`` as MLflow's fluent store for the block (logging a model, resolving a
+    ``models:/`` URI), one thread at a time since the fluent API's tracking URI is the
+    process's; restored after (unset again if it was: MLflow's default then still follows the
+    working directory)."""
+    with _FLUENT:
+        previous = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
+        mlflow.set_tracking_uri(tracking_uri)
+        try:
+            yield
+        finally:
+            mlflow.set_tracking_uri(previous)  # type: ignore[arg-type]  # None: unset
 
 
 def experiment(tracking_uri: str, name: str) -> str:
