@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Mapping
 
 import numpy as np
@@ -103,7 +103,9 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
         progress.total(total_rows)
     step = TrainStep(data.schema, job.model, job.train.optim, seed=job.train.seed)
     reader = ShardReader(data.schema)
-    with Tracker.start(job, mode="local", tags={**data_tags, **(tags or {})},
+    # the run records what ran: this process, not the job file's mode and workers
+    tracked = replace(job, train=replace(job.train, mode="local", workers=1))
+    with Tracker.start(tracked, mode="local", tags={**data_tags, **(tags or {})},
                        run_name=run_name) as tracker:
         tracker.artifact_yaml(data.schema.to_dict(), "schema.yaml")
         rows, steps, train_s = 0, 0, 0.0

@@ -46,6 +46,7 @@ def test_local_training_learns_counts_rows_and_tracks_the_run(job_file: Path) ->
     # the summary figures are the job's own; the series over time have their own names
     assert run.data.metrics["samples_per_s"] == pytest.approx(summary.samples_per_s)
     assert run.data.params["train.batch_size"] == "512"
+    assert (run.data.params["train.mode"], run.data.params["train.workers"]) == ("local", "1")
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(summary.run_id)}
     assert {"job.yaml", "schema.yaml"} <= artifacts
     history = mlflow.MlflowClient().get_metric_history(summary.run_id, "train.loss")
