@@ -112,8 +112,8 @@ EXPERIMENT_COMMANDS.append(sweep)
 
 @click.command()
 @click.option("--experiment", default=None, metavar="NAME",
-              help="Compare the newest runs of this experiment (default: antdt, a job "
-                   "config's default).")
+              help="Compare the newest runs of this experiment (default: the experiment of "
+                   "the store's newest run).")
 @click.option("--runs", "run_ids", default=None, metavar="ID,ID,...",
               help="Compare these runs, in this order; a run with child runs (a sweep's "
                    "parent) stands for its children.")

@@ -50,7 +50,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import StrMethodFormatter
+from matplotlib.ticker import EngFormatter
 from mlflow import MlflowClient
 from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
@@ -62,7 +62,8 @@ from pipeline.report import higher_is_better
 from pipeline.tracking import redact
 
 DEFAULT_EXPERIMENT = "antdt"
-"""The experiment of a job config that names none (:class:`pipeline.config.MlflowConfig`)."""
+"""The experiment of a job config that names none (:class:`pipeline.config.MlflowConfig`):
+compared when the store has no runs to say which experiment was used last."""
 DEFAULT_LAST = 10
 
 SWEEP_TAG = "antdt.sweep"
@@ -197,7 +198,7 @@ def compare(tracking_uri: str, *, experiment: str | None = None,
         found = _given_runs(client, run_ids, tracking_uri)
         title = "runs given by id"
     else:
-        experiment = experiment or DEFAULT_EXPERIMENT
+        experiment = experiment or _latest_experiment(client, names)
         found = _newest_runs(client, experiment, last or DEFAULT_LAST, tracking_uri)
         title = f"experiment {experiment!r}"
     runs = [RunView.of(run, names[run.info.experiment_id]) for run in found]
@@ -229,6 +230,14 @@ class _ExperimentNames(dict[str, str]):
         name = str(self._client.get_experiment(experiment_id).name)
         self[experiment_id] = name
         return name
+
+
+def _latest_experiment(client: MlflowClient, names: _ExperimentNames) -> str:
+    """The experiment of the store's newest run: what a person just trained (``make demo``'s
+    runs go to ``antdt-synthetic``, a job config's default is ``antdt``)."""
+    newest = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                order_by=["attributes.start_time DESC"], max_results=1)
+    return names[newest[0].info.experiment_id] if newest else DEFAULT_EXPERIMENT
 
 
 def _check_store(tracking_uri: str) -> None:
@@ -552,9 +561,10 @@ def _draw_curves(ax: Axes, runs: Sequence[RunView],
     ax.set_title(title, fontsize=11)
     ax.set_xlabel("rows trained")
     ax.set_ylabel("training loss (train.loss)" if series == "train.loss" else series)
-    ax.xaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+    ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 500k, 1M, 1.5M: never run together
     ax.grid(color="0.85", linewidth=0.5)
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=8,
+              ncols=2, frameon=False)
     if not drawn:
         ax.text(0.5, 0.5, "no training curves", transform=ax.transAxes, ha="center",
                 va="center", fontsize=16, color="0.4")

@@ -77,6 +77,8 @@ def compared(store: Store, *args: str) -> list[dict]:
 def test_json_lists_the_runs_their_differing_params_the_best_and_the_rows(store: Store) -> None:
     shown = compared(store, "--experiment", "tests")
 
+    # without --experiment: the experiment of the store's newest run
+    assert compared(store) == shown
     # the sweep's parent is not a run of its own; best AUC first
     assert {run["name"] for run in shown} == set(store.runs)
     aucs = [run["metrics"]["auc"] for run in shown]
