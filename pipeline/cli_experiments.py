@@ -44,14 +44,18 @@ EXPERIMENT_COMMANDS: list[click.Command] = []
 @cluster_options
 @click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: the job's, "
               "else MLflow's default store).")
+@click.option("--register", default=None, metavar="NAME",
+              help="Register the best trial's model as a new version of NAME (trials "
+                   "themselves never register one).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def sweep(job_path: str, grid_specs: tuple[str, ...], sample: int | None, seed: int,
           metric: str, overrides: tuple[str, ...], workers: int | None, cluster: Cluster,
-          tracking_uri: str | None, as_json: bool) -> None:
+          tracking_uri: str | None, register: str | None, as_json: bool) -> None:
     """Train JOB.yaml once per combination of the --grid values, every trial an MLflow run
     nested under the sweep's run, side by side on the Dask cluster at --scheduler (default: a
     new LocalCluster); report the best trial. A failed trial is recorded and the others go
     on; exit 1 only when none finished."""
+    from pipeline.registry import check_model_name
     from pipeline.sweep import Grid, plan_trials, run_sweep
 
     if workers is not None and cluster.given is not None:
@@ -59,12 +63,14 @@ def sweep(job_path: str, grid_specs: tuple[str, ...], sample: int | None, seed: 
                                "cluster's own workers train: give one or the other")
     if tracking_uri:
         overrides = (*overrides, f"mlflow.tracking_uri={tracking_uri}")
+    if register is not None:
+        check_model_name(register)
     grid = Grid.parse(grid_specs)
     trials = plan_trials(job_path, overrides, grid, sample=sample, seed=seed)
     scheduler = cluster.address() if cluster.given is not None else None
     with progress_bar(f"sweep ({len(trials)} trials)", enabled=not as_json) as bar:
         result = run_sweep(trials, grid, metric=metric, workers=workers, scheduler=scheduler,
-                           security=cluster.security(), progress=bar)
+                           security=cluster.security(), progress=bar, register=register)
     if as_json:
         click.echo(json.dumps(result.to_dict(), sort_keys=True))
     else:
@@ -102,6 +108,10 @@ def sweep_lines(result: SweepResult) -> list[str]:
         value = result.best.to_dict(result.metric)["metric"]
         lines.append(f"best     {result.best.name}, {result.metric} {value:.4f}, "
                      f"run {result.best.run_id}")
+    if result.registered is not None:
+        model, version = result.registered
+        lines.append(f"registered {model} version {version}: antdt promote {model} --version "
+                     f"{version} --tracking-uri {result.tracking_uri}")
     lines.append(f"compare  antdt compare --runs {result.parent_run_id} "
                  f"--tracking-uri {result.tracking_uri}")
     return lines

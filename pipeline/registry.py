@@ -212,10 +212,27 @@ def register(tracker: Tracker, model: ModelInfo, name: str, summary: JobSummary)
     created = client.create_model_version(
         name, source=model.model_uri, run_id=tracker.run_id, model_id=model.model_id,
         tags=version_tags(summary, run_tags))
-    version = str(created.version)
-    client.log_batch(tracker.run_id, tags=[RunTag("antdt.registered_model", name),
-                                           RunTag("antdt.registered_version", version)])
-    logger.info("registered the model of run %s as %s version %s", tracker.run_id, name, version)
+    return _registered_as(client, tracker.run_id, name, str(created.version))
+
+
+def register_run(tracking_uri: str, run_id: str, name: str, summary: JobSummary) -> str:
+    """The model that run ``run_id`` logged (``runs:/<id>/model``) as a new version of ``name``,
+    tagged as :func:`register` tags one (a sweep's best trial, registered after the sweep);
+    the version."""
+    check_model_name(name)
+    client = MlflowClient(tracking_uri)
+    run_tags = client.get_run(run_id).data.tags
+    with fluent(tracking_uri):
+        created = mlflow.register_model(f"runs:/{run_id}/model", name,
+                                        tags=version_tags(summary, run_tags))
+    return _registered_as(client, run_id, name, str(created.version))
+
+
+def _registered_as(client: MlflowClient, run_id: str, name: str, version: str) -> str:
+    """Tag run ``run_id`` with the version its model became; the version."""
+    client.log_batch(run_id, tags=[RunTag("antdt.registered_model", name),
+                                   RunTag("antdt.registered_version", version)])
+    logger.info("registered the model of run %s as %s version %s", run_id, name, version)
     return version
 
 

@@ -11,8 +11,8 @@ as its workers allow::
          go on ─► the best trial by the metric, on the parent run and in the result
 
 ``antdt compare --runs PARENT`` shows every trial with its data side. Trials never register a
-model: the sweep reports the best run, and registering it is a choice for the person (or the
-DAG) that promotes models.
+model (a grid would fill the registry with versions nobody serves); with ``register``, the best
+trial's model becomes a version once the sweep is done, for ``antdt promote`` to judge.
 """
 
 from __future__ import annotations
@@ -153,10 +153,14 @@ class SweepResult:
     metric: str
     trials: list[Trial]
     best: Trial | None = field(default=None)
+    registered: tuple[str, str] | None = None
+    """The registered model and version the best trial's model became (None: not asked)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"parent_run_id": self.parent_run_id, "experiment_id": self.experiment_id,
                 "tracking_uri": self.tracking_uri, "metric": self.metric,
+                "registered": None if self.registered is None else
+                {"model": self.registered[0], "version": self.registered[1]},
                 "best": None if self.best is None else self.best.to_dict(self.metric),
                 "trials": [trial.to_dict(self.metric) for trial in self.trials]}
 
@@ -179,10 +183,12 @@ def _value(trial: Trial, metric: str) -> float | None:
 
 def run_sweep(trials: list[Trial], grid: Grid, *, metric: str = "auc",
               workers: int | None = None, scheduler: str | None = None,
-              security: Any = None, progress: ProgressSink | None = None) -> SweepResult:
+              security: Any = None, progress: ProgressSink | None = None,
+              register: str | None = None) -> SweepResult:
     """Run ``trials`` under one parent run on the cluster at ``scheduler`` (or a new
     LocalCluster of ``workers``, default: enough for the widest trial and this machine's
-    cores), as many at once as fit its workers; the result with the best trial."""
+    cores), as many at once as fit its workers; the result with the best trial, whose model
+    becomes a version of ``register`` when given."""
     import os
 
     from antdt.jobs import JobClient
@@ -204,6 +210,12 @@ def run_sweep(trials: list[Trial], grid: Grid, *, metric: str = "auc",
                 JobClient(client) as jobs:
             _Runner(client, jobs, parent, uri, experiment_id, progress).run(trials)
         result.best = best_of(trials, metric)
+        best = result.best
+        if register is not None and best is not None and best.summary is not None:
+            from pipeline.registry import register_run
+
+            result.registered = (register, register_run(uri, best.summary.run_id, register,
+                                                        best.summary))
         status = "FINISHED" if any(t.state == "finished" for t in trials) else "FAILED"
     except BaseException:
         status = "KILLED"

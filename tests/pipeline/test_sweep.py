@@ -75,7 +75,8 @@ def test_a_bad_grid_key_is_refused_by_name_before_anything_runs(job_file: Path) 
 
 def test_four_trials_run_as_nested_runs_and_the_best_is_named(job_file: Path) -> None:
     out = sweep(str(job_file), "--grid", "train.sparse_lr=0.01,0.1",
-                "--grid", "train.batch_size=256,1024", "--workers", "2")
+                "--grid", "train.batch_size=256,1024", "--workers", "2",
+                "--register", "swept", "--set", "mlflow.registered_model=every-trial")
 
     uri = load_job(job_file).mlflow.tracking_uri
     assert uri is not None
@@ -95,6 +96,11 @@ def test_four_trials_run_as_nested_runs_and_the_best_is_named(job_file: Path) ->
     assert parent.data.tags["antdt.sweep.best_run"] == best.info.run_id
     assert parent.data.metrics["best_auc"] == pytest.approx(best.data.metrics["auc"])
     assert parent.data.params["sweep.train.batch_size"] == "256,1024"
+    # the best trial's model, and only it, became a version
+    assert out["registered"] == {"model": "swept", "version": "1"}
+    versions = MlflowClient(uri).search_model_versions()
+    assert [(v.name, v.run_id) for v in versions] == [("swept", best.info.run_id)]
+    assert float(versions[0].tags["antdt.auc"]) == pytest.approx(best.data.metrics["auc"])
 
 
 def test_a_failing_trial_is_recorded_and_the_others_complete(
