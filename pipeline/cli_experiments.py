@@ -21,15 +21,104 @@ from pipeline.terminal import progress_bar
 if TYPE_CHECKING:
     from pipeline.sweep import SweepResult
 
-EXPERIMENT_COMMANDS: list[click.Command] = []
-"""The commands of this module, added to ``antdt`` by :mod:`pipeline.cli`."""
+
+@click.command()
+@click.option("--experiment", default=None, metavar="NAME",
+              help="Compare the newest runs of this experiment (default: the experiment of "
+                   "the store's newest run).")
+@click.option("--runs", "run_ids", default=None, metavar="ID,ID,...",
+              help="Compare these runs, in this order; a run with child runs (a sweep's "
+                   "parent) stands for its children.")
+@click.option("--last", type=click.IntRange(min=1), default=None, metavar="N",
+              help="How many of the experiment's newest runs (default: 10).")
+@click.option("--metric", default="auc", show_default=True,
+              help="The summary metric runs are ranked and plotted by (e.g. logloss, wall_s).")
+@click.option("--plot", "plot_path", default=None, metavar="OUT.png",
+              type=click.Path(dir_okay=False),
+              help="Also draw the metric per run and the runs' training curves to a PNG.")
+@click.option("--json", "as_json", is_flag=True, help="Print the runs as a JSON list.")
+@click.option("--tracking-uri", default=None,
+              help="MLflow tracking URI (default: MLflow's default store as it resolves here).")
+def compare(experiment: str | None, run_ids: str | None, last: int | None, metric: str,
+            plot_path: str | None, as_json: bool, tracking_uri: str | None) -> None:
+    """Compare MLflow runs side by side: the params that differ, the metrics, and the rows each
+    run trained, lost, duplicated or quarantined (a better model that saw less data stands
+    out)."""
+    import mlflow
+    from rich.measure import Measurement
+
+    from pipeline import compare as comparing
+    from pipeline.terminal import stderr
+
+    ids = None if run_ids is None else [i.strip() for i in run_ids.split(",") if i.strip()]
+    if ids is not None and not ids:
+        raise click.UsageError("--runs names no run: give run ids separated by commas")
+    comparison = comparing.compare(tracking_uri or mlflow.get_tracking_uri(),
+                                   experiment=experiment, run_ids=ids, last=last, metric=metric)
+    if as_json:
+        click.echo(json.dumps(comparison.to_json()))
+    elif not comparison.runs:
+        click.echo(f"no runs in {comparison.title} ({comparison.store})")
+    else:
+        console = Console()
+        shown = comparing.table(comparison)
+        if not console.is_terminal:  # a pipe or a file: the whole table, never folded
+            wide = console.options.update_width(10_000)
+            console.width = max(console.width, Measurement.get(console, wide, shown).maximum)
+        console.print(shown)
+        console.print(comparing.legend(comparison), highlight=False, markup=False)
+    if plot_path is not None:
+        if not comparison.runs:
+            stderr.print(f"no plot: no runs in {comparison.title}", highlight=False)
+            return
+        drawn = comparing.plot(comparison, plot_path)
+        stderr.print(f"wrote {drawn.path}", highlight=False, markup=False)
+
+
+def _paths(values: tuple[str, ...]) -> list[str] | None:
+    """``--on`` values: each comma-separated, the option repeatable (None: not given)."""
+    paths = [p.strip() for value in values for p in value.split(",") if p.strip()]
+    return paths or None
+
+
+@click.command()
+@click.argument("name")
+@click.option("--version", "version", type=click.IntRange(min=1), default=None,
+              help="The candidate version (default: the newest).")
+@click.option("--metric", default="auc", show_default=True,
+              help="What to compare: auc (higher is better) or logloss (lower is better).")
+@click.option("--on", "on", multiple=True, metavar="PATHS",
+              help="The validation data both models score: Parquet files, folders or globs, "
+                   "comma-separated or the option repeated (default: the candidate's "
+                   "validation paths, from its antdt.data.validation tag).")
+@click.option("--min-gain", type=float, default=0.0, show_default=True,
+              help="How much better the candidate must score to replace the champion.")
+@click.option("--tracking-uri", default=None,
+              help="MLflow tracking URI (default: MLflow's default store as it resolves here).")
+@click.option("--json", "as_json", is_flag=True, help="Print the decision as JSON.")
+def promote(name: str, version: int | None, metric: str, on: tuple[str, ...], min_gain: float,
+            tracking_uri: str | None, as_json: bool) -> None:
+    """Score a version of the registered model NAME and its champion (the version the
+    champion alias names) on the same validation data, both loaded from the registry as a
+    server would; move the alias to the candidate only if it scores better by at least
+    --min-gain (with no champion yet, it becomes the champion). The decision and both scores
+    are recorded on the candidate version and its run."""
+    from pipeline.registry import promote as promoting
+
+    decision = promoting(name, version=version, metric=metric, on=_paths(on),
+                         min_gain=min_gain, tracking_uri=tracking_uri)
+    if as_json:
+        click.echo(json.dumps(decision.to_dict(), sort_keys=True))
+    else:
+        for line in decision.lines():
+            click.echo(line)
 
 
 @click.command()
 @click.argument("job_path", metavar="JOB.yaml")
 @click.option("--grid", "grid_specs", multiple=True, required=True, metavar="KEY=V1,V2",
-              help="A setting and the values it takes, e.g. --grid train.optim.sparse_lr="
-                   "0.01,0.05 (repeatable: every combination is a trial).")
+              help="A setting and the values it takes, e.g. --grid train.sparse_lr=0.01,0.05"
+                   " (repeatable: every combination is a trial).")
 @click.option("--sample", type=click.IntRange(min=1), default=None,
               help="Run this many combinations drawn at random instead of all of them.")
 @click.option("--seed", type=int, default=0, show_default=True, help="The seed of --sample.")
@@ -117,102 +206,5 @@ def sweep_lines(result: SweepResult) -> list[str]:
     return lines
 
 
-EXPERIMENT_COMMANDS.append(sweep)
-
-
-@click.command()
-@click.option("--experiment", default=None, metavar="NAME",
-              help="Compare the newest runs of this experiment (default: the experiment of "
-                   "the store's newest run).")
-@click.option("--runs", "run_ids", default=None, metavar="ID,ID,...",
-              help="Compare these runs, in this order; a run with child runs (a sweep's "
-                   "parent) stands for its children.")
-@click.option("--last", type=click.IntRange(min=1), default=None, metavar="N",
-              help="How many of the experiment's newest runs (default: 10).")
-@click.option("--metric", default="auc", show_default=True,
-              help="The summary metric runs are ranked and plotted by (e.g. logloss, wall_s).")
-@click.option("--plot", "plot_path", default=None, metavar="OUT.png",
-              type=click.Path(dir_okay=False),
-              help="Also draw the metric per run and the runs' training curves to a PNG.")
-@click.option("--json", "as_json", is_flag=True, help="Print the runs as a JSON list.")
-@click.option("--tracking-uri", default=None,
-              help="MLflow tracking URI (default: MLflow's default store as it resolves here).")
-def compare(experiment: str | None, run_ids: str | None, last: int | None, metric: str,
-            plot_path: str | None, as_json: bool, tracking_uri: str | None) -> None:
-    """Compare MLflow runs side by side: the params that differ, the metrics, and the rows each
-    run trained, lost, duplicated or quarantined (a better model that saw less data stands
-    out)."""
-    import mlflow
-    from rich.measure import Measurement
-
-    from pipeline import compare as comparing
-    from pipeline.terminal import stderr
-
-    ids = None if run_ids is None else [i.strip() for i in run_ids.split(",") if i.strip()]
-    if ids is not None and not ids:
-        raise click.UsageError("--runs names no run: give run ids separated by commas")
-    comparison = comparing.compare(tracking_uri or mlflow.get_tracking_uri(),
-                                   experiment=experiment, run_ids=ids, last=last, metric=metric)
-    if as_json:
-        click.echo(json.dumps(comparison.to_json()))
-    elif not comparison.runs:
-        click.echo(f"no runs in {comparison.title} ({comparison.store})")
-    else:
-        console = Console()
-        shown = comparing.table(comparison)
-        if not console.is_terminal:  # a pipe or a file: the whole table, never folded
-            wide = console.options.update_width(10_000)
-            console.width = max(console.width, Measurement.get(console, wide, shown).maximum)
-        console.print(shown)
-        console.print(comparing.legend(comparison), highlight=False, markup=False)
-    if plot_path is not None:
-        if not comparison.runs:
-            stderr.print(f"no plot: no runs in {comparison.title}", highlight=False)
-            return
-        drawn = comparing.plot(comparison, plot_path)
-        stderr.print(f"wrote {drawn.path}", highlight=False, markup=False)
-
-
-EXPERIMENT_COMMANDS.append(compare)
-
-
-def _paths(values: tuple[str, ...]) -> list[str] | None:
-    """``--on`` values: each comma-separated, the option repeatable (None: not given)."""
-    paths = [p.strip() for value in values for p in value.split(",") if p.strip()]
-    return paths or None
-
-
-@click.command()
-@click.argument("name")
-@click.option("--version", "version", type=click.IntRange(min=1), default=None,
-              help="The candidate version (default: the newest).")
-@click.option("--metric", default="auc", show_default=True,
-              help="What to compare: auc (higher is better) or logloss (lower is better).")
-@click.option("--on", "on", multiple=True, metavar="PATHS",
-              help="The validation data both models score: Parquet files, folders or globs, "
-                   "comma-separated or the option repeated (default: the candidate's "
-                   "validation paths, from its antdt.data.validation tag).")
-@click.option("--min-gain", type=float, default=0.0, show_default=True,
-              help="How much better the candidate must score to replace the champion.")
-@click.option("--tracking-uri", default=None,
-              help="MLflow tracking URI (default: MLflow's default store as it resolves here).")
-@click.option("--json", "as_json", is_flag=True, help="Print the decision as JSON.")
-def promote(name: str, version: int | None, metric: str, on: tuple[str, ...], min_gain: float,
-            tracking_uri: str | None, as_json: bool) -> None:
-    """Score a version of the registered model NAME and its champion (the version the
-    champion alias names) on the same validation data, both loaded from the registry as a
-    server would; move the alias to the candidate only if it scores better by at least
-    --min-gain (with no champion yet, it becomes the champion). The decision and both scores
-    are recorded on the candidate version and its run."""
-    from pipeline.registry import promote as promoting
-
-    decision = promoting(name, version=version, metric=metric, on=_paths(on),
-                         min_gain=min_gain, tracking_uri=tracking_uri)
-    if as_json:
-        click.echo(json.dumps(decision.to_dict(), sort_keys=True))
-    else:
-        for line in decision.lines():
-            click.echo(line)
-
-
-EXPERIMENT_COMMANDS.append(promote)
+EXPERIMENT_COMMANDS: list[click.Command] = [compare, promote, sweep]
+"""The commands of this module, added to ``antdt`` by :mod:`pipeline.cli`."""
