@@ -145,7 +145,7 @@ def sweep(job_path: str, grid_specs: tuple[str, ...], sample: int | None, seed: 
     new LocalCluster); report the best trial. A failed trial is recorded and the others go
     on; exit 1 only when none finished."""
     from pipeline.registry import check_model_name
-    from pipeline.sweep import Grid, plan_trials, run_sweep
+    from pipeline.sweep import Grid, check_metric, plan_trials, run_sweep
 
     if workers is not None and cluster.given is not None:
         raise click.UsageError("--workers starts a LocalCluster; with --scheduler the "
@@ -154,6 +154,7 @@ def sweep(job_path: str, grid_specs: tuple[str, ...], sample: int | None, seed: 
         overrides = (*overrides, f"mlflow.tracking_uri={tracking_uri}")
     if register is not None:
         check_model_name(register)
+    check_metric(metric)
     grid = Grid.parse(grid_specs)
     trials = plan_trials(job_path, overrides, grid, sample=sample, seed=seed)
     scheduler = cluster.address() if cluster.given is not None else None

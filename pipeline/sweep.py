@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from antdt.errors import AntdtError, ConfigError
@@ -118,6 +119,16 @@ class Trial:
                 "summary": None if self.summary is None else self.summary.to_dict()}
 
 
+def check_metric(metric: str) -> str:
+    """``metric`` if it is a figure of a job's summary (what picks the best trial)."""
+    known = sorted(f.name for f in fields(JobSummary)
+                   if str(f.type).split(" ")[0] in ("float", "int"))
+    if metric not in known:
+        raise ConfigError(f"--metric {metric!r}: expected a figure of a job's summary, one of "
+                          f"{', '.join(known)}")
+    return metric
+
+
 def plan_trials(job_path: str, overrides: Sequence[str], grid: Grid, *,
                 sample: int | None = None, seed: int = 0) -> list[Trial]:
     """The trials of ``grid`` over the job at ``job_path`` (with ``overrides`` first), each
@@ -189,8 +200,6 @@ def run_sweep(trials: list[Trial], grid: Grid, *, metric: str = "auc",
     LocalCluster of ``workers``, default: enough for the widest trial and this machine's
     cores), as many at once as fit its workers; the result with the best trial, whose model
     becomes a version of ``register`` when given."""
-    import os
-
     from antdt.jobs import JobClient
     from pipeline.cluster import connect
     from pipeline.tracking import experiment, redact, resolved_uri
@@ -217,7 +226,7 @@ def run_sweep(trials: list[Trial], grid: Grid, *, metric: str = "auc",
             result.registered = (register, register_run(uri, best.summary.run_id, register,
                                                         best.summary))
         status = "FINISHED" if any(t.state == "finished" for t in trials) else "FAILED"
-    except BaseException:
+    except KeyboardInterrupt:
         status = "KILLED"
         raise
     finally:

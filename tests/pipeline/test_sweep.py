@@ -69,6 +69,11 @@ def test_a_bad_grid_key_is_refused_by_name_before_anything_runs(job_file: Path) 
     assert "--grid train.epochz=1" in result.output and "unknown key(s) ['epochz']" in \
         result.output
     assert not (job_file.parent / "mlflow.db").exists()  # not even the parent run
+    bad_metric = CliRunner().invoke(cli, ["sweep", str(job_file), "--grid", "train.seed=1,2",
+                                          "--metric", "auc2"])
+    assert bad_metric.exit_code == 2 and "--metric 'auc2': expected a figure" in \
+        bad_metric.output
+    assert not (job_file.parent / "mlflow.db").exists()
     with pytest.raises(ConfigError, match="--grid model.arch=transformer"):
         plan_trials(str(job_file), [], Grid.parse(["model.arch=dlrm,transformer"]))
 
