@@ -101,6 +101,11 @@ def test_four_trials_run_as_nested_runs_and_the_best_is_named(job_file: Path) ->
     assert parent.data.tags["antdt.sweep.best_run"] == best.info.run_id
     assert parent.data.metrics["best_auc"] == pytest.approx(best.data.metrics["auc"])
     assert parent.data.params["sweep.train.batch_size"] == "256,1024"
+    # antdt compare of the sweep's run shows every trial
+    compared = CliRunner().invoke(cli, ["compare", "--runs", out["parent_run_id"],
+                                        "--tracking-uri", uri, "--json"])
+    assert compared.exit_code == 0, compared.output
+    assert {run["run_id"] for run in json.loads(compared.stdout)} == set(runs)
     # the best trial's model, and only it, became a version
     assert out["registered"] == {"model": "swept", "version": "1"}
     versions = MlflowClient(uri).search_model_versions()
