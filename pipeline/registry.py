@@ -174,11 +174,11 @@ def _absolute(spec: str) -> str:
 
 
 def check_model_name(name: str) -> str:
-    """``name`` if MLflow accepts it as a registered model's name (checked before training, so
-    a bad name never costs a job)."""
-    if not name.strip() or "/" in name or ":" in name:
+    """``name`` if MLflow accepts it as a registered model's name and the registry's searches
+    can quote it (checked before training, so a bad name never costs a job)."""
+    if not name.strip() or any(char in name for char in "/:'"):
         raise RegistryError(f"registered model name {name!r}: expected a non-empty name "
-                            "without '/' or ':'")
+                            "without '/', ':' or a quote")
     return name
 
 

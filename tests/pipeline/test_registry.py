@@ -257,7 +257,8 @@ def test_bad_input_is_refused_in_one_line(versions: Versions, tmp_path: Path,
              "metric 'accuracy'"),
             (["promote", MODEL, "--version", "2", "--on", str(tmp_path / "missing"),
               "--tracking-uri", uri], str(tmp_path / "missing")),
-            (["train", str(job_file), "--local", "--register", "a/b"], "'a/b'")):
+            (["train", str(job_file), "--local", "--register", "a/b"], "'a/b'"),
+            (["train", str(job_file), "--local", "--register", "ann's"], "a quote")):
         result = CliRunner().invoke(cli, args)
         assert result.exit_code == 2, (args, result.output)
         assert expected in result.output
