@@ -144,7 +144,7 @@ def sweep(job_path: str, grid_specs: tuple[str, ...], sample: int | None, seed: 
     nested under the sweep's run, side by side on the Dask cluster at --scheduler (default: a
     new LocalCluster); report the best trial. A failed trial is recorded and the others go
     on; exit 1 only when none finished."""
-    from pipeline.registry import check_model_name
+    from pipeline.config import check_model_name
     from pipeline.sweep import Grid, check_metric, plan_trials, run_sweep
 
     if workers is not None and cluster.given is not None:

@@ -143,16 +143,14 @@ register_option = click.option(
 
 
 def registering(job: JobConfig, name: str | None) -> JobConfig:
-    """``job`` registering its model as ``name`` (None: as its job file says), the name checked
-    before anything trains."""
-    from pipeline.registry import check_model_name
+    """``job`` registering its model as ``name`` (None: as its job file says, checked when it
+    was loaded), the name checked before anything trains."""
+    from pipeline.config import check_model_name
 
-    if name is not None:
-        job = dataclasses.replace(job, mlflow=dataclasses.replace(job.mlflow,
-                                                                  registered_model=name))
-    if job.mlflow.registered_model is not None:
-        check_model_name(job.mlflow.registered_model)
-    return job
+    if name is None:
+        return job
+    return dataclasses.replace(job, mlflow=dataclasses.replace(
+        job.mlflow, registered_model=check_model_name(name)))
 
 
 def resume_spec(job: JobConfig, spec: JobSpec, ref: str, job_id: str | None

@@ -313,6 +313,15 @@ def _faults(raw: Any, where: str) -> tuple[FaultConfig, ...]:
     return tuple(faults)
 
 
+def check_model_name(name: str, where: str = "registered model name") -> str:
+    """``name`` if MLflow accepts it as a registered model's name and the registry's searches
+    can quote it (checked when the job is loaded, so a bad name never costs a job)."""
+    if not name.strip() or any(char in name for char in "/:'"):
+        raise ConfigError(f"{where} {name!r}: expected a non-empty name without '/', ':' or "
+                          "a quote")
+    return name
+
+
 def _mlflow(raw: Mapping[str, Any], where: str) -> MlflowConfig:
     _reject_unknown(raw, {"experiment", "tracking_uri", "registered_model"}, where)
 
@@ -322,6 +331,9 @@ def _mlflow(raw: Mapping[str, Any], where: str) -> MlflowConfig:
             return value
         raise ConfigError(f"{where}.{key}: expected a non-empty string, found {value!r}")
 
+    registered = text("registered_model", None, optional=True)
+    if registered is not None:
+        check_model_name(registered, f"{where}.registered_model")
     return MlflowConfig(experiment=text("experiment", "antdt", optional=False) or "antdt",
                         tracking_uri=text("tracking_uri", None, optional=True),
-                        registered_model=text("registered_model", None, optional=True))
+                        registered_model=registered)

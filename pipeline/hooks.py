@@ -45,7 +45,7 @@ class RankingHooks:
 
     def start(self, job_id: str, workers: int, resume: Mapping[str, Any] | None = None
               ) -> dict[str, Any]:
-        from pipeline.registry import check_model_name, data_window
+        from pipeline.registry import data_window
         from pipeline.tracking import Tracker
 
         # the run records the workers that train (the cluster's), not the job file's count
@@ -58,8 +58,6 @@ class RankingHooks:
                             rows_replayed=int(resume["rows_replayed"]),
                             step=int(resume["step"]))
             return tracker.info()
-        if self.job.mlflow.registered_model is not None:
-            check_model_name(self.job.mlflow.registered_model)
         data_tags = data_window(self.job.data).tags()  # the files as training starts to read them
         tracker = Tracker.start(tracked, mode="async",
                                 tags={**data_tags, **self.run_tags, "antdt.job_id": job_id},

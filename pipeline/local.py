@@ -23,7 +23,7 @@ from data.validate import validate
 from models.evaluate import evaluate
 from models.train_step import TrainStep
 from pipeline.config import JobConfig
-from pipeline.registry import check_model_name, data_window, log_and_register
+from pipeline.registry import data_window, log_and_register
 from pipeline.report import JobSummary, ProgressSink, oracle_auc
 from pipeline.tracking import Tracker
 
@@ -90,8 +90,6 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
     ``run_name``, with ``tags`` besides antdt's own, and its data window's); register the
     model when the job names a registered model (:mod:`pipeline.registry`)."""
     started = time.perf_counter()
-    if job.mlflow.registered_model is not None:
-        check_model_name(job.mlflow.registered_model)
     prepare_process(job.train.threads)
     data = prepare_data(job)
     data_tags = data_window(job.data).tags()  # the files as training starts to read them

@@ -67,7 +67,7 @@ from data.files import RowGroup, expand, open_parquet, row_groups
 from data.schema import Schema
 from models import evaluate
 from models.train_step import TrainStep
-from pipeline.config import DataConfig, JobConfig
+from pipeline.config import DataConfig, JobConfig, check_model_name
 from pipeline.report import JobSummary, higher_is_better
 from pipeline.serving import RankingModel, log_ranking_model
 from pipeline.tracking import Tracker, fluent, redact
@@ -171,15 +171,6 @@ def _absolute(spec: str) -> str:
 
 
 # ---- registration -----------------------------------------------------------------------------
-
-
-def check_model_name(name: str) -> str:
-    """``name`` if MLflow accepts it as a registered model's name and the registry's searches
-    can quote it (checked before training, so a bad name never costs a job)."""
-    if not name.strip() or any(char in name for char in "/:'"):
-        raise RegistryError(f"registered model name {name!r}: expected a non-empty name "
-                            "without '/', ':' or a quote")
-    return name
 
 
 def log_and_register(tracker: Tracker, step: TrainStep, schema: Schema, job: JobConfig, *,

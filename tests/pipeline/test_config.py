@@ -53,6 +53,8 @@ def test_round_trip_through_to_dict(tmp_path: Path) -> None:
     ("data.on_bad_data=skip", "on_bad_data: expected 'fail' or 'quarantine', found 'skip'"),
     ("model.arch=bert", "bert"),
     ("mlflow.experiment=", "mlflow.experiment: expected a non-empty string"),
+    ("mlflow.registered_model=team/ranker", "mlflow.registered_model 'team/ranker': expected a "
+                                            "non-empty name without '/'"),
     ("colour=red", "unknown key(s) ['colour']"),
 ])
 def test_bad_values_name_the_key(tmp_path: Path, override: str, message: str) -> None:
