@@ -229,7 +229,8 @@ def _registered_as(client: MlflowClient, run_id: str, name: str, version: str) -
 
 def version_tags(summary: JobSummary, run_tags: Mapping[str, str]) -> dict[str, str]:
     """A version's tags: the job's name, mode and workers, the summary's figures (those that
-    are numbers, NaN left out) and the run's ``antdt.data.*`` tags."""
+    are numbers, NaN left out) and the run's ``antdt.data.*`` tags and ``antdt.retrain.*`` tags
+    (the scheduled retraining that trained it: :mod:`pipeline.retrain`)."""
     tags = {"antdt.job": run_tags.get("antdt.job", ""), "antdt.mode": summary.mode}
     for key, value in summary.to_dict().items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -237,7 +238,8 @@ def version_tags(summary: JobSummary, run_tags: Mapping[str, str]) -> dict[str, 
         if isinstance(value, float) and math.isnan(value):
             continue
         tags[f"antdt.{key}"] = str(value)
-    tags.update({k: v for k, v in run_tags.items() if k.startswith("antdt.data.")})
+    tags.update({k: v for k, v in run_tags.items()
+                 if k.startswith(("antdt.data.", "antdt.retrain."))})
     return tags
 
 
@@ -395,6 +397,27 @@ def promote(name: str, *, version: int | None = None, metric: str = "auc",
                 candidate.version, champion, outcome.value, metric, candidate_score,
                 champion_score, len(labels))
     return decision
+
+
+def recorded_decision(name: str, version: str, tracking_uri: str) -> Decision | None:
+    """The latest promotion decision recorded on version ``version`` of ``name`` (its
+    ``antdt.promotion.*`` tags), None when it was never judged."""
+    tags = MlflowClient(tracking_uri).get_model_version(name, version).tags
+    if "antdt.promotion.decision" not in tags:
+        return None
+
+    def score(key: str) -> float | None:
+        value = tags.get(f"antdt.promotion.{key}")
+        return None if value in (None, "None") else float(value)
+
+    fingerprint = tags.get("antdt.promotion.validation_fingerprint")
+    return Decision(name, str(version), tags.get("antdt.promotion.champion_version"),
+                    Outcome(tags["antdt.promotion.decision"]), tags["antdt.promotion.metric"],
+                    score("candidate_score"), score("champion_score"),
+                    float(tags["antdt.promotion.min_gain"]),
+                    tuple(json.loads(tags.get("antdt.promotion.validation", "[]"))),
+                    int(tags.get("antdt.promotion.validation_rows", "0")),
+                    None if fingerprint in (None, "None") else fingerprint)
 
 
 def score_versions(name: str, versions: Sequence[str], files: Sequence[str], tracking_uri: str

@@ -108,12 +108,12 @@ class JobSummary:
         server), the timeline picture, and how to promote the version it registered."""
         if not self.tracking_uri:
             return []
-        page = f"#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        page = run_page(self.tracking_uri, self.experiment_id, self.run_id)
         if self.tracking_uri.startswith(("http://", "https://")):
-            steps = ["", "next", f"  the run   open {self.tracking_uri.rstrip('/')}/{page}"]
+            steps = ["", "next", f"  the run   open {page}"]
         else:
             steps = ["", "next", f"  the run   mlflow ui --backend-store-uri {self.tracking_uri}",
-                     f"            then open http://127.0.0.1:5000/{page}"]
+                     f"            then open {page}"]
         if self.timeline is not None:
             steps.append(f"  timeline  {_shown(self.timeline)}")
         if self.registered_model is not None:
@@ -123,6 +123,20 @@ class JobSummary:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def run_page(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """The web page of a run: on the tracking server, or on ``mlflow ui`` started on a local
+    store (at its default address).
+
+    >>> run_page("http://mlflow:5000/", "1", "ab12")
+    'http://mlflow:5000/#/experiments/1/runs/ab12'
+    >>> run_page("sqlite:///mlflow.db", "1", "ab12")
+    'http://127.0.0.1:5000/#/experiments/1/runs/ab12'
+    """
+    server = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) \
+        else "http://127.0.0.1:5000"
+    return f"{server}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def _shown(path: str) -> str:
