@@ -1,0 +1,165 @@
+"""Daily retraining of the antdt ranking model (Airflow 3, ``airflow.sdk`` TaskFlow).
+
+Every day, once the day's Parquet partition has arrived: validate it, train the model on the
+days before it on a Dask cluster, let the new version take the registry alias ``champion`` only
+when it beats the champion on that day's rows, and report the outcome in the task log and as an
+event of the asset ``antdt_ranking_model`` (a serving deploy can be scheduled on it)::
+
+    wait_for_partition ─► validate_partition ─► train ─► promote ─► report
+
+The steps are antdt's (:mod:`pipeline.retrain`); this file only wires them, and imports nothing
+heavy (torch, Dask, MLflow) while Airflow parses it. Tasks pass paths, ids and figures, never
+rows. A run is re-runnable: the train task's job id comes from the DAG run (a retried task
+attaches to the job its first try started), and a day already trained by the same job on the
+same data trains nothing and keeps the decision made then. Relative paths in the params resolve
+against the antdt project folder, the parent of ``dags/``. See ``dags/README.md``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import (Asset, CronDataIntervalTimetable, Param, PokeReturnValue, dag,
+                         get_current_context, task)
+from airflow.sdk.exceptions import AirflowFailException
+
+if TYPE_CHECKING:
+    from pipeline.retrain import Settings
+
+logger = logging.getLogger(__name__)
+
+PROJECT = Path(__file__).resolve().parents[1]
+"""The antdt project folder: relative paths in the params resolve against it."""
+
+MODEL = Asset(name="antdt_ranking_model", uri="x-antdt://retrain_ranking/champion")
+"""Updated by every run's report; the event's ``extra`` holds the decision and its figures."""
+
+PARAMS = {
+    "job_file": Param("jobs/synthetic.yaml", type="string",
+                      description="The antdt job file: model, training settings, schema."),
+    "data_root": Param("demo-data/synthetic", type="string",
+                       description="The folder (or fsspec URL) holding one partition per day."),
+    "partition": Param("date={date}", type="string",
+                       description="A day's partition folder under data_root; {date} is the "
+                                   "day as YYYY-MM-DD."),
+    "train_days": Param(6, type="integer", minimum=1,
+                        description="Days of training data: the N most recent daily partitions "
+                                    "up to the logical date, the validation day left out."),
+    "validation_day": Param("", type="string", pattern=r"^(\d{4}-\d{2}-\d{2})?$",
+                            description="The day (YYYY-MM-DD) whose partition scores the new "
+                                        "version and the champion; empty: the logical date."),
+    "schema": Param("", type="string",
+                    description="The data's schema YAML; empty: the job file's."),
+    "scheduler": Param("", type="string",
+                       description="The Dask scheduler to train on (tcp://host:8786, "
+                                   "tls://...); empty: a LocalCluster for this run."),
+    "tracking_uri": Param("sqlite:///mlflow.db", type="string",
+                          description="The MLflow tracking URI (a relative sqlite path is "
+                                      "relative to the project folder)."),
+    "experiment": Param("antdt-retrain", type="string",
+                        description="The MLflow experiment of the training runs."),
+    "registered_model": Param("ranking", type="string",
+                              description="The registered model the new version joins."),
+    "on_bad_data": Param("fail", enum=["fail", "quarantine"],
+                         description="A broken file or row group: fail the run, or set it "
+                                     "aside and count its rows."),
+    "min_gain": Param(0.0, type="number", minimum=0,
+                      description="The AUC gain over the champion needed to take its place."),
+    "overrides": Param([], type="array", items={"type": "string"},
+                       description="Job settings to change, KEY=VALUE as antdt's --set "
+                                   "(train.sparse_lr=0.02)."),
+}
+
+
+def settings() -> Settings:
+    """This run's settings, from its params and logical date."""
+    from pipeline.retrain import Settings
+
+    context = get_current_context()
+    return Settings.from_params(context["params"], context["ds"], str(PROJECT))
+
+
+@task.sensor(poke_interval=300, timeout=12 * 3600, mode="reschedule")
+def wait_for_partition() -> PokeReturnValue:
+    """Wait for the logical date's partition to hold Parquet files."""
+    from pipeline.retrain import partition_files
+
+    run = settings()
+    path = run.partition_path(run.day)
+    files = partition_files(path)
+    if not files:
+        logger.info("waiting for %s", path)
+    return PokeReturnValue(is_done=bool(files), xcom_value=path)
+
+
+@task
+def validate_partition(partition: str) -> dict[str, Any]:
+    """Check the window's partitions and validate the new one. Bad data (or a bad job file
+    or param) fails the run at once, without retries: the error names the file, row group and
+    column; a run with on_bad_data=quarantine sets bad units aside instead."""
+    from pipeline.retrain import BadInput, check_window
+
+    try:
+        return check_window(settings())
+    except BadInput as exc:
+        logger.error("%s", exc)
+        raise AirflowFailException(f"{partition}: {exc}") from exc
+
+
+@task(execution_timeout=dt.timedelta(hours=8))
+def train(checked: dict[str, Any]) -> dict[str, Any]:
+    """Train the window on the Dask cluster, or attach to the job an earlier try started, or
+    find the version the same job on the same data registered."""
+    from pipeline import retrain
+
+    retrain.quiet_libraries()
+    context = get_current_context()
+    run = settings()
+    job_id = retrain.job_id(context["dag"].dag_id, run.day, context["run_id"])
+    return retrain.train(run, job_id, run_tags={"antdt.retrain.dag_run": context["run_id"]})
+
+
+@task
+def promote(trained: dict[str, Any], checked: dict[str, Any]) -> dict[str, Any]:
+    """Score the new version and the champion on the validation day; move ``champion`` only
+    for a better AUC (by at least min_gain)."""
+    from pipeline import retrain
+
+    retrain.quiet_libraries()
+    return retrain.promote(settings(), trained, checked["quarantined"])
+
+
+@task(outlets=[MODEL])
+def report(trained: dict[str, Any], decision: dict[str, Any]) -> dict[str, Any]:
+    """The decision, both AUCs, the rows and the MLflow run: in the task log and as the
+    asset event's extra."""
+    from pipeline.retrain import report as retrain_report
+
+    lines, extra = retrain_report(settings(), trained, decision)
+    for line in lines:
+        logger.info("%s", line)
+    get_current_context()["outlet_events"][MODEL].extra = extra
+    return extra
+
+
+@dag(
+    schedule=CronDataIntervalTimetable("@daily", timezone="UTC"),
+    start_date=dt.datetime(2026, 11, 1, tzinfo=dt.timezone.utc),
+    catchup=False,
+    max_active_runs=1,
+    default_args={"retries": 2, "retry_delay": dt.timedelta(minutes=2),
+                  "retry_exponential_backoff": 2.0, "max_retry_delay": dt.timedelta(minutes=30)},
+    params=PARAMS,
+    tags=["antdt"],
+    doc_md=__doc__,
+)
+def retrain_ranking() -> None:
+    checked = validate_partition(wait_for_partition())
+    trained = train(checked)
+    report(trained, promote(trained, checked))
+
+
+retrain_ranking()
