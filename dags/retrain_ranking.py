@@ -17,8 +17,10 @@ against the antdt project folder, the parent of ``dags/``. See ``dags/README.md`
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +84,19 @@ def settings() -> Settings:
     return Settings.from_params(context["params"], context["ds"], str(PROJECT))
 
 
+@contextlib.contextmanager
+def failing_at_once(what: str) -> Iterator[None]:
+    """Bad data, a bad job file or a bad param fails the task without retries (a retry would
+    find them as they are); the error, naming the file, column or value, goes to the log."""
+    from pipeline.retrain import BAD_INPUT
+
+    try:
+        yield
+    except BAD_INPUT as exc:
+        logger.error("%s", exc)
+        raise AirflowFailException(f"{what}: {exc}") from exc
+
+
 @task.sensor(poke_interval=300, timeout=12 * 3600, mode="reschedule")
 def wait_for_partition() -> PokeReturnValue:
     """Wait for the logical date's partition to hold Parquet files."""
@@ -97,16 +112,12 @@ def wait_for_partition() -> PokeReturnValue:
 
 @task
 def validate_partition(partition: str) -> dict[str, Any]:
-    """Check the window's partitions and validate the new one. Bad data (or a bad job file
-    or param) fails the run at once, without retries: the error names the file, row group and
-    column; a run with on_bad_data=quarantine sets bad units aside instead."""
-    from pipeline.retrain import BadInput, check_window
+    """Check the window's partitions and validate the new one: bad data fails the run here,
+    naming the file, row group and column, unless on_bad_data=quarantine sets it aside."""
+    from pipeline.retrain import check_window
 
-    try:
+    with failing_at_once(partition):
         return check_window(settings())
-    except BadInput as exc:
-        logger.error("%s", exc)
-        raise AirflowFailException(f"{partition}: {exc}") from exc
 
 
 @task(execution_timeout=dt.timedelta(hours=8))
@@ -119,7 +130,8 @@ def train(checked: dict[str, Any]) -> dict[str, Any]:
     context = get_current_context()
     run = settings()
     job_id = retrain.job_id(context["dag"].dag_id, run.day, context["run_id"])
-    return retrain.train(run, job_id, run_tags={"antdt.retrain.dag_run": context["run_id"]})
+    with failing_at_once(run.day):
+        return retrain.train(run, job_id, run_tags={"antdt.retrain.dag_run": context["run_id"]})
 
 
 @task

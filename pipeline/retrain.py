@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from antdt.errors import AntdtError, DataError
+from antdt.errors import AntdtError, ConfigError, DataError
 from pipeline.config import JobConfig, OnBadData, check_model_name, load_job
 
 logger = logging.getLogger(__name__)
@@ -51,9 +51,9 @@ class RetrainError(AntdtError):
     the partition or the version)."""
 
 
-BadInput = AntdtError
+BAD_INPUT: tuple[type[AntdtError], ...] = (ConfigError, DataError, RetrainError)
 """What a retry cannot fix: bad data, a bad job file, a bad param (each names the file,
-column, key or value). The DAG fails such a task at once."""
+column, key or value). The DAG fails such a task at once, without retries."""
 
 
 # ---- settings and the data window -------------------------------------------------------------
