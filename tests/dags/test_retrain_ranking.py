@@ -236,8 +236,14 @@ def test_a_retried_train_task_attaches_to_the_job_its_first_try_started(
             retry = subprocess.Popen([AIRFLOW, "tasks", "test", "retrain_ranking", "train",
                                       run_id], env=airflow_env, cwd=days, stdout=sink,
                                      stderr=subprocess.STDOUT)
-        bounded.until(lambda: f"attached to job {job_id}" in retry_log.read_text()
-                      or retry.poll() is not None, "the retried task attaching", timeout_s=300)
+
+        def retried() -> bool:
+            """The retry attached, or started a job of its own, or ended."""
+            return (f"attached to job {job_id}" in retry_log.read_text()
+                    or len({j["job_id"] for j in jobs.status()} - before) > 1
+                    or retry.poll() is not None)
+
+        bounded.until(retried, "the retried train task", timeout_s=300)
         Event(gate, client=client).set()
         assert bounded.call(retry.wait, timeout_s=300) == 0, retry_log.read_text()
         ours = [j["job_id"] for j in jobs.status() if j["job_id"] not in before]
