@@ -18,7 +18,8 @@ step runs, and is tested, without Airflow::
 The data layout is one folder per day under a root (``date=2026-11-07``; the ``partition``
 setting spells it). The models are scored on the *validation day* (default: the logical date,
 the newest partition, held out from training) and trained on the ``train_days`` daily partitions
-before it.
+before it. Each step imports what it needs (torch, Dask, MLflow) when it runs, so the sensor's
+pokes stay light.
 """
 
 from __future__ import annotations
