@@ -317,20 +317,20 @@ def train(settings: Settings, job_id: str, run_tags: Mapping[str, str] | None = 
     finished there (a retried task), this call attaches to it; when it failed or was
     cancelled, the retry starts ``job_id-2`` (then ``-3``...). Returns :func:`trained` of the
     version."""
+    from antdt.jobs import JobClient
     from pipeline.cluster import connect, follow, job_spec, outcome
     from pipeline.local import prepare_data
-    from antdt.jobs import JobClient
 
     days = window(settings)
     job = retrain_job(settings, days)
-    data = prepare_data(job)
-    key = window_key(job)
+    key = window_key(job)  # the files' footers only: a re-run decodes no data page
     found = registered_version(settings.tracking_uri, settings.model, key)
     if found is not None:
         logger.info("%s and validation day %s were trained by the same job already: %s version "
                     "%s (run %s); nothing to train", list(days.train_days),
                     days.validation_day, settings.model, found["version"], found["run_id"])
         return {**found, "reused": True, "attached": False}
+    data = prepare_data(job)  # the whole window, as every job: an older day may have changed
     tags = {"antdt.retrain.key": key, "antdt.retrain.day": settings.day, **(run_tags or {})}
     spec = job_spec(job, data, run_tags=tags, run_name=f"retrain {settings.day}")
     workers = job.train.workers if settings.scheduler is None else None
