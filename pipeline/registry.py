@@ -347,6 +347,29 @@ class Decision:
                          "antdt.promotion.gain": str(self.gain)})
         return tags
 
+    @classmethod
+    def from_tags(cls, model: str, version: str, tags: Mapping[str, str]) -> Decision | None:
+        """The decision :meth:`tags` recorded on ``model`` version ``version`` (None: no
+        decision among ``tags``)."""
+        if "antdt.promotion.decision" not in tags:
+            return None
+
+        def value(key: str) -> str | None:
+            found = tags.get(f"antdt.promotion.{key}")
+            return None if found in (None, "None") else found
+
+        def score(key: str) -> float | None:
+            found = value(key)
+            return None if found is None else float(found)
+
+        return cls(model, version, value("champion_version"),
+                   Outcome(tags["antdt.promotion.decision"]), tags["antdt.promotion.metric"],
+                   score("candidate_score"), score("champion_score"),
+                   float(tags["antdt.promotion.min_gain"]),
+                   tuple(json.loads(tags.get("antdt.promotion.validation", "[]"))),
+                   int(tags.get("antdt.promotion.validation_rows", "0")),
+                   value("validation_fingerprint"))
+
     def metrics(self) -> dict[str, float]:
         """Both scores and the gain as the run's ``promotion.*`` metrics."""
         values = {f"promotion.candidate.{self.metric}": self.candidate_score,
@@ -400,24 +423,10 @@ def promote(name: str, *, version: int | None = None, metric: str = "auc",
 
 
 def recorded_decision(name: str, version: str, tracking_uri: str) -> Decision | None:
-    """The latest promotion decision recorded on version ``version`` of ``name`` (its
-    ``antdt.promotion.*`` tags), None when it was never judged."""
+    """The latest promotion decision recorded on version ``version`` of ``name``, None when it
+    was never judged."""
     tags = MlflowClient(tracking_uri).get_model_version(name, version).tags
-    if "antdt.promotion.decision" not in tags:
-        return None
-
-    def score(key: str) -> float | None:
-        value = tags.get(f"antdt.promotion.{key}")
-        return None if value in (None, "None") else float(value)
-
-    fingerprint = tags.get("antdt.promotion.validation_fingerprint")
-    return Decision(name, str(version), tags.get("antdt.promotion.champion_version"),
-                    Outcome(tags["antdt.promotion.decision"]), tags["antdt.promotion.metric"],
-                    score("candidate_score"), score("champion_score"),
-                    float(tags["antdt.promotion.min_gain"]),
-                    tuple(json.loads(tags.get("antdt.promotion.validation", "[]"))),
-                    int(tags.get("antdt.promotion.validation_rows", "0")),
-                    None if fingerprint in (None, "None") else fingerprint)
+    return Decision.from_tags(name, str(version), tags)
 
 
 def score_versions(name: str, versions: Sequence[str], files: Sequence[str], tracking_uri: str

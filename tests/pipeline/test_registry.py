@@ -25,8 +25,8 @@ from models.evaluate import auc
 from pipeline.cli import cli
 from pipeline.config import JobConfig, load_job
 from pipeline.local import train_local
-from pipeline.registry import (CHAMPION, Outcome, RegistryError, data_window, fingerprint,
-                               promote)
+from pipeline.registry import (CHAMPION, Decision, Outcome, RegistryError, data_window,
+                               fingerprint, promote)
 from pipeline.report import JobSummary
 
 MODEL = "ranker"
@@ -267,3 +267,15 @@ def test_bad_input_is_refused_in_one_line(versions: Versions, tmp_path: Path,
         promote(MODEL, version=2, on=[str(tmp_path / "missing")], tracking_uri=uri)
     with pytest.raises(RegistryError, match="min_gain"):
         promote(MODEL, min_gain=-0.1, tracking_uri=uri)
+
+
+@pytest.mark.parametrize("decision", [
+    Decision("ranking", "2", "1", Outcome.KEPT, "auc", 0.61, 0.64, 0.001,
+             ("/d/date=2026-11-03/part-0.parquet",), 12_000, "ab" * 32),
+    Decision("ranking", "1", None, Outcome.FIRST, "logloss", 0.52, None, 0.0, ("/d",), 10, "cd"),
+])
+def test_a_decision_reads_back_from_its_tags(decision: Decision) -> None:
+    """What a re-run reports of a day judged before (pipeline.retrain) is the decision
+    recorded then."""
+    assert Decision.from_tags(decision.model, decision.candidate, decision.tags()) == decision
+    assert Decision.from_tags("ranking", "3", {"antdt.job": "tiny"}) is None
