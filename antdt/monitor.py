@@ -21,10 +21,12 @@ calls it every tick). When a window closes:
 * every worker that committed in it gets a sample ``(BPT, rows, busy_s)``; the last ``history``
   samples are its sliding window (its rate is taken over them);
 * the cluster median BPT is the median over those workers;
-* a worker is **slow** in the window if its BPT is above ``slow-factor`` x the median. A lease
-  holder that is still training but committed nothing for the whole window is slow too (its
-  evidence BPT is the time since its last commit, a lower bound); any other silent worker gives
-  no evidence and keeps its verdict;
+* a worker is **slow** in the window if its BPT is above ``slow-factor`` x the median BPT of the
+  *other* workers: a worker is judged against its peers, not against a median it pulls up itself
+  (with two workers, one at 2x the other's BPT is 1.33x the median of both, but 2x its peer's).
+  A lease holder that is still training but committed nothing for the whole window is slow too
+  (its evidence BPT is the time since its last commit, a lower bound); any other silent worker
+  gives no evidence and keeps its verdict. A worker with no measured peer gets no verdict;
 * ``streak`` counts consecutive slow windows: 0 is :attr:`WorkerState.OK`, 1 to ``k - 1`` is
   :attr:`WorkerState.TRANSIENT`, ``k`` (``persistent-windows``) or more is
   :attr:`WorkerState.PERSISTENT`.
@@ -77,8 +79,8 @@ class WorkerState(enum.Enum):
 class Health(NamedTuple):
     """A worker's verdict with its evidence.
 
-    ``bpt`` and ``median`` are the worker's BPT and the cluster median BPT of ``window``, the
-    last window that gave evidence about it (None before any); ``streak`` its consecutive slow
+    ``bpt`` and ``median`` are the worker's BPT and the median BPT of the other workers in
+    ``window``, the last window that gave evidence about it (None before any); ``streak`` its consecutive slow
     windows; ``rate`` its rows/s over its sliding window; ``silent_s`` the seconds since its last
     commit (as of the last update) and ``timeout_s`` its hang timeout.
     """
@@ -157,6 +159,34 @@ class _Track:
 
 def _always(worker: str) -> bool:
     return True
+
+
+class _OthersMedian:
+    """Medians of a list of values with one of them left out, each in O(log n).
+
+    >>> others = _OthersMedian([1.0, 2.0, 4.0])
+    >>> others.without(4.0), others.without(1.0), others.without(None)
+    (1.5, 3.0, 2.0)
+    """
+
+    def __init__(self, values: list[float]) -> None:
+        self._sorted = np.sort(np.asarray(values, dtype=np.float64))
+
+    def without(self, value: float | None) -> float | None:
+        """The median of the values with one occurrence of ``value`` left out (all of them for
+        None); None when nothing is left."""
+        values = self._sorted
+        if value is None:
+            return float(np.median(values)) if len(values) else None
+        n = len(values) - 1
+        if n < 1:
+            return None
+        gone = int(np.searchsorted(values, value))
+
+        def at(i: int) -> float:  # the i-th of the values left
+            return float(values[i if i < gone else i + 1])
+
+        return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
 class Monitor:
@@ -323,19 +353,19 @@ class Monitor:
         self.windows += 1
         bpts: list[float] = []
         rates: list[float] = []
-        measured: list[tuple[str, _Track, float]] = []
+        measured: list[tuple[str, _Track, float, bool]] = []  # ..., BPT, whether in bpts
         for worker, track in self._tracks.items():
             if track.batches > 0 and track.busy > 0:
                 bpt = track.busy / track.batches
                 track.samples.append((bpt, track.rows, track.busy))
                 bpts.append(bpt)
                 rates.append(track.rows / track.busy)
-                measured.append((worker, track, bpt))
+                measured.append((worker, track, bpt, True))
             elif worker in holders:
                 last = track.since if track.last_commit is None else max(track.last_commit,
                                                                          track.since)
                 if end - last >= self.settings.window_s and training(worker):
-                    measured.append((worker, track, end - last))
+                    measured.append((worker, track, end - last, False))
             track.rows, track.busy, track.batches = 0, 0.0, 0.0
         if bpts:
             self.median_bpt = float(np.median(bpts))
@@ -343,14 +373,19 @@ class Monitor:
         gaps = [t.gap for t in self._tracks.values() if t.gap is not None]
         if gaps:
             self.median_gap = float(np.median(gaps))
-        median = self.median_bpt
-        if median is None:
+        if bpts:
+            others = _OthersMedian(bpts)
+        elif self.median_bpt is not None:  # only silent holders: judged by the last median
+            others = _OthersMedian([self.median_bpt])
+        else:
             return
-        limit = self.settings.slow_factor * median
-        k = self.settings.persistent_windows
-        for worker, track, bpt in measured:
+        slow_factor, k = self.settings.slow_factor, self.settings.persistent_windows
+        for worker, track, bpt, sampled in measured:
+            median = others.without(bpt if sampled else None)
+            if median is None:
+                continue
             track.bpt, track.median, track.window = bpt, median, window
-            track.streak = track.streak + 1 if bpt > limit else 0
+            track.streak = track.streak + 1 if bpt > slow_factor * median else 0
             verdict = WorkerState.OK if track.streak == 0 else \
                 WorkerState.PERSISTENT if track.streak >= k else WorkerState.TRANSIENT
             if verdict is not track.verdict:

@@ -40,7 +40,7 @@ def test_slow_worker_goes_transient_then_persistent_then_recovers() -> None:
     run(monitor, clock, 10, speeds)
     slow = monitor.health("slow")
     assert slow is not None and slow.state is WorkerState.TRANSIENT and slow.streak == 1
-    assert slow.median == pytest.approx((0.1 + 1 / 9) / 2)  # BPT = 1 s per commit / (rows / 10)
+    assert slow.median == pytest.approx(0.1)  # of a, b, c's BPTs = 1 s per commit / (rows / 10)
     assert slow.bpt == pytest.approx(0.25) and slow.window == 0
     assert monitor.health("c").state is WorkerState.OK  # 1.05x the median is not slow
     run(monitor, clock, 20, speeds)
@@ -51,6 +51,31 @@ def test_slow_worker_goes_transient_then_persistent_then_recovers() -> None:
     run(monitor, clock, 10, {**speeds, "slow": 100})
     assert monitor.health("slow").state is WorkerState.OK
     assert monitor.flagged() == []
+
+
+def test_a_worker_is_judged_against_the_others() -> None:
+    """Two workers, one at twice the other's BPT: 1.33x the median of both (under the slow
+    factor) but 2x its only peer's, so it is flagged, and persistently."""
+    clock = Clock()
+    monitor = Monitor(clock, batch_rows=10, settings=SETTINGS)
+    speeds = {"fast": 100, "contended": 50}
+    monitor.update(list(speeds))
+    run(monitor, clock, 30, speeds)
+    contended, fast = monitor.health("contended"), monitor.health("fast")
+    assert contended.state is WorkerState.PERSISTENT and contended.streak == 3
+    assert contended.median == pytest.approx(0.1) and contended.bpt == pytest.approx(0.2)
+    assert fast.state is WorkerState.OK and fast.median == pytest.approx(0.2)
+    assert monitor.median_bpt == pytest.approx(0.15)
+    assert [h.worker for h in monitor.flagged()] == ["contended"]
+
+
+def test_a_lone_worker_gets_no_verdict() -> None:
+    clock = Clock()
+    monitor = Monitor(clock, batch_rows=10, settings=SETTINGS)
+    run(monitor, clock, 30, {"only": 10})
+    only = monitor.health("only")
+    assert only.state is WorkerState.OK and only.median is None and only.window is None
+    assert monitor.median_bpt == pytest.approx(1.0)
 
 
 def test_agent_stats_take_precedence_over_commit_gaps() -> None:
