@@ -4,13 +4,13 @@
 ```
  every tick:  Monitor.update ──► Tick (ledger, verdicts, leases) ──► policy.run(tick) yields actions
                                                                             │
-    ledger.revoke / ledger.split / retire(worker) / batch size  ◄── resolve conflicts, apply
+    ledger.revoke / split / pace, retire(worker), batch size  ◄── resolve conflicts, apply
                                                                             │
                                     log + Dask event (topic "antdt") + record (count, records)
 ```
 
 Actions are typed (:class:`Reassign`, :class:`Split`, :class:`Revoke`, :class:`Retire`,
-:class:`AdjustBatch`), each with its :class:`Evidence`. The mechanism resolves conflicts before
+:class:`Pace`, :class:`AdjustBatch`), each with its :class:`Evidence`. The mechanism resolves conflicts before
 applying anything:
 
 * one action per lease per tick; the strongest wins (``Revoke`` > ``Reassign`` > ``Split``, then
@@ -23,7 +23,8 @@ applying anything:
 
 Only unclaimed rows move (the ledger's exactly-once rule), so every action is safe to apply at any
 time. Built-in policies (the defaults under ``antdt.controller.policies``, in this order):
-:class:`RevokeHung`, :class:`RetireHung`, :class:`ReassignStragglers`, :class:`SplitTail`.
+:class:`RevokeHung`, :class:`RetireHung`, :class:`ReassignStragglers`, :class:`PaceStragglers`,
+:class:`SplitTail`.
 Opt-in: :class:`RetirePersistent` (in the asynchronous mode retiring a persistent straggler only
 gives up its share unless a cluster manager replaces it) and :class:`BalanceBatch` (synchronous
 mode). A user policy is a :class:`ControllerPolicy` subclass named by dotted path in dask
@@ -50,18 +51,18 @@ from __future__ import annotations
 from __future__ import annotations
 
 from antdt.controller.actions import (ACTION_NAMES, Action, ActionRecord, AdjustBatch, Evidence,
-                                      LeaseAction, Reassign, Retire, Revoke, Split)
+                                      LeaseAction, Pace, Reassign, Retire, Revoke, Split)
 from antdt.controller.mechanism import Controller
 from antdt.controller.plugin import (EVENT_TOPIC, PLUGIN_NAME, ControllerPlugin,
                                      controller_actions, enable_controller)
-from antdt.controller.policies import (BalanceBatch, ControllerPolicy, ReassignStragglers,
-                                       RetireHung, RetirePersistent, RevokeHung, SplitTail, Tick,
-                                       load_policies)
+from antdt.controller.policies import (BalanceBatch, ControllerPolicy, PaceStragglers,
+                                       ReassignStragglers, RetireHung, RetirePersistent,
+                                       RevokeHung, SplitTail, Tick, load_policies)
 
 __all__ = [
     "ACTION_NAMES", "EVENT_TOPIC", "PLUGIN_NAME", "Action", "ActionRecord", "AdjustBatch",
     "BalanceBatch", "Controller", "ControllerPlugin", "ControllerPolicy", "Evidence",
-    "LeaseAction", "Reassign", "ReassignStragglers", "Retire", "RetireHung", "RetirePersistent",
-    "Revoke", "RevokeHung", "Split", "SplitTail", "Tick", "controller_actions",
-    "enable_controller", "load_policies",
+    "LeaseAction", "Pace", "PaceStragglers", "Reassign", "ReassignStragglers", "Retire",
+    "RetireHung", "RetirePersistent", "Revoke", "RevokeHung", "Split", "SplitTail", "Tick",
+    "controller_actions", "enable_controller", "load_policies",
 ]

@@ -54,6 +54,14 @@ class Retire(NamedTuple):
     evidence: Evidence
 
 
+class Pace(NamedTuple):
+    """Hold the worker's leases and claims to ``rows`` rows (0: no new lease; None: lift)."""
+
+    worker: str
+    rows: int | None
+    evidence: Evidence
+
+
 class AdjustBatch(NamedTuple):
     """Set the worker's batch size (synchronous mode)."""
 
@@ -62,16 +70,17 @@ class AdjustBatch(NamedTuple):
     evidence: Evidence
 
 
-Action: TypeAlias = Reassign | Split | Revoke | Retire | AdjustBatch
+Action: TypeAlias = Reassign | Split | Revoke | Retire | Pace | AdjustBatch
 LeaseAction: TypeAlias = Reassign | Split | Revoke
 
 ACTION_NAMES: dict[type, str] = {Reassign: "reassign", Split: "split", Revoke: "revoke",
-                                 Retire: "retire", AdjustBatch: "adjust_batch"}
+                                 Retire: "retire", Pace: "pace", AdjustBatch: "adjust_batch"}
 
 
 class ActionRecord(TypedDict):
     """An applied action as logged, emitted and kept (plain, msgpack-able). ``rows``: rows moved
-    to the queue (lease actions); ``seq``: its index among the job's applied actions."""
+    to the queue (lease actions); ``size``: the batch size (adjust_batch) or the most rows a
+    lease may hold (pace; None: lifted); ``seq``: its index among the job's applied actions."""
 
     seq: int
     tick: int

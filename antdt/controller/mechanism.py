@@ -14,7 +14,7 @@ from typing import Any
 
 from antdt import config
 from antdt.controller.actions import (ACTION_NAMES, Action, ActionRecord, AdjustBatch,
-                                      LeaseAction, Reassign, Retire, Revoke, Split)
+                                      LeaseAction, Pace, Reassign, Retire, Revoke, Split)
 from antdt.controller.policies import ControllerPolicy, Tick, load_policies
 from antdt.monitor import Monitor
 from antdt.sharding import Clock, JobState, ShardLedger
@@ -103,7 +103,8 @@ class Controller:
 
     def _resolve(self, proposed: list[tuple[str, Action]],
                  workers: Collection[str]) -> list[tuple[str, Action]]:
-        """The accepted actions: retirements first, then lease actions, then batch sizes."""
+        """The accepted actions: retirements first, then lease actions, then paces and batch
+        sizes (one per worker)."""
         budget = len(workers) - self.min_workers
         retiring: dict[str, tuple[str, Action]] = {}
         for policy, action in proposed:
@@ -116,7 +117,7 @@ class Controller:
                     continue
                 retiring[action.worker] = (policy, action)
         by_lease: dict[int, tuple[str, LeaseAction]] = {}
-        batches: dict[str, tuple[str, Action]] = {}
+        per_worker: dict[tuple[type, str], tuple[str, Action]] = {}
         for policy, action in proposed:
             if isinstance(action, (Reassign, Split, Revoke)):
                 if action.lease.worker in retiring:
@@ -124,10 +125,10 @@ class Controller:
                 held = by_lease.get(action.lease.lease_id)
                 if held is None or _STRENGTH[type(action)] > _STRENGTH[type(held[1])]:
                     by_lease[action.lease.lease_id] = (policy, action)
-            elif isinstance(action, AdjustBatch):
+            elif isinstance(action, (AdjustBatch, Pace)):
                 if action.worker not in retiring:
-                    batches.setdefault(action.worker, (policy, action))
-        return [*retiring.values(), *by_lease.values(), *batches.values()]
+                    per_worker.setdefault((type(action), action.worker), (policy, action))
+        return [*retiring.values(), *by_lease.values(), *per_worker.values()]
 
     def _apply(self, policy: str, action: Action, stimulus_id: str,
                now: float) -> ActionRecord | None:
@@ -138,6 +139,9 @@ class Controller:
         elif isinstance(action, AdjustBatch):
             worker, size = action.worker, action.size
             self.batch_sizes[worker] = size
+        elif isinstance(action, Pace):
+            worker, size = action.worker, action.rows
+            self.ledger.pace(worker, size)
         else:
             worker, lease_id = action.lease.worker, action.lease.lease_id
             status = self.ledger.lease_status(lease_id)

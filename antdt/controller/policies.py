@@ -12,8 +12,8 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 from antdt import config
-from antdt.controller.actions import (Action, AdjustBatch, Evidence, Reassign, Retire, Revoke,
-                                      Split)
+from antdt.controller.actions import (Action, AdjustBatch, Evidence, Pace, Reassign, Retire,
+                                      Revoke, Split)
 from antdt.errors import ConfigError
 from antdt.monitor import Monitor, WorkerState
 from antdt.sharding import LeaseStatus, ShardLedger
@@ -117,6 +117,50 @@ class ReassignStragglers(ControllerPolicy):
                     yield Reassign(lease, Evidence.of(health, (
                         f"{health.state.value} straggler: BPT {health.bpt:.3g}s vs median "
                         f"{health.median:.3g}s")))
+
+
+@dataclass(repr=False)
+class PaceStragglers(ControllerPolicy):
+    """As the job's rows run out, size a straggler's leases to its pace: at most what it trains
+    in ``fraction`` of the time the whole cluster needs for the rows left, in whole batches
+    rounded down to a power of two (so a pace changes a few times a job, not every tick), and no
+    lease at all once that is less than a batch. The others take the rest; the straggler's last
+    claim ends before theirs instead of holding the job's end.
+
+    The time left is ``(rows to do + rows leased) / the workers' summed rates``. A pace is set only
+    while a worker that is not a straggler takes the rows, and lifted when the worker recovers
+    (or when nobody else is left)."""
+
+    fraction: float = 0.5
+
+    def run(self, tick: Tick) -> Iterator[Action]:
+        ledger = tick.ledger
+        wanted: dict[str, tuple[int, Evidence]] = {}
+        slow = {h.worker: h for h in tick.flagged
+                if h.state in (WorkerState.TRANSIENT, WorkerState.PERSISTENT)}
+        rates = {w: rate for w in tick.workers if (rate := tick.rate(w)) is not None}
+        capacity = sum(rates.values())
+        if slow and capacity > 0 and any(w not in slow for w in rates):
+            left_s = (ledger.rows_todo + ledger.rows_leased) / capacity
+            largest = max(ledger.shard_rows, ledger.max_claim_rows)
+            for worker, health in slow.items():
+                rate = rates.get(worker)
+                if rate is None:
+                    continue
+                batches = int(self.fraction * rate * left_s) // ledger.batch_rows
+                rows = ledger.batch_rows * (1 << (batches.bit_length() - 1)) if batches else 0
+                if rows < largest:
+                    wanted[worker] = rows, Evidence.of(health, (
+                        f"{health.state.value} straggler at {rate:.4g} rows/s, the job's rows "
+                        f"last {left_s:.1f}s: leases of at most {rows} rows"))
+        paces = ledger.paces
+        for worker, (rows, evidence) in wanted.items():
+            if paces.get(worker) != rows:
+                yield Pace(worker, rows, evidence)
+        for worker in paces.keys() - wanted.keys():
+            verdict = tick.monitor.health(worker)
+            state = "gone" if verdict is None else verdict.state.value
+            yield Pace(worker, None, Evidence.of(verdict, f"pace lifted: the worker is {state}"))
 
 
 @dataclass(repr=False)

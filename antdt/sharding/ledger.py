@@ -50,6 +50,16 @@ commits. Commits are idempotent (the same offsets twice change nothing); an offs
 backwards or beyond the claim, a synced offset beyond the offset, or a wrong token raises
 :class:`~antdt.errors.LedgerError` and changes nothing.
 
+Paced workers
+-------------
+The controller may **pace** a worker it knows to be slow (:meth:`ShardLedger.pace`): its leases
+and claims are at most ``rows`` rows (a new lease takes the front of a piece, the rest stays at
+the queue front for the others), and with ``rows == 0`` it gets no new lease ("wait") and a
+commit of one of its leases revokes the unclaimed rows. So, as the job's rows run out, a slow
+worker takes only what it finishes before the others do, and the last rows of the job are never
+in a straggler's claim. Paces are the controller's to set and lift; a checkpoint does not keep
+them.
+
 Exactly-once
 ------------
 ``revoke`` and ``split`` move only rows beyond the claim, so the holder never trains a row that
@@ -270,6 +280,7 @@ class ShardLedger:
         self._slots = [_StaticSlot(k) for k in range(self.static or 0)]
         self._slot_of: dict[str, _StaticSlot] = {}
         self._perms: dict[int, np.ndarray] = {}
+        self._paces: dict[str, int] = {}
 
         self.rows_expected = self.total_rows * self.epochs
         self.rows_quarantined = sum(r.rows for r in self._records)
@@ -323,6 +334,11 @@ class ShardLedger:
             "static": self.static, "stopped_reason": self._stopped,
         }
 
+    @property
+    def paces(self) -> dict[str, int]:
+        """Paced workers and the most rows a lease or claim of each may hold (a copy)."""
+        return dict(self._paces)
+
     def leases(self, worker: str | None = None) -> list[LeaseStatus]:
         """Live leases (of ``worker`` only, if given), oldest first."""
         ids = self._by_worker.get(worker, {}) if worker is not None else self._leases
@@ -342,10 +358,13 @@ class ShardLedger:
         """Hand ``worker`` the next rows: the queue front first, then the epoch permutation."""
         if not isinstance(worker, str) or not worker:
             raise LedgerError(f"job {self.job!r}: worker must be a non-empty str, found {worker!r}")
-        claim = self._claim_size(claim_rows)
+        claim = self._claim_size(claim_rows, worker)
         if self._stopped is not None:
             return Stop(self._stopped)
-        if self.static is None:
+        pace = self._paces.get(worker)
+        if pace == 0:
+            piece = None
+        elif self.static is None:
             piece = self._next_piece()
         else:
             slot = self._slot_for(worker)
@@ -353,6 +372,9 @@ class ShardLedger:
         if piece is None:
             return Stop("finished") if self.state is JobState.FINISHED else Wait()
         epoch, shard, start, stop = piece
+        if pace is not None and stop - start > pace:
+            self._push_front([(epoch, shard, start + pace, stop)], worker)
+            stop = start + pace
         now = self._clock()
         lease_id = self._next_id
         self._next_id += 1
@@ -376,7 +398,7 @@ class ShardLedger:
         lease = self._live(lease_id, token)
         offset = _check_int(f"lease {lease_id}: offset", offset, 0)
         synced_offset = _check_int(f"lease {lease_id}: synced_offset", synced_offset, 0)
-        claim = self._claim_size(claim_rows)
+        claim = self._claim_size(claim_rows, lease.worker)
         if offset < lease.offset:
             raise LedgerError(f"job {self.job!r} lease {lease_id}: offset {offset} goes backwards "
                               f"(committed offset is {lease.offset})")
@@ -403,6 +425,9 @@ class ShardLedger:
             event = CommitEvent(lease.worker, lease_id, lease.epoch, trained, stats or {}, now)
             for listener in self._listeners:
                 listener(event)
+        if self._paces.get(lease.worker) == 0 and not lease.revoked:
+            lease.revoked = True
+            self._cut(lease, lease.claim_stop, 1)
         retired = self._retire_if_synced(lease)
         if lease.revoked:
             return Revoked(lease_id, lease.stop, retired)
@@ -467,11 +492,24 @@ class ShardLedger:
         at = max(lease.claim_stop, keep)
         return self._cut(lease, at, min(parts - 1, max(1, (lease.stop - at) // self.batch_rows)))
 
+    def pace(self, worker: str, rows: int | None) -> None:
+        """Hold ``worker``'s leases and claims to at most ``rows`` rows (whole batches; 0: no new
+        lease, and its leases are revoked at their next commit); None lifts the pace."""
+        if rows is None:
+            self._paces.pop(worker, None)
+            return
+        rows = _check_int(f"pace of {worker}", rows, 0, 2**31 - 1)
+        if rows % self.batch_rows:
+            raise LedgerError(f"job {self.job!r}: the pace of {worker} must be whole batches of "
+                              f"{self.batch_rows} rows, found {rows}")
+        self._paces[worker] = rows
+
     def remove_worker(self, worker: str) -> int:
         """The worker is gone: rows ``[synced, stop)`` of each of its leases go back to the queue
         front (trained-but-unsynced rows count as duplicated). Returns the rows requeued."""
         ids = sorted(self._by_worker.get(worker, ()), reverse=True)
         requeued = sum(self._requeue_lease(self._leases[i]) for i in ids)
+        self._paces.pop(worker, None)
         slot = self._slot_of.pop(worker, None)
         if slot is not None:
             slot.worker = None
@@ -621,13 +659,15 @@ class ShardLedger:
                            lease.stop, lease.offset, lease.synced, lease.claim_stop,
                            lease.revoked, lease.leased_at, lease.committed_at)
 
-    def _claim_size(self, claim_rows: int | None) -> int:
-        """Requested claim rounded up to whole batches, within ``[batch_rows, max_claim_rows]``."""
+    def _claim_size(self, claim_rows: int | None, worker: str) -> int:
+        """Requested claim rounded up to whole batches, within ``[batch_rows, max_claim_rows]``
+        and the worker's pace (never below one batch: a claim is never empty)."""
         if claim_rows is None:
             return self.batch_rows
         claim_rows = _check_int("claim_rows", claim_rows, 0, 2**31 - 1)
         batches = max(1, -(-claim_rows // self.batch_rows))
-        return min(batches * self.batch_rows, self.max_claim_rows)
+        most = min(self.max_claim_rows, self._paces.get(worker, self.max_claim_rows))
+        return max(self.batch_rows, min(batches * self.batch_rows, most))
 
     def _known(self, lease_id: int) -> _LiveLease:
         if isinstance(lease_id, bool) or not isinstance(lease_id, int):

@@ -12,10 +12,9 @@ import dask.config
 import pytest
 
 from antdt.controller import (ActionRecord, AdjustBatch, BalanceBatch, Controller,
-                              ControllerPolicy, Evidence, Reassign, ReassignStragglers, Retire,
-                              RetireHung,
-                              RetirePersistent, Revoke, RevokeHung, Split, SplitTail, Tick,
-                              load_policies)
+                              ControllerPolicy, Evidence, PaceStragglers, Reassign,
+                              ReassignStragglers, Retire, RetireHung, RetirePersistent, Revoke,
+                              RevokeHung, Split, SplitTail, Tick, load_policies)
 from antdt.errors import ConfigError
 from antdt.monitor import Monitor, MonitorSettings
 from antdt.sharding import Claim, JobState, Lease, Revoked, ShardLedger
@@ -148,6 +147,45 @@ def test_tail_is_split_so_the_job_ends_sooner() -> None:
     assert "target 2.0s" in first["reason"]
 
 
+def test_a_paced_straggler_does_not_hold_the_end_of_the_job() -> None:
+    """Without a pace the 4x straggler leases again until the end and trains the job's last
+    rows; paced, its leases shrink as the rows run out (by halves, each applied once), it gets
+    none at the end and finishes before the others."""
+    def last_lease_ends(policies: list[ControllerPolicy]) -> tuple[dict[str, float], Rig]:
+        rig = Rig("abcd", policies, rows=4000)
+        ends: dict[str, float] = {}
+        leases_when_stopped = None  # d's leases when its pace fell to 0
+        while rig.ledger.state is JobState.RUNNING:
+            rig.run(1, {"a": 20, "b": 20, "c": 20, "d": 5})
+            ends.update((worker, rig.clock.now) for worker in rig.held)
+            if leases_when_stopped is None and rig.ledger.paces.get("d") == 0:
+                leases_when_stopped = [lease for lease in rig.leases if lease.worker == "d"]
+        assert rig.ledger.rows_done == 4000 and set(rig.trained.values()) == {1}
+        if leases_when_stopped is not None:
+            assert [lease for lease in rig.leases if lease.worker == "d"] == leases_when_stopped
+        return ends, rig
+
+    plain, _ = last_lease_ends([ReassignStragglers(), SplitTail()])
+    assert plain["d"] >= max(plain[w] for w in "abc")
+    paced, rig = last_lease_ends([ReassignStragglers(), PaceStragglers(), SplitTail()])
+    assert paced["d"] < min(paced[w] for w in "abc")
+    paces = [(r["worker"], r["size"]) for r in rig.applied if r["action"] == "pace"]
+    assert paces == [("d", 80), ("d", 40), ("d", 20), ("d", 10), ("d", 0)]
+    first = next(r for r in rig.applied if r["action"] == "pace")
+    assert first["policy"] == "PaceStragglers" and "at most 80 rows" in first["reason"]
+    assert rig.ledger.paces == {"d": 0}
+
+
+def test_a_pace_is_lifted_when_the_worker_recovers() -> None:
+    rig = Rig("abcd", [ReassignStragglers(), PaceStragglers(fraction=0.01)], rows=100_000)
+    rig.run(10, {"a": 20, "b": 20, "c": 20, "d": 5})
+    assert rig.ledger.paces == {"d": 40}  # 1% of the job's 1,500 s at 5 rows/s: 7 batches
+    rig.run(20, {"a": 20, "b": 20, "c": 20, "d": 20})
+    lifted = rig.applied[-1]
+    assert lifted["action"] == "pace" and lifted["size"] is None
+    assert lifted["reason"] == "pace lifted: the worker is ok" and rig.ledger.paces == {}
+
+
 def test_persistent_stragglers_retire_slowest_first_never_below_min_workers(
         caplog: pytest.LogCaptureFixture) -> None:
     rig = Rig("abcd", [RetirePersistent(max_fraction=1.0)], rows=100_000, min_workers=3)
@@ -254,7 +292,7 @@ def test_user_policy_is_loaded_by_dotted_path_from_dask_config(
 def test_default_policies_and_config_errors() -> None:
     policies = load_policies()
     assert [repr(p) for p in policies] == ["RevokeHung()", "RetireHung()",
-                                           "ReassignStragglers()", "SplitTail()"]
+                                           "ReassignStragglers()", "PaceStragglers()", "SplitTail()"]
     assert policies[1].after_s == 30  # RetirePersistent is opt-in (see antdt.yaml)
     (retire,) = load_policies([{"class": "antdt.controller.RetirePersistent",
                                 "max_fraction": 0.1}])

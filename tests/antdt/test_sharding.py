@@ -175,6 +175,28 @@ def test_split_keeps_the_first_part_and_queues_the_rest_in_order() -> None:
         short.split(lease.lease_id, 1)
 
 
+def test_a_paced_worker_leases_at_most_its_pace_and_none_at_zero() -> None:
+    ledger = make(row_groups=[("a", 0, 12)], shard_rows=12, batch_rows=2, max_claim_rows=8)
+    ledger.pace("slow", 4)
+    lease = ledger.lease("slow", claim_rows=8)
+    assert isinstance(lease, Lease) and (lease.start, lease.stop, lease.claim_stop) == (0, 4, 4)
+    other = ledger.lease("fast", claim_rows=2)  # the rest of the shard stayed at the front
+    assert isinstance(other, Lease) and (other.start, other.stop, other.claim_stop) == (4, 12, 6)
+    ledger.commit(other.lease_id, other.token, 6, 6, claim_rows=2)
+    ledger.pace("fast", 0)  # its next commit revokes the unclaimed rows
+    reply = ledger.commit(other.lease_id, other.token, 8, 8, claim_rows=8)
+    assert isinstance(reply, Revoked) and reply.stop == 8
+    assert isinstance(ledger.lease("fast"), Wait)
+    ledger.pace("fast", None)
+    assert ledger.paces == {"slow": 4}
+    again = ledger.lease("fast")
+    assert isinstance(again, Lease) and (again.start, again.stop) == (8, 12)
+    with pytest.raises(LedgerError, match="whole batches of 2 rows, found 3"):
+        ledger.pace("slow", 3)
+    ledger.remove_worker("slow")
+    assert ledger.paces == {}
+
+
 def test_removed_worker_requeues_claim_and_unsynced_rows_counted_duplicated() -> None:
     ledger = make(row_groups=[("f", 0, 8)], shard_rows=8, batch_rows=2)
     lease = ledger.lease("dead")
@@ -401,7 +423,7 @@ WORKERS = ["w0", "w1", "w2"]
 
 
 class LedgerMachine(RuleBasedStateMachine):
-    """Workers lease and commit (syncing late), the controller revokes and splits, workers die,
+    """Workers lease and commit (syncing late), the controller revokes, splits and paces, workers die,
     rows get quarantined, the ledger is checkpointed and restored; at the end every row of every
     epoch was made effective (synced) or quarantined exactly once and the counters add up. The
     same holds for the static baseline (fewer slots than workers: some wait)."""
@@ -422,14 +444,19 @@ class LedgerMachine(RuleBasedStateMachine):
         self.worker_of: dict[int, str] = {}
         self.trained: Counter = Counter()
         self.effective: set = set()
+        self.paces: dict[str, int] = {}
 
     # the worker side
 
     @rule(worker=st.sampled_from(WORKERS), claim_rows=st.none() | st.integers(0, 8))
     def lease(self, worker: str, claim_rows: int | None) -> None:
         reply = self.ledger.lease(worker, claim_rows)
+        pace = self.paces.get(worker)
+        if pace == 0:
+            assert not isinstance(reply, Lease)
         if isinstance(reply, Lease):
             assert reply.start < reply.claim_stop <= reply.stop
+            assert pace is None or reply.stop - reply.start <= pace
             self.live[reply.lease_id] = ModelLease(reply, reply.start, reply.start,
                                                    reply.claim_stop)
             self.worker_of[reply.lease_id] = worker
@@ -510,9 +537,19 @@ class LedgerMachine(RuleBasedStateMachine):
     def split(self, data: st.DataObject, parts: int) -> None:
         self.ledger.split(data.draw(st.sampled_from(sorted(self.live))), parts)
 
+    @rule(worker=st.sampled_from(WORKERS), batches=st.none() | st.integers(0, 3))
+    def pace(self, worker: str, batches: int | None) -> None:
+        rows = None if batches is None else batches * self.ledger.batch_rows
+        self.ledger.pace(worker, rows)
+        self.paces.pop(worker, None)
+        if rows is not None:
+            self.paces[worker] = rows
+        assert self.ledger.paces == self.paces
+
     @rule(worker=st.sampled_from(WORKERS))
     def remove_worker(self, worker: str) -> None:
         self.ledger.remove_worker(worker)
+        self.paces.pop(worker, None)
         for lease_id in [i for i in self.live if self.worker_of[i] == worker]:
             del self.live[lease_id]
 
@@ -521,6 +558,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def checkpoint_restore(self) -> None:
         self.ledger = ShardLedger.from_bytes(self.ledger.to_bytes(), clock=FakeClock())
         self.live.clear()
+        self.paces.clear()
 
     @precondition(lambda self: self.ledger.state is JobState.RUNNING)
     @rule(probability=st.integers(0, 9))
