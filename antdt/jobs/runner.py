@@ -144,6 +144,7 @@ class JobRunner:
         self._spans: list[tuple[str, int, float, float, int, str]] = []
         self._first_lease: dict[str, float] = {}
         """Per worker, when its first lease started (seconds after training started)."""
+        self._last_row = 0.0  # when the last lease that trained rows ended (time())
         self._steps: list[tuple[int, dict[str, float]]] = []
         self._step = 0
         self._pending_metrics: list[Future] = []
@@ -183,7 +184,9 @@ class JobRunner:
                 "actions_total": len(self._actions), "summary": self.summary,
                 "tags": dict(self.plan.tags), "sharding": self.plan.sharding,
                 "agents": [s.as_dict() for s in self.slots],
-                "first_lease": dict(self._first_lease), "checkpoint": self._last_checkpoint(),
+                "first_lease": dict(self._first_lease),
+                "last_row": self._last_row - self._train_started if self._last_row else None,
+                "checkpoint": self._last_checkpoint(),
                 "checkpoints": self._checkpoints(), "rows_replayed": self.rows_replayed,
                 "resumes": self.resumes}
 
@@ -598,6 +601,8 @@ class JobRunner:
                 elif self._leasing.pop(key, None) is not None:
                     self._spans.append((*key, float(msg["start"]), float(msg["time"]),
                                         int(msg["rows"]), str(msg["outcome"])))
+                    if int(msg["rows"]):
+                        self._last_row = max(self._last_row, float(msg["time"]))
             elif kind == "progress":
                 fresh[worker] = float(msg["samples_per_s"])
                 if msg.get("loss") is not None:

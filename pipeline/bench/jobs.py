@@ -84,13 +84,25 @@ def with_train(job: JobConfig, *, sharding: Sharding | None = None,
 @dataclass(frozen=True)
 class Outcome:
     """One benchmark run: its summary, its agents (rows, busy seconds, start and end), when
-    each worker's first lease started (seconds after training started) and why the driver
-    stopped it, if it did."""
+    each worker's first lease started and when the last lease that trained rows ended (seconds
+    after training started), and why the driver stopped it, if it did."""
 
     summary: JobSummary
     slots: list[AgentRecord]
     first_lease: dict[str, float]
+    last_row: float | None
     stopped: str | None
+
+    def overhead(self) -> dict[str, float | None]:
+        """The job's fixed costs inside its training seconds: ``start_s`` until every agent
+        of the start has its first lease (models built, readers open), ``tail_s`` from the last
+        row trained until the last agent ended (the final sync round), ``fixed_s`` both."""
+        starts = [self.first_lease.get(slot.worker) for slot in self.slots if not slot.join]
+        start = max((s for s in starts if s is not None), default=None)
+        tail = None if self.last_row is None else max(0.0, self.summary.train_s - self.last_row)
+        fixed = None if start is None or tail is None else start + tail
+        return {name: None if value is None else round(value, 2)
+                for name, value in (("start_s", start), ("tail_s", tail), ("fixed_s", fixed))}
 
 
 def run_async(job: JobConfig, workers: int, *, deadline_s: float | None = None,
@@ -104,7 +116,7 @@ def run_async(job: JobConfig, workers: int, *, deadline_s: float | None = None,
             JobClient(client) as jobs:
         record = jobs.follow(jobs.submit(spec)["job"]["job_id"])
     return Outcome(outcome(record), [AgentRecord.of(a) for a in record["agents"]],
-                   record["first_lease"], record["stopped"])
+                   record["first_lease"], record["last_row"], record["stopped"])
 
 
 def pin_process(cpus: set[int]) -> None:

@@ -1,7 +1,9 @@
 """`antdt bench scaling`: async samples/s with 1 and 2 workers (one thread each) on this machine.
 
 Every worker count trains the same synthetic job on a fresh LocalCluster; samples/s is rows
-trained over training seconds (first agent started to last agent ended). Repeats are interleaved
+trained over training seconds (first agent started to last agent ended). The job is sized by
+time (:mod:`pipeline.bench.sizing`): ``--target-s`` seconds of ideal training with the largest
+worker count, unless ``--rows`` names its size. Repeats are interleaved
 and the medians compared; the single-process local mode (one thread) is measured beside them.
 
 The machine's own ceiling for this workload is measured in the same run: as many bare processes
@@ -24,7 +26,8 @@ from antdt.device import prepare_process
 from data.reader import ShardReader
 from models.train_step import TrainStep
 from pipeline.bench import emit, median_of
-from pipeline.bench.jobs import SET_HELP, echo, run_async, synthetic_job, with_train
+from pipeline.bench.jobs import SET_HELP, echo, run_async, with_train
+from pipeline.bench.sizing import sized_job
 from pipeline.config import JobConfig
 from pipeline.local import iterate_batches, prepare_data, train_local
 
@@ -64,7 +67,11 @@ def machine_samples_per_s(job: JobConfig, processes: int) -> float:
 
 
 @click.command("scaling")
-@click.option("--rows", type=click.IntRange(min=10_000), default=1_200_000, show_default=True)
+@click.option("--target-s", type=click.FloatRange(min=1.0), default=30.0, show_default=True,
+              help="Size the dataset for this many seconds of ideal training with the most "
+                   "workers (a calibration run measures this machine's speed first).")
+@click.option("--rows", type=click.IntRange(min=10_000), default=None,
+              help="Instead of --target-s, a dataset of exactly this many synthetic rows.")
 @click.option("--data", "data_dir", default=None,
               help="Where the synthetic data is made, then reused (default: "
                    ".antdt-bench/synthetic-ROWS).")
@@ -73,19 +80,22 @@ def machine_samples_per_s(job: JobConfig, processes: int) -> float:
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--json", "as_json", is_flag=True)
-def command(rows: int, data_dir: str | None, workers: str, repeats: int,
-            overrides: tuple[str, ...], as_json: bool) -> None:
+def command(target_s: float, rows: int | None, data_dir: str | None, workers: str,
+            repeats: int, overrides: tuple[str, ...], as_json: bool) -> None:
     """Samples/s of the async mode with 1 and 2 workers (target: 2 workers >= 1.7x one), next
     to the machine's own ceiling for the same work."""
     counts = [int(w) for w in workers.split(",")]
-    job = with_train(synthetic_job(data_dir, rows=rows, overrides=overrides), mode="async")
+    job, sizing = sized_job(max(counts), target_s, rows, data_dir, overrides, as_json)
     rates: dict[int, list[float]] = {count: [] for count in counts}
     machine: dict[int, list[float]] = {count: [] for count in counts}
+    fixed: dict[int, list[float]] = {count: [] for count in counts}
     local: list[float] = []
     for repeat in range(repeats):
         for count in counts:
             echo(f"repeat {repeat + 1}/{repeats}: {count} worker(s)", as_json)
-            rates[count].append(run_async(job, count).summary.samples_per_s)
+            run = run_async(job, count)
+            rates[count].append(run.summary.samples_per_s)
+            fixed[count].append(run.overhead()["fixed_s"] or 0.0)
         for count in counts:
             echo(f"repeat {repeat + 1}/{repeats}: {count} bare process(es)", as_json)
             machine[count].append(machine_samples_per_s(job, count))
@@ -100,6 +110,7 @@ def command(rows: int, data_dir: str | None, workers: str, repeats: int,
           "local_samples_per_s": round(median_of(local)),
           "ratio": round(ratio, 3), "machine_ratio": round(machine_ratio, 3),
           "efficiency": round(ratio / machine_ratio, 3),
-          "workers": counts, "rows": rows, "repeats": repeats, "threads_per_worker": 1,
+          "fixed_s": {str(c): round(median_of(f), 2) for c, f in fixed.items()},
+          "workers": counts, **sizing.as_dict(), "repeats": repeats, "threads_per_worker": 1,
           "sync_period": str(job.train.sync_period)},
          as_json)

@@ -9,8 +9,10 @@ import pytest
 
 from antdt.errors import ConfigError
 from antdt.sync import SyncPeriod
-from pipeline.bench.jobs import synthetic_job, with_train
+from pipeline.bench.jobs import run_async, synthetic_job, with_train
 from pipeline.bench.scaling import bare_run
+from pipeline.bench.sizing import rows_for, sized_job, train_rows
+from pipeline.bench.stragglers import ideal_seconds
 from pipeline.config import FaultConfig, load_job
 from pipeline.local import prepare_data
 
@@ -35,3 +37,29 @@ def test_the_machine_ceiling_trains_every_row_once_over_its_processes(job_file: 
     assert len(results) == 2
     assert sum(rows for rows, _ in results) == train_rows * job.train.epochs
     assert all(rows > 0 and seconds > 0 for rows, seconds in results)
+
+
+@pytest.mark.slow
+def test_a_calibrated_job_trains_for_about_its_target(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibration run measures this machine; the dataset it sizes takes the target time
+    of ideal training (within 20%) on the same LocalCluster size, however fast the machine."""
+    monkeypatch.chdir(tmp_path)  # the synthetic data and MLflow's default store go here
+    target = 6.0
+    job, sizing = sized_job(2, target, None, None, (), quiet=True)
+    assert sizing.calibration is not None and sizing.rows == sizing.calibration.rows
+    assert sizing.train_rows == train_rows(job) == sizing.rows * 3 // 4
+    run = run_async(job, 2)
+    assert run.summary.rows_trained == sizing.train_rows
+    ideal = ideal_seconds(run, sizing.train_rows, [])
+    assert 0.8 * target <= ideal <= 1.2 * target, (ideal, sizing)
+    overhead = run.overhead()
+    assert overhead["start_s"] is not None and overhead["tail_s"] is not None
+    assert 0 < overhead["start_s"] < run.summary.train_s and overhead["tail_s"] >= 0
+    assert run.last_row is not None and run.last_row <= run.summary.train_s
+
+
+def test_rows_for_a_target_round_to_two_digits() -> None:
+    assert rows_for(76_432.0, 15.0) == 1_500_000
+    assert rows_for(10.0, 1.0) == 10_000  # never below the smallest synthetic job
+    assert rows_for(1e6, 60.0) == 80_000_000

@@ -20,7 +20,8 @@ def outcome(*slots: AgentRecord, first: dict[str, float] | None = None) -> Outco
                          oracle_auc=None, rows_trained=0, rows_lost=0, rows_duplicated=0,
                          rows_quarantined=0, wall_s=1.0, samples_per_s=0.0)
     return Outcome(summary, list(slots),
-                   first if first is not None else {s.worker: s.started for s in slots}, None)
+                   first if first is not None else {s.worker: s.started for s in slots}, None,
+                   None)
 
 
 def slot(index: int, rows: int, busy_s: float, *, started: float = 0.0,

@@ -1,0 +1,108 @@
+"""Benchmarks sized by time, not rows: machines differ 3x in speed, and a job sized in rows
+that trains 30 s on one machine trains 10 s on another, where a job's fixed costs (agents
+starting, the final sync round) weigh three times as much.
+
+:func:`calibrate` runs a short job of the benchmark's kind on the benchmark's own cluster (same
+worker count, one thread each), takes the workers' summed training rate from it (each agent's
+rows over its busy seconds, as the straggler benchmark's ideal time does) and sizes the
+synthetic dataset so that perfect sharing of that capacity trains it in ``target_s`` seconds.
+Row counts are rounded to two significant digits, so that runs of similar machines reuse one
+synthetic dataset (made once in ``.antdt-bench/synthetic-ROWS``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from data.files import expand, row_groups
+from pipeline.bench.jobs import Outcome, echo, run_async, synthetic_job, with_train
+from pipeline.config import JobConfig
+
+CALIBRATION_ROWS = 320_000
+"""Rows of the calibration job's dataset (240,000 of them train: three of its four days)."""
+
+DAYS = 4
+"""Days of the synthetic datasets; the last one validates."""
+
+
+class Calibration(NamedTuple):
+    """``rows`` of synthetic data for ``target_s`` seconds of ideal training at
+    ``samples_per_s``, the workers' summed rate in a calibration run of ``seconds``."""
+
+    rows: int
+    target_s: float
+    samples_per_s: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """How a benchmark's dataset was sized: ``rows`` of synthetic data, ``train_rows`` of them
+    train; ``calibration`` None when ``--rows`` gave the size."""
+
+    rows: int
+    train_rows: int
+    calibration: Calibration | None
+
+    def as_dict(self) -> dict[str, Any]:
+        calibration = self.calibration
+        return {"rows": self.rows, "train_rows": self.train_rows,
+                "target_s": None if calibration is None else calibration.target_s,
+                "calibration": None if calibration is None else {
+                    "samples_per_s": round(calibration.samples_per_s),
+                    "seconds": round(calibration.seconds, 1)}}
+
+
+def capacity(outcome: Outcome) -> float:
+    """The summed training rate of a run's agents: rows over busy seconds, each."""
+    return sum(slot.rows / slot.busy_s for slot in outcome.slots
+               if slot.rows > 0 and slot.busy_s > 0)
+
+
+def rows_for(samples_per_s: float, target_s: float) -> int:
+    """Synthetic rows (all days) whose training days take ``target_s`` at ``samples_per_s``,
+    rounded to two significant digits.
+
+    >>> rows_for(100_000.0, 30.0)  # 3M rows train, 4M in all
+    4000000
+    >>> rows_for(123_456.0, 10.0)
+    1600000
+    """
+    total = samples_per_s * target_s * DAYS / (DAYS - 1)
+    scale = 10 ** max(0, int(math.log10(total)) - 1)
+    return max(10_000, round(total / scale) * scale)
+
+
+def train_rows(job: JobConfig) -> int:
+    """Rows of one epoch of ``job``'s training data, from the Parquet footers."""
+    return sum(group.num_rows for group in row_groups(expand(list(job.data.train))))
+
+
+def calibrate(workers: int, target_s: float, *, overrides: Sequence[str] = (),
+              quiet: bool = False) -> Calibration:
+    """Size a synthetic job for ``target_s`` seconds of ideal training on ``workers`` workers
+    of this machine (the module docstring)."""
+    echo(f"calibrating: {CALIBRATION_ROWS:,} rows on {workers} workers", quiet)
+    job = with_train(synthetic_job(None, rows=CALIBRATION_ROWS, overrides=overrides),
+                     mode="async", sharding="pull")
+    began = time.perf_counter()
+    rate = capacity(run_async(job, workers))
+    rows = rows_for(rate, target_s)
+    echo(f"calibrated: {rate:,.0f} samples/s on {workers} workers; {rows:,} rows for "
+         f"{target_s:g}s of training", quiet)
+    return Calibration(rows, target_s, rate, time.perf_counter() - began)
+
+
+def sized_job(workers: int, target_s: float, rows: int | None, data_dir: str | None,
+              overrides: Sequence[str], quiet: bool) -> tuple[JobConfig, Sizing]:
+    """The benchmark's async synthetic job: of ``rows`` rows if given, else calibrated for
+    ``target_s`` seconds on ``workers`` workers; with how it was sized."""
+    calibration = None if rows is not None else \
+        calibrate(workers, target_s, overrides=overrides, quiet=quiet)
+    size = rows if calibration is None else calibration.rows
+    job = with_train(synthetic_job(data_dir, rows=size, overrides=overrides), mode="async")
+    return job, Sizing(size, train_rows(job), calibration)
