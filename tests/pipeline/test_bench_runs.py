@@ -46,14 +46,19 @@ def test_bench_quality_trains_the_reference_and_the_async_runs(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # MLflow's default store, in the working directory
     out = bench(["quality", "--rows", "10000", "--data", str(tmp_path / "data"),
-                 "--workers", "2", "--tolerance", "0.5"])
+                 "--workers", "2", "--repeats", "2", "--tolerance", "0.5"])
     assert 0.5 < out["reference_auc"] <= 1.0 and out["reference_samples_per_s"] > 0
-    assert out["rows"] == 7_500  # three of the four synthetic days train
-    (run,) = out["async"]
-    assert run["workers"] == 2 and run["rows_trained"] == out["rows"]
-    assert run["rows_lost"] == run["rows_duplicated"] == 0
-    assert run["gap"] == pytest.approx(out["reference_auc"] - run["auc"], abs=2e-4)
-    assert run["passed"] is out["passed"] is True
+    assert out["rows"] == 7_500 and out["repeats"] == 2  # three of four synthetic days train
+    (two,) = out["async"]
+    assert two["workers"] == 2 and len(two["runs"]) == 2
+    for run in two["runs"]:
+        assert run["rows_trained"] == out["rows"]
+        assert run["rows_lost"] == run["rows_duplicated"] == 0
+        assert run["gap"] == pytest.approx(out["reference_auc"] - run["auc"], abs=2e-4)
+    gaps = [run["gap"] for run in two["runs"]]
+    assert two["worst_gap"] == max(gaps)
+    assert two["median_gap"] == pytest.approx(sum(gaps) / 2, abs=1e-4)
+    assert two["passed"] is out["passed"] is True
     assert (tmp_path / "mlflow.db").exists()
 
 
