@@ -11,10 +11,12 @@ worker) and exchanges with them:
   grouping or order (:mod:`antdt.sync.embeddings`).
 * **Dense parameters** are averaged in the group as ``x += mean(snapshots) - own snapshot``, so
   progress made during the exchange is kept (:mod:`antdt.sync.dense`).
-* **The end**: a final all-member round pulls every remaining entry and averages the dense
-  parameters; then every member adopts the whole state of one leader, so the replicas end
-  bit-identical even where floating-point sums were added in different orders or where a dead
-  member's last entries reached only some survivors.
+* **The end**: one final all-member round. Its leader (the member that applied the most entries
+  of dead members) pulls every remaining entry and averages the dense parameters over all; each
+  other member then copies from it only the rows either of them changed during the job, and its
+  dense parameters. Every other row still holds the initial model's bits on both, so the replicas
+  end bit-identical even where floating-point sums were added in different orders, without a
+  whole-state copy (:mod:`antdt.sync.replica`).
 * **Joiners** adopt a live member's snapshot once every other member has learned of them, then
   pull newer entries as usual.
 
@@ -40,13 +42,14 @@ from __future__ import annotations
 from antdt.errors import SyncError
 from antdt.sync.dense import average_dense, check_dense, snapshot_dense
 from antdt.sync.embeddings import EmbeddingDeltaLog, LogEntry, RowSpace
-from antdt.sync.groups import Answer, MemberState, SyncGroup, SyncScheduler
+from antdt.sync.groups import Answer, FinalStep, MemberState, SyncGroup, SyncScheduler
 from antdt.sync.period import SyncPeriod
-from antdt.sync.replica import (PEER_FAILURES, ExchangeReport, PeerFetch, PeerPayload,
-                                ReplicaSnapshot, ReplicaSync)
+from antdt.sync.replica import (PEER_FAILURES, ExchangeReport, LeaderRows, PeerFetch,
+                                PeerPayload, ReplicaSnapshot, ReplicaSync)
 
 __all__ = [
-    "PEER_FAILURES", "Answer", "EmbeddingDeltaLog", "ExchangeReport", "LogEntry", "MemberState",
-    "PeerFetch", "PeerPayload", "ReplicaSnapshot", "ReplicaSync", "RowSpace", "SyncError",
-    "SyncGroup", "SyncPeriod", "SyncScheduler", "average_dense", "check_dense", "snapshot_dense",
+    "PEER_FAILURES", "Answer", "EmbeddingDeltaLog", "ExchangeReport", "FinalStep", "LeaderRows",
+    "LogEntry", "MemberState", "PeerFetch", "PeerPayload", "ReplicaSnapshot", "ReplicaSync",
+    "RowSpace", "SyncError", "SyncGroup", "SyncPeriod", "SyncScheduler", "average_dense",
+    "check_dense", "snapshot_dense",
 ]

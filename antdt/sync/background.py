@@ -21,6 +21,14 @@ pulled as usual. It returns the peer it bootstrapped from (None for a member lis
 acknowledged within ``antdt.sync.join-timeout``, or when no live member could serve a snapshot
 (then the model only lives in a checkpoint); the worker has left the job's sync again by then.
 
+The end (:meth:`BackgroundSync.finish`, once the agent's training ended): one final round of all
+members. Its leader (:meth:`~antdt.sync.SyncScheduler.final_leader`) pulls every other member's
+entries and dense snapshot, retrying while a failed peer is still a member, and merges them: one
+dense average over all, every live member's entries. Each other member then sends the leader the
+mask of its changed rows (``antdt_sync_rows``, 1/8 byte a row) and writes the leader's values of
+the rows either of them changed, and its dense parameters, in place: the replicas end
+bit-identical, and what crosses the network is the rows trained during the job, not the tables.
+
 Defaults (period, timeouts) come from ``antdt.sync`` in dask config.
 """
 
@@ -36,6 +44,7 @@ from typing import Any, cast
 from distributed import Worker, get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.metrics import time
+from distributed.protocol import to_serialize
 from distributed.utils import sync
 
 from antdt import config, rpc
@@ -45,7 +54,8 @@ from antdt.sync.period import SyncPeriod
 from antdt.sync.replica import (PEER_FAILURES, ExchangeReport, PeerPayload, ReplicaSnapshot,
                                 ReplicaSync)
 from antdt.sync.wire import (PLUGIN_NAME, FinalMsg, GroupMsg, JoinMsg, MembersMsg, PullMsg,
-                             SnapshotMsg, msg_to_payload, msg_to_snapshot, payload_to_msg,
+                             RowsMsg, SnapshotMsg, bits_to_mask, mask_to_bits, msg_to_payload,
+                             msg_to_rows, msg_to_snapshot, payload_to_msg, rows_to_msg,
                              snapshot_to_msg)
 
 logger = logging.getLogger(__name__)
@@ -54,12 +64,14 @@ MEMBER_CHECK_S = 1.0
 """A pull unanswered this long makes the puller check that the peer is still a member."""
 
 LEADER_RETRY_S = 0.5
-"""After a failed fetch of the final leader's state, wait this long before asking again."""
+"""In the final round, wait this long before asking again after a failed pull of a member (by
+the leader) or of the leader's rows."""
 
 
 class SyncWorkerPlugin(WorkerPlugin):
     """Serves this worker's replicas to peers through the ``antdt_sync_pull`` (entries and a
-    round's dense snapshot) and ``antdt_sync_snapshot`` (the whole state) handlers."""
+    round's dense snapshot), ``antdt_sync_snapshot`` (the whole state, for a joiner) and
+    ``antdt_sync_rows`` (the final leader's rows a member may lack) handlers."""
 
     name = PLUGIN_NAME
 
@@ -70,10 +82,12 @@ class SyncWorkerPlugin(WorkerPlugin):
         self.worker = worker
         worker.handlers["antdt_sync_pull"] = self.pull_handler
         worker.handlers["antdt_sync_snapshot"] = self.snapshot_handler
+        worker.handlers["antdt_sync_rows"] = self.rows_handler
 
     def teardown(self, worker: Worker) -> None:
         worker.handlers.pop("antdt_sync_pull", None)
         worker.handlers.pop("antdt_sync_snapshot", None)
+        worker.handlers.pop("antdt_sync_rows", None)
         self.replicas.clear()
 
     def attach(self, job: str, replica: ReplicaSync) -> None:
@@ -101,12 +115,25 @@ class SyncWorkerPlugin(WorkerPlugin):
 
     @rpc.handler
     async def snapshot_handler(self, job: object, requester: object) -> Reply:
-        """A joiner's or the final round's request: this replica's whole state (a
-        :class:`SnapshotMsg`, taken under the replica lock, in a thread)."""
+        """A joiner's request: this replica's whole state (a :class:`SnapshotMsg`, taken under
+        the replica lock, in a thread)."""
         requester = rpc.name("requester", requester, error=SyncError)
         snapshot = await asyncio.to_thread(self._replica(job).snapshot)
         logger.info("sync job %s: serving a snapshot to %s", job, requester)
         return {"status": "OK", **snapshot_to_msg(snapshot)}
+
+    @rpc.handler
+    async def rows_handler(self, job: object, requester: object, changed: object) -> Reply:
+        """The final round's request to its leader: the rows in which this replica and the
+        requester, whose changed rows are the bits ``changed``, may differ (a :class:`RowsMsg`,
+        see :meth:`ReplicaSync.serve_rows`, taken under the replica lock, in a thread)."""
+        requester = rpc.name("requester", requester, error=SyncError)
+        replica = self._replica(job)
+        mask = bits_to_mask(changed, replica.log.space.rows)
+        rows = await asyncio.to_thread(replica.serve_rows, mask)
+        logger.info("sync job %s: serving %d of %d rows to %s", job, len(rows.ids),
+                    replica.log.space.rows, requester)
+        return {"status": "OK", **rows_to_msg(rows)}
 
     def _replica(self, job: object) -> ReplicaSync:
         replica = self.replicas.get(rpc.name("job", job, error=SyncError))
@@ -157,7 +184,7 @@ class BackgroundSync:
         self.peers_failed = 0  # peers skipped over all exchanges
         self.last_report: ExchangeReport | None = None
         self.bootstrapped_from: str | None = None  # the member a joiner adopted the state of
-        self.final_leader: str | None = None  # whose state this replica ended with
+        self.final_leader: str | None = None  # the final leader this replica ended equal to
         self._plugin = plugin
         self._members_version = -1
         self._members: list[str] = []
@@ -209,27 +236,23 @@ class BackgroundSync:
         self.raise_if_failed()
 
     def finish(self, timeout_s: float | None = None) -> ExchangeReport:
-        """Stop the periodic exchanges and take part in the final all-member round.
-
-        After the final exchange, adopt the leader's whole state unless this worker is the leader
-        (:meth:`antdt.sync.SyncScheduler.final_leader`), so the replicas end bit-identical; keep
-        serving peers until every member did (or ``timeout_s``, default
-        ``antdt.sync.final-timeout``, passed: logged). Returns this worker's final exchange.
-        """
+        """Stop the periodic exchanges and take part in the final all-member round (see the
+        module docstring): gather it as its leader, or adopt the leader's rows, so the replicas
+        end bit-identical; keep serving peers until every member did (or ``timeout_s``, default
+        ``antdt.sync.final-timeout``, passed: logged). Returns this worker's part of the final
+        round: the leader's merge, or the rows copied from the leader, with the bytes received
+        and sent."""
         if timeout_s is None:
             timeout_s = config.seconds("antdt.sync.final-timeout")
         self._halt()
         self.raise_if_failed()
         deadline = time() + timeout_s
-        report: ExchangeReport | None = None
         try:
-            while report is None:
-                if time() > deadline:
-                    raise TimeoutError(f"sync job {self.job}: no final round within {timeout_s}s")
-                report = self._round(final=True)
-            self._adopt_leader(deadline)
+            round = self._final_group(deadline, timeout_s)
+            report = self._final_round(round, deadline)
         finally:
             self._plugin.detach(self.job)
+        self._record(report)
         return report
 
     # -- joining and the end -------------------------------------------------------------------
@@ -270,31 +293,101 @@ class BackgroundSync:
                            worker=self.worker.address)
             raise
 
-    def _adopt_leader(self, deadline: float) -> None:
-        """After the final exchange: adopt the leader's state (unless leader), then wait until
-        every member did, serving meanwhile; a leader that dies is replaced and adopted again."""
+    def _final_group(self, deadline: float, timeout_s: float) -> int:
+        """Ask for the final group until it forms; return its round. A regular group a partner
+        put this worker in before it finished is exchanged with first."""
+        while True:
+            if time() > deadline:
+                raise TimeoutError(f"sync job {self.job}: no final round within {timeout_s}s")
+            msg = self._ask_group(final=True)
+            if msg is None or msg["kind"] != "group":
+                continue
+            assert msg["round"] is not None
+            if msg["final"]:
+                return msg["round"]
+            self._record(self._exchange(msg["round"], msg["members"]))
+
+    def _final_round(self, round: int, deadline: float) -> ExchangeReport:
+        """This worker's part of the final round, step by step as the scheduler says, serving
+        peers meanwhile, until every member adopted the leader's rows (or ``deadline``: logged).
+        A leader that leaves is replaced: the new one gathers, the others adopt from it."""
+        report = ExchangeReport(round)
+        gathered = False
         adopted: str | None = None
         while True:
             msg: FinalMsg = self._ask("antdt_sync_complete", job=self.job,
-                                       worker=self.worker.address, adopted_from=adopted)
-            if msg["done"]:
-                self.final_leader = msg["leader"]
-                return
+                                       worker=self.worker.address, gathered=gathered,
+                                       adopted_from=adopted)
             leader = msg["leader"]
-            if leader is not None and leader not in (self.worker.address, adopted):
+            if msg["step"] == "done":
+                self.final_leader = leader
+                return report
+            if msg["step"] == "gather":
+                self._gather(report, deadline)
+                gathered = True
+            elif msg["step"] == "adopt" and leader is not None:
                 try:
-                    self.replica.adopt(self._snapshot_of(leader, max(deadline - time(),
-                                                                     self.rpc_timeout_s)))
+                    self._adopt_rows(leader, report, deadline)
                     adopted = leader
                 except PEER_FAILURES as exc:
-                    logger.warning("sync job %s: no final state from leader %s: %r", self.job,
+                    logger.warning("sync job %s: no rows from the final leader %s: %r", self.job,
                                    leader, exc)
                     # back off: the scheduler names a new leader once it notices the death
                     threading.Event().wait(LEADER_RETRY_S)
             if time() > deadline:
                 logger.warning("sync job %s: members still finishing after the final timeout; "
                                "stop serving anyway", self.job)
-                return
+                return report
+
+    def _gather(self, report: ExchangeReport, deadline: float) -> None:
+        """As the final leader: pull every other member's entries and dense snapshot of the
+        final round, then merge them at once (one dense average over all). A pull that failed on
+        the way (the peer slow or unreachable) is tried again while the peer is still a member
+        and ``deadline`` allows, so the leader holds every live member's entries."""
+        own = self.replica.prepare(report.round)
+        payloads: dict[str, PeerPayload] = {}
+        failed: list[str] = []
+        while True:
+            members: MembersMsg = self._ask("antdt_sync_members", job=self.job)
+            self._set_members(members["members"], members["members_version"])
+            since = {peer: self.replica.log.applied_seq(peer) for peer in self._members
+                     if peer != self.worker.address and peer not in payloads}
+            results = self._call(self._fetch_all, report.round, since)
+            payloads.update((peer, r) for peer, r in results.items() if isinstance(r, PeerPayload))
+            failed = [peer for peer, r in results.items() if not isinstance(r, PeerPayload)]
+            if time() > deadline or not any(isinstance(results[peer], (OSError, TimeoutError))
+                                            for peer in failed):
+                break
+            threading.Event().wait(LEADER_RETRY_S)
+        merged = self.replica.merge(report.round, own, list(payloads.values()))
+        report.merged += merged.merged
+        report.failed += failed + merged.failed
+        report.rows_applied += merged.rows_applied
+        report.bytes_received += merged.bytes_received
+        logger.info("sync job %s: %s gathered the final round from %d members (%d failed)",
+                    self.job, self.worker.address, len(merged.merged), len(report.failed))
+
+    def _adopt_rows(self, leader: str, report: ExchangeReport, deadline: float) -> None:
+        """Send the final leader our changed rows and write its answer in place (see
+        :meth:`ReplicaSync.adopt_rows`)."""
+        bits = mask_to_bits(self.replica.changed_rows())
+        timeout_s = max(deadline - time(), self.rpc_timeout_s)
+
+        async def fetch() -> RowsMsg:
+            return cast(RowsMsg, rpc.ok(await asyncio.wait_for(
+                self.worker.rpc(leader).antdt_sync_rows(job=self.job,
+                                                        requester=self.worker.address,
+                                                        changed=to_serialize(bits)),
+                timeout_s), error=SyncError))
+
+        rows = msg_to_rows(self._call(fetch, callback_timeout=timeout_s + self.rpc_timeout_s))
+        copied = self.replica.adopt_rows(rows)
+        report.merged.append(leader)
+        report.rows_copied += copied
+        report.bytes_received += rows.nbytes
+        report.bytes_sent += bits.nbytes
+        logger.info("sync job %s: %s adopted %d rows of %s (%d bytes)", self.job,
+                    self.worker.address, copied, leader, rows.nbytes + bits.nbytes)
 
     def _snapshot_of(self, peer: str, timeout_s: float) -> ReplicaSnapshot:
         async def fetch() -> SnapshotMsg:
@@ -333,7 +426,7 @@ class BackgroundSync:
                 with self._batches_lock:
                     self._batches = 0
                 try:
-                    self._round(final=False)
+                    self._round()
                 except PEER_FAILURES as exc:  # a background round is only retried later
                     logger.warning("sync job %s: round failed, next one in %s: %r", self.job,
                                    self.period, exc)
@@ -352,25 +445,39 @@ class BackgroundSync:
         if self._error is not None:
             raise SyncError(f"sync thread of job {self.job} failed") from self._error
 
-    def _round(self, final: bool) -> ExchangeReport | None:
-        """Ask for a group and exchange with it; None when there was nothing to do."""
+    def _round(self) -> None:
+        """One background round: ask for a group and exchange with it."""
+        msg = self._ask_group(final=False)
+        if msg is None or msg["kind"] != "group":
+            return
+        assert msg["round"] is not None
+        self._record(self._exchange(msg["round"], msg["members"]))
+
+    def _ask_group(self, final: bool) -> GroupMsg | None:
+        """The scheduler's answer to ``antdt_sync_group`` (None when it is unreachable); with
+        ``final``, tell it how many entries of departed members this replica applied (the one
+        with the most leads the final round)."""
+        departed = 0
+        if final:
+            members = set(self._members)
+            departed = sum(seq for source, seq in self.replica.log.applied_seqs().items()
+                           if source not in members)
         try:
             msg: GroupMsg = self._ask("antdt_sync_group", job=self.job,
                                        worker=self.worker.address,
                                        progress=self.replica.rows_offset, final=final,
-                                       members_version=self._members_version)
+                                       members_version=self._members_version, departed=departed)
         except (OSError, TimeoutError) as exc:
             logger.warning("sync job %s: scheduler unreachable, retrying: %r", self.job, exc)
             return None
         if msg["members_version"] != self._members_version:
-            members: MembersMsg = self._ask("antdt_sync_members", job=self.job)
-            self._set_members(members["members"], members["members_version"])
+            members_msg: MembersMsg = self._ask("antdt_sync_members", job=self.job)
+            self._set_members(members_msg["members"], members_msg["members_version"])
         if msg["kind"] == "alone" and self._members == [self.worker.address]:
             self._publish_alone()
-        if msg["kind"] != "group":
-            return None
-        assert msg["round"] is not None
-        report = self._exchange(msg["round"], msg["members"])
+        return msg
+
+    def _record(self, report: ExchangeReport) -> None:
         self.exchanges += 1
         self.peers_merged += len(report.merged)
         self.peers_failed += len(report.failed)
@@ -378,7 +485,6 @@ class BackgroundSync:
         if report.failed:
             logger.warning("sync job %s round %d: skipped peers %s", self.job, report.round,
                            report.failed)
-        return report if msg["final"] == final else None
 
     def _exchange(self, round: int, members: Sequence[str]) -> ExchangeReport:
         own = self.replica.prepare(round)

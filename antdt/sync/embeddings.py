@@ -13,6 +13,13 @@ The ledger contract: a worker's :meth:`~EmbeddingDeltaLog.synced_offset` is the 
 whose deltas every live peer has pulled and applied (acknowledged); if the worker dies, rows after
 it are trained again, so its entries that reached only some peers count as duplicates, never as
 losses.
+
+Changed rows: addition commutes in exact arithmetic, not in floating point, so replicas that added
+the same deltas in different orders hold rows that differ in their last bits. Each log keeps a
+mask of the rows it ever changed (trained, added an entry to, or copied); every other row still
+holds the initial tables' bits. Replicas built from the same initial tables therefore differ at
+most in the rows either of them changed, and the job's end copies only those
+(:meth:`EmbeddingDeltaLog.rows_for`, :meth:`EmbeddingDeltaLog.adopt_rows`).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -111,13 +118,23 @@ class RowSpace:
             out[lo:hi] = table.index_select(0, ids[lo:hi] - start)
         return out
 
+    def copy_(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Overwrite rows ``ids`` (``(k,)`` int64, increasing) with ``rows`` ``(k, dim)``."""
+        self._write(torch.Tensor.index_copy_, ids, rows)
+
     def add_(self, ids: torch.Tensor, deltas: torch.Tensor) -> None:
         """Add ``deltas`` ``(k, dim)`` to rows ``ids`` (``(k,)`` int64, increasing), in place."""
+        self._write(torch.Tensor.index_add_, ids, deltas)
+
+    def _write(self, index_op: Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], object],
+               ids: torch.Tensor, values: torch.Tensor) -> None:
+        """``index_op(table, 0, table_ids, table_values)``, an in-place index operation, once
+        on :attr:`flat` or per table that ``ids`` reach."""
         if self.flat is not None:
-            self.flat.index_add_(0, ids, deltas)
+            index_op(self.flat, 0, ids, values)
             return
         for table, lo, hi, start in self._parts(ids):
-            table.index_add_(0, ids[lo:hi] - start, deltas[lo:hi])
+            index_op(table, 0, ids[lo:hi] - start, values[lo:hi])
 
     def _parts(self, ids: torch.Tensor) -> Iterator[tuple[torch.Tensor, int, int, int]]:
         """Per table that ``ids`` (increasing) reach: the table, the slice of ``ids`` in it and
@@ -154,9 +171,9 @@ class EmbeddingDeltaLog:
     :class:`RowSpace`, so every replica of a job must have the same tables in the same order.
 
     Threads: ``touch`` (training thread) and ``pull`` (peers' requests) may run any time; they
-    only take the log's own short lock. ``publish`` and ``apply`` read and write the tables, so
-    their caller must hold the replica lock that the training thread holds while it updates the
-    tables (see :class:`ReplicaSync`).
+    only take the log's own short lock. ``publish``, ``apply`` and the whole-state and changed-row
+    methods read and write the tables, so their caller must hold the replica lock that the
+    training thread holds while it updates the tables (see :class:`ReplicaSync`).
 
     Cursors: ``pull(peer, since_seq)`` is also the peer's acknowledgement that it has *applied*
     every entry up to ``since_seq``. An entry is dropped once every live peer has acknowledged it,
@@ -183,6 +200,7 @@ class EmbeddingDeltaLog:
         self._base = self.space.concat()
         self._touched = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
         self._touched_tables = self.space.split(self._touched)
+        self._changed = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
         self._lock = threading.Lock()
         self._entries: list[LogEntry] = []
         self._last_seq = 0
@@ -224,6 +242,7 @@ class EmbeddingDeltaLog:
         current = self.space.gather(ids)
         deltas = current - self._base.index_select(0, ids)
         self._base.index_copy_(0, ids, current)
+        self._changed.index_fill_(0, ids, True)
         with self._lock:
             self._last_seq += 1
             entry = LogEntry(self._last_seq, ids, deltas, rows_offset)
@@ -300,21 +319,21 @@ class EmbeddingDeltaLog:
             raise SyncError(f"apply from {source!r}: expected seqs {expected[0]}..{expected[-1]}"
                             f" without gaps, found {[entry.seq for entry in fresh]}")
         for entry in fresh:
-            self._check(source, entry)
+            self._check(f"apply from {source!r}, seq {entry.seq}", entry.ids, entry.deltas)
         added = sum(self._add(entry) for entry in fresh)
         self._applied[source] = fresh[-1].seq
         return added
 
-    def _check(self, source: str, entry: LogEntry) -> None:
-        """Raise :class:`SyncError` unless ``entry`` fits this log's row space."""
-        ids, deltas = entry.ids, entry.deltas
-        where = f"apply from {source!r}, seq {entry.seq}"
+    def _check(self, where: str, ids: torch.Tensor, values: torch.Tensor,
+               what: str = "deltas") -> None:
+        """Raise :class:`SyncError` (saying ``where``) unless ``ids`` and their ``values``
+        (``what`` they are) fit this log's row space."""
         if ids.dim() != 1 or ids.dtype != torch.int64:
             raise SyncError(f"{where}: ids must be (k,) int64, found {tuple(ids.shape)} "
                             f"{ids.dtype}")
-        if tuple(deltas.shape) != (len(ids), self.space.dim):
-            raise SyncError(f"{where}: deltas must be ({len(ids)}, {self.space.dim}), found "
-                            f"{tuple(deltas.shape)}")
+        if tuple(values.shape) != (len(ids), self.space.dim):
+            raise SyncError(f"{where}: {what} must be ({len(ids)}, {self.space.dim}), found "
+                            f"{tuple(values.shape)}")
         if len(ids) and not (ids[0] >= 0 and ids[-1] < self.space.rows
                              and bool((ids[1:] > ids[:-1]).all())):
             raise SyncError(f"{where}: ids must increase strictly within [0, {self.space.rows})"
@@ -326,21 +345,23 @@ class EmbeddingDeltaLog:
         deltas = entry.deltas.to(self.space.device, self.space.dtype)
         self.space.add_(ids, deltas)
         self._base.index_add_(0, ids, deltas)
+        self._changed.index_fill_(0, ids, True)
         return int(ids.numel())
 
-    # -- whole-state copies (joiners, the final adoption) -----------------------------------
-    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    # -- whole-state copies (joiners) --------------------------------------------------------
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, int], torch.Tensor]:
         """Copies of ``base`` (the tables without own unpublished changes: every entry this log
-        published or applied, nothing else) and the applied seq per source. The caller holds the
-        replica lock."""
+        published or applied, nothing else), of the applied seq per source and of the changed
+        rows (``(rows,)`` bool). The caller holds the replica lock."""
         return ({name: base.clone() for name, base in self.space.split(self._base).items()},
-                dict(self._applied))
+                dict(self._applied), self._changed.clone())
 
     def restore(self, tables: Mapping[str, torch.Tensor], applied: Mapping[str, int],
-                own_seq: int) -> None:
+                own_seq: int, changed: torch.Tensor) -> None:
         """Make ``tables`` the state, in place: they hold every source's entries up to
-        ``applied[source]`` and this log's own entries up to ``own_seq``; own entries after it
-        are added back (peers will pull them, so they must be in our tables too).
+        ``applied[source]`` and this log's own entries up to ``own_seq``, and differ from the
+        initial tables at most in the ``changed`` rows (``(rows,)`` bool); own entries after
+        ``own_seq`` are added back (peers will pull them, so they must be in our tables too).
 
         Own changes not yet published are overwritten: publish first. The caller holds the
         replica lock and does not train meanwhile.
@@ -350,18 +371,76 @@ class EmbeddingDeltaLog:
             raise SyncError("restore: expected tables "
                             f"{ {n: tuple(t.shape) for n, t in self.tables.items()} }, found "
                             f"{ {n: tuple(t.shape) for n, t in tables.items()} }")
-        if not self._dropped_seq <= own_seq <= self._last_seq:
-            raise SyncError(f"restore: own_seq must be in [{self._dropped_seq}, "
-                            f"{self._last_seq}] (entries still held), found {own_seq}")
+        self._check_own_seq("restore", own_seq)
+        self._check_mask("restore", changed)
         with self._lock:
             keep = [entry for entry in self._entries if entry.seq > own_seq]
             self._touched.zero_()
         for name, base in self.space.split(self._base).items():
             self.tables[name].copy_(tables[name])
             base.copy_(tables[name])
+        self._changed.copy_(changed)
         for entry in keep:
             self._add(entry)
         self._applied = dict(applied)
+
+    # -- the job's end: copying only the rows that may differ --------------------------------
+    def changed(self) -> torch.Tensor:
+        """A copy of the changed rows, ``(rows,)`` bool: the rows this replica trained, added an
+        entry to or copied since its start (or those of the snapshot it restored); every other
+        row holds the initial tables' bits. The caller holds the replica lock."""
+        return self._changed.clone()
+
+    def rows_for(self, changed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows in which this replica and one whose changed rows are ``changed``
+        (``(rows,)`` bool) may differ: their ids (``(k,)`` int64, increasing: the rows either
+        changed) and this replica's values of them (``(k, dim)``). The caller holds the replica
+        lock and published first (the values are the tables, unpublished changes included)."""
+        self._check_mask("rows_for", changed)
+        ids = (self._changed | changed.to(self.space.device)).nonzero().squeeze(1)
+        return ids, self.space.gather(ids)
+
+    def adopt_rows(self, source: str, ids: torch.Tensor, rows: torch.Tensor,
+                   applied: Mapping[str, int], own_seq: int) -> int:
+        """Make this replica equal to ``source``'s, bit for bit, from what
+        :meth:`rows_for` gave there for our :meth:`changed` rows: ``rows`` (``(k, dim)``, its
+        values of rows ``ids``) overwrite ``current`` and ``base``; every other row holds the
+        initial tables' bits on both. Takes ``source``'s applied seq per other source
+        (``applied``) and of ours (``own_seq``); returns the rows copied.
+
+        Own entries after ``own_seq`` (``source`` never applied them: their rows now hold its
+        values) are dropped from the log with a warning, so no peer adds them on top. The caller
+        holds the replica lock, published first and does not train meanwhile.
+        """
+        self._check(f"rows from {source!r}", ids, rows, what="rows")
+        self._check_own_seq(f"rows from {source!r}", own_seq)
+        ids = ids.to(self.space.device)
+        rows = rows.to(self.space.device, self.space.dtype)
+        self.space.copy_(ids, rows)
+        self._base.index_copy_(0, ids, rows)
+        self._changed.index_fill_(0, ids, True)
+        self._applied = dict(applied)
+        with self._lock:
+            if own_seq == self._last_seq:
+                return int(ids.numel())
+            lost = [entry for entry in self._entries if entry.seq > own_seq]
+            self._entries = [entry for entry in self._entries if entry.seq <= own_seq]
+            self._last_seq = own_seq
+            self._cursors = {peer: min(cursor, own_seq) for peer, cursor in self._cursors.items()}
+        logger.warning("%s lacks our entries %d..%d (rows_offset up to %d): dropped, our rows "
+                       "now hold its values", source, lost[0].seq, lost[-1].seq,
+                       lost[-1].rows_offset)
+        return int(ids.numel())
+
+    def _check_own_seq(self, where: str, own_seq: int) -> None:
+        if not self._dropped_seq <= own_seq <= self._last_seq:
+            raise SyncError(f"{where}: own_seq must be in [{self._dropped_seq}, "
+                            f"{self._last_seq}] (entries still held), found {own_seq}")
+
+    def _check_mask(self, where: str, changed: torch.Tensor) -> None:
+        if changed.dtype != torch.bool or tuple(changed.shape) != (self.space.rows,):
+            raise SyncError(f"{where}: changed rows must be ({self.space.rows},) bool, found "
+                            f"{tuple(changed.shape)} {changed.dtype}")
 
     # -- accounting ------------------------------------------------------------------------
     def synced_offset(self) -> int:
@@ -372,6 +451,10 @@ class EmbeddingDeltaLog:
         """
         with self._lock:
             return self._synced_offset
+
+    def applied_seqs(self) -> dict[str, int]:
+        """Newest seq applied here per source (a copy; sources with none left out)."""
+        return dict(self._applied)
 
     @property
     def last_seq(self) -> int:

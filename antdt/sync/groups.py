@@ -8,6 +8,17 @@ an entry only when every peer it knows acknowledged it, so from then on each sou
 the joiner needs (and it never dropped past the snapshot's cursor: the snapshot's member is one of
 those peers, and it acknowledges only entries it applied); before, a source unaware of the joiner
 could drop entries after the snapshot's cursor.
+
+The end: once every live member finished training, one final group of all members forms and one
+of them is named its leader (:meth:`SyncScheduler.final_leader`): the member that applied the
+most entries of departed members, so that the last entries of a dead member, which may have
+reached only some survivors, end in the model (all of them when one member died; rows after a
+dead member's synced offset are trained again anyway, so a prefix lost is a duplicate spared,
+never a row lost). The leader pulls every other member's entries and dense snapshot and says it
+:meth:`~SyncScheduler.gathered`; then each other member copies from it the rows in which they may
+differ and its dense parameters, and says it :meth:`~SyncScheduler.adopted` them. A leader that
+leaves is replaced by the next one in that order, which gathers again; the members adopt from it
+again.
 """
 
 from __future__ import annotations
@@ -34,6 +45,10 @@ class MemberState(enum.Enum):
     ASSIGNED = "assigned"  # put in a group by a partner's call; told on its next call
     FINISHED = "finished"  # done training, waiting for the final all-member round
     DONE = "done"  # received the final round
+
+
+FinalStep = Literal["gather", "adopt", "wait", "done"]
+"""What a member of the final round does next (:meth:`SyncScheduler.final_step`)."""
 
 
 class SyncGroup(NamedTuple):
@@ -73,11 +88,13 @@ class SyncScheduler:
     that many rows of the caller until it has waited ``max_wait_s``. A worker put in a group by a
     partner's call learns it on its next call. A worker that waited ``max_wait_s`` takes
     whichever ready partners there are, or is told to go on ``alone``: nobody ever blocks on a
-    straggler. ``ready(..., final=True)`` says the worker
-    is done training; once every live member has said so, one final group of all members forms.
-    After its exchange each member calls :meth:`complete`; once all did, every member other than
-    the :meth:`final_leader` adopts the leader's state and says so with :meth:`adopted`, and
-    :meth:`final_done` turns True.
+    straggler. ``ready(..., final=True, departed=k)`` says the worker is done training (``k``:
+    the entries of departed members it applied); once every live member has said so, one final
+    group of all members forms with a :meth:`final_leader`. The leader pulls every member's
+    entries and dense snapshot and says so with :meth:`gathered`; each other member then adopts
+    the leader's rows and says so with :meth:`adopted`; :meth:`final_step` tells each member what
+    to do next, and :meth:`final_done` turns True once every one adopted the current leader's
+    rows.
 
     A worker that joins a running job calls :meth:`join_running`; it may take a snapshot once
     :meth:`settled`, i.e. once every other member reported (:meth:`acknowledge`) that it applied
@@ -121,8 +138,11 @@ class SyncScheduler:
         self._round = 0
         self._finished = 0
         self._final: SyncGroup | None = None
-        self._completed: set[str] = set()
-        self._adopted: dict[str, str] = {}  # member -> leader whose final state it adopted
+        self._departed: dict[str, int] = {}  # member -> departed members' entries it applied
+        self._leader: str | None = None
+        self._gathered = False  # the current leader merged every member's entries
+        self._adopted: dict[str, str] = {}  # member -> leader whose rows it adopted last
+        self._adopting = 0  # members other than the leader that adopted the current leader
         self._joining: dict[str, set[str]] = {}  # joiner -> members yet to acknowledge it
         self.members_version = 0
 
@@ -193,58 +213,76 @@ class SyncScheduler:
             self._pool_remove(member)
         if member.state in (MemberState.FINISHED, MemberState.DONE):
             self._finished -= 1
-        self._completed.discard(worker)
-        self._adopted.pop(worker, None)
+        self._departed.pop(worker, None)
+        adopted = self._adopted.pop(worker, None)
+        if adopted is not None and adopted == self._leader and worker != self._leader:
+            self._adopting -= 1
         self._joining.pop(worker, None)
         for joiner, waiting in list(self._joining.items()):
             waiting.discard(worker)
             if not waiting:
                 del self._joining[joiner]
+        if worker == self._leader:
+            self._name_leader()
         return self._maybe_final(caller=None)
 
     def members(self) -> list[str]:
         """The live members, sorted."""
         return sorted(self._members)
 
+    def waiting(self) -> list[str]:
+        """The READY workers (O(ready)): when a member finishes or leaves, fewer partners make
+        a full group, so they should ask again now rather than when their wait runs out."""
+        return [worker for _, _, worker in self._pool]
+
     def state(self, worker: str) -> MemberState:
         """``worker``'s state (raises :class:`SyncError` for a non-member)."""
         return self._member(worker).state
 
-    def complete(self, worker: str) -> bool:
-        """``worker`` finished its exchange of the final round; True once every live member has
-        (until then peers may still pull from it, so it keeps serving)."""
-        if self._member(worker).state is not MemberState.DONE:
-            raise SyncError(f"complete {worker!r}: expected a member that received the final "
-                            f"round, found state {self.state(worker).value}")
-        self._completed.add(worker)
-        return self.all_complete()
-
-    def all_complete(self) -> bool:
-        """Whether every live member finished its final exchange."""
-        return self._final is not None and len(self._completed) == len(self._members)
-
+    # -- the final round ---------------------------------------------------------------------
     def final_leader(self) -> str | None:
-        """Once :meth:`all_complete`: the member whose state every other one adopts (the
-        smallest live address; a new one if it dies). None before."""
-        return min(self._members) if self.all_complete() else None
+        """The member that gathers the final round and whose rows the others adopt, named when
+        the final group forms: the one that applied the most entries of departed members, the
+        smallest address among equals; the next one in that order if it leaves. None before."""
+        return self._leader
+
+    def gathered(self, worker: str) -> None:
+        """The final leader ``worker`` merged every other member's entries and dense snapshot:
+        the others may adopt its rows now."""
+        self._final_member(worker, "gathered")
+        if worker != self._leader:
+            raise SyncError(f"gathered {worker!r}: expected the final leader {self._leader!r}")
+        self._gathered = True
 
     def adopted(self, worker: str, leader: str) -> None:
-        """``worker`` adopted ``leader``'s state after the final exchange."""
-        if worker not in self._completed:
-            raise SyncError(f"adopted {worker!r}: expected a member that completed its final "
-                            f"exchange, found state {self.state(worker).value}")
+        """``worker`` adopted ``leader``'s rows after the leader gathered (O(1))."""
+        self._final_member(worker, "adopted")
+        previous = self._adopted.get(worker)
         self._adopted[worker] = leader
+        if worker != self._leader:
+            self._adopting += (leader == self._leader) - (previous == self._leader)
 
     def adopted_from(self, worker: str) -> str | None:
-        """The leader whose state ``worker`` reported adopting last, if any."""
+        """The leader whose rows ``worker`` reported adopting last, if any."""
         return self._adopted.get(worker)
 
+    def final_step(self, worker: str) -> FinalStep:
+        """What ``worker``, which received the final round, does next (O(1)): "gather" when it
+        leads and has not gathered, "adopt" once the leader gathered and until it adopted the
+        leader's rows, "done" once :meth:`final_done`, else "wait" (and go on serving peers)."""
+        self._final_member(worker, "final_step")
+        if self.final_done():
+            return "done"
+        if worker == self._leader:
+            return "wait" if self._gathered else "gather"
+        if self._gathered and self._adopted.get(worker) != self._leader:
+            return "adopt"
+        return "wait"
+
     def final_done(self) -> bool:
-        """Every live member other than the leader adopted the current leader's state: the
-        replicas are identical, members may stop serving."""
-        leader = self.final_leader()
-        return leader is not None and all(
-            self._adopted.get(worker) == leader for worker in self._members if worker != leader)
+        """The leader gathered and every other live member adopted its rows: the replicas are
+        identical, members may stop serving."""
+        return self._gathered and self._adopting == len(self._members) - 1
 
     def wait_left(self, worker: str, now: float) -> float:
         """Seconds until a READY ``worker`` stops waiting for partners (0 when not READY)."""
@@ -254,15 +292,20 @@ class SyncScheduler:
         return max(0.0, member.ready_since + self.max_wait_s - now)
 
     # -- the one call workers make ---------------------------------------------------------
-    def ready(self, worker: str, progress: int, now: float, final: bool = False) -> Answer:
-        """``worker`` (at ``progress`` rows) asks whom to sync with; see the class docstring."""
+    def ready(self, worker: str, progress: int, now: float, final: bool = False,
+              departed: int = 0) -> Answer:
+        """``worker`` (at ``progress`` rows) asks whom to sync with; see the class docstring.
+        With ``final``, ``departed`` is the number of entries of departed members it applied."""
         member = self._member(worker)
+        if departed < 0:
+            raise SyncError(f"ready {worker!r}: departed must be >= 0, found {departed}")
         if member.state is MemberState.ASSIGNED:
             return self._hand_over(member)
         if member.state is MemberState.DONE:
             assert self._final is not None
             return Answer("group", self._final)
         if final:
+            self._departed[worker] = departed
             return self._finish(worker, member)
         if member.state is MemberState.FINISHED:
             raise SyncError(f"ready {worker!r}: already finished training, expected "
@@ -376,7 +419,25 @@ class SyncScheduler:
                 member.state = MemberState.ASSIGNED
                 member.pending = self._final
         logger.info("final sync round %d with %d members", self._round, len(self._members))
+        self._name_leader()
         return self._final
+
+    def _name_leader(self) -> None:
+        """(Re)name the final leader (O(members): once per job, and once per leader lost)."""
+        self._leader = min(self._members, key=lambda w: (-self._departed.get(w, 0), w),
+                           default=None)
+        self._gathered = False
+        self._adopting = sum(1 for worker, leader in self._adopted.items()
+                             if leader == self._leader and worker != self._leader)
+        if self._leader is not None:
+            logger.info("final sync round %d: %s leads (it applied %d entries of departed "
+                        "members)", self._round, self._leader, self._departed.get(self._leader, 0))
+
+    def _final_member(self, worker: str, what: str) -> None:
+        """Raise :class:`SyncError` unless ``worker`` received the final round."""
+        if self._member(worker).state is not MemberState.DONE:
+            raise SyncError(f"{what} {worker!r}: expected a member that received the final "
+                            f"round, found state {self.state(worker).value}")
 
     def _pool_remove(self, member: _Member) -> None:
         assert member.key is not None

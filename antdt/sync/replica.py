@@ -1,17 +1,25 @@
 """One worker's replica and its side of the sync protocol, with the transport injected
 (:class:`ReplicaSync`), and what peers hand each other (:class:`PeerPayload`,
-:class:`ReplicaSnapshot`).
+:class:`ReplicaSnapshot`, :class:`LeaderRows`).
 
 An exchange publishes the worker's own embedding deltas and snapshots its dense parameters
 (:meth:`ReplicaSync.prepare`, once per round), pulls each peer's entries and snapshot, then
 merges them under the replica lock. The training thread holds the same lock per step, and the
 sync side never holds it across a network call, so training never waits for a slow peer.
 
-Joiners and the job's end copy a whole :class:`ReplicaSnapshot` (:meth:`ReplicaSync.adopt`): a
-worker that joins a running job adopts a live member's snapshot (its tables without its
-unpublished changes, its dense parameters and its cursor per source) and pulls newer entries as
-usual. The fused optimizer state (e.g. row-wise Adagrad momentum) is not part of the snapshot: a
+Joiners copy a whole :class:`ReplicaSnapshot` (:meth:`ReplicaSync.adopt`): a worker that joins a
+running job adopts a live member's snapshot (its tables without its unpublished changes, its
+dense parameters, its cursor per source and its changed rows) and pulls newer entries as usual.
+The fused optimizer state (e.g. row-wise Adagrad momentum) is not part of the snapshot: a
 joiner's starts fresh, which only makes its first steps on a row larger.
+
+The job's end copies much less. Once the final leader merged every member's entries and dense
+snapshot, each other member sends it its changed rows (a mask, :meth:`ReplicaSync.changed_rows`)
+and gets back only the rows either of them changed, with the leader's dense parameters
+(:class:`LeaderRows`, :meth:`ReplicaSync.serve_rows`); writing them
+(:meth:`ReplicaSync.adopt_rows`) makes it equal to the leader bit for bit, since every other row
+still holds the initial tables' bits on both (every member starts from the same initial model,
+as the deltas already assume).
 """
 
 from __future__ import annotations
@@ -31,6 +39,11 @@ from antdt.sync.embeddings import EmbeddingDeltaLog, LogEntry
 logger = logging.getLogger(__name__)
 
 
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes ``tensors`` take (as they travel: one frame each)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 @dataclass
 class PeerPayload:
     """What a peer serves for one exchange: its log entries after the requester's cursor, its
@@ -42,30 +55,67 @@ class PeerPayload:
     dense: list[torch.Tensor] | None
     layout: str
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors it carries."""
+        tensors = [t for e in self.entries for t in (e.ids, e.deltas)]
+        return tensor_bytes([*tensors, *(self.dense or [])])
+
 
 @dataclass
 class ReplicaSnapshot:
-    """A replica's whole state, for a joiner to start from or for the final adoption.
+    """A replica's whole state, for a joiner to start from.
 
     ``dense``: the source's dense parameters (shapes as its ``dense``); ``tables``: its tables
     ``(num_rows, dim)`` without its own unpublished changes; ``applied``: per source, the newest
-    seq whose entry is in ``tables`` (the snapshot's source included: its newest published seq).
+    seq whose entry is in ``tables`` (the snapshot's source included: its newest published seq);
+    ``changed``: ``(rows,)`` bool over the tables end to end, the rows that may differ from the
+    initial tables (see :meth:`~antdt.sync.EmbeddingDeltaLog.changed`).
     """
 
     source: str
     dense: list[torch.Tensor]
     tables: dict[str, torch.Tensor]
     applied: dict[str, int]
+    changed: torch.Tensor
+
+
+@dataclass
+class LeaderRows:
+    """What the final leader sends a member so that it ends equal to the leader, bit for bit.
+
+    ``ids``: ``(k,)`` int64, increasing, the rows of the :class:`~antdt.sync.RowSpace` that the
+    leader or the member changed (every other row holds the initial tables' bits on both);
+    ``rows``: ``(k, dim)``, the leader's values of them; ``dense``: the leader's dense parameters;
+    ``applied``: the leader's newest applied seq per source (itself included: its newest
+    published seq).
+    """
+
+    source: str
+    ids: torch.Tensor
+    rows: torch.Tensor
+    dense: list[torch.Tensor]
+    applied: dict[str, int]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors it carries."""
+        return tensor_bytes([self.ids, self.rows, *self.dense])
 
 
 @dataclass
 class ExchangeReport:
-    """Outcome of one exchange as seen by one worker."""
+    """Outcome of one exchange (or of one worker's part in the final round) as seen by one
+    worker: the peers merged and failed, the rows added from entries, the rows copied from the
+    final leader, and the tensor bytes received and sent in its requests."""
 
     round: int
     merged: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     rows_applied: int = 0
+    rows_copied: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
 
 
 PeerFetch = Callable[[str, int, int], PeerPayload]
@@ -155,10 +205,10 @@ class ReplicaSync:
     def snapshot(self) -> ReplicaSnapshot:
         """This replica's whole state (see :class:`ReplicaSnapshot`), taken under the lock."""
         with self.lock:
-            tables, applied = self.log.state()
+            tables, applied, changed = self.log.state()
             applied[self.worker] = self.log.last_seq
             dense = snapshot_dense(self.dense)
-        return ReplicaSnapshot(self.worker, dense, tables, applied)
+        return ReplicaSnapshot(self.worker, dense, tables, applied, changed)
 
     def adopt(self, snapshot: ReplicaSnapshot) -> None:
         """Make ``snapshot`` this replica's state, in place (fused tables stay fused).
@@ -166,7 +216,7 @@ class ReplicaSync:
         Own unpublished changes are published first, and own entries the snapshot lacks are added
         back, so nothing this worker published is lost; its cursors become the snapshot's, so it
         pulls from each source exactly the entries after them. Call it while the training thread
-        does not step: before training starts (a joiner) or after it ended (the final round).
+        does not step (a joiner: before training starts).
         """
         if snapshot.source == self.worker:
             raise SyncError(f"adopt: {self.worker!r} cannot adopt its own snapshot")
@@ -175,10 +225,50 @@ class ReplicaSync:
             self.log.publish(self._rows_offset)
             self.log.restore(snapshot.tables,
                              {s: seq for s, seq in snapshot.applied.items() if s != self.worker},
-                             own_seq=snapshot.applied.get(self.worker, 0))
+                             own_seq=snapshot.applied.get(self.worker, 0),
+                             changed=snapshot.changed)
             with torch.no_grad():
                 for param, value in zip(self.dense, snapshot.dense):
                     param.copy_(value)
+
+    # -- the job's end ---------------------------------------------------------------------
+    def changed_rows(self) -> torch.Tensor:
+        """After training ended, to ask the final leader for its rows: publish the last own
+        changes, then return the rows this replica changed (``(rows,)`` bool, see
+        :meth:`~antdt.sync.EmbeddingDeltaLog.changed`)."""
+        with self.lock:
+            self.log.publish(self._rows_offset)
+            return self.log.changed()
+
+    def serve_rows(self, changed: torch.Tensor) -> LeaderRows:
+        """As the final leader: what a member whose changed rows are ``changed`` (``(rows,)``
+        bool) needs to end equal to this replica (see :class:`LeaderRows`), under the lock.
+        Costs O(rows) for the mask plus O(k dim) for the rows either side changed."""
+        with self.lock:
+            self.log.publish(self._rows_offset)
+            ids, rows = self.log.rows_for(changed)
+            dense = snapshot_dense(self.dense)
+            applied = self.log.applied_seqs()
+            applied[self.worker] = self.log.last_seq
+        return LeaderRows(self.worker, ids, rows, dense, applied)
+
+    def adopt_rows(self, leader: LeaderRows) -> int:
+        """Write the final leader's rows and dense parameters in place: this replica is then
+        equal to the leader bit for bit (see :meth:`~antdt.sync.EmbeddingDeltaLog.adopt_rows`);
+        returns the rows copied. ``leader`` answers :meth:`changed_rows`; the training thread
+        does not step in between."""
+        if leader.source == self.worker:
+            raise SyncError(f"adopt_rows: {self.worker!r} cannot adopt its own rows")
+        check_dense(self.dense, leader.dense)
+        with self.lock:
+            copied = self.log.adopt_rows(
+                leader.source, leader.ids, leader.rows,
+                {s: seq for s, seq in leader.applied.items() if s != self.worker},
+                own_seq=leader.applied.get(self.worker, 0))
+            with torch.no_grad():
+                for param, value in zip(self.dense, leader.dense):
+                    param.copy_(value)
+        return copied
 
     def serve(self, requester: str, round: int, since_seq: int) -> PeerPayload:
         """A peer's request: our entries after ``since_seq`` and our snapshot of ``round``."""
@@ -194,7 +284,7 @@ class ReplicaSync:
         A payload that cannot be applied (other tables, a gap in the log, bad ids, mismatched
         shapes) is skipped and reported as failed; the others still merge.
         """
-        report = ExchangeReport(round)
+        report = ExchangeReport(round, bytes_received=sum(p.nbytes for p in payloads))
         snapshots: list[list[torch.Tensor]] = []
         with self.lock:
             for payload in payloads:

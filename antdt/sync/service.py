@@ -9,9 +9,13 @@
    for each peer P in the group: worker_A.rpc(P).antdt_sync_pull(job, A, round, since_seq)
                                    ──► SyncWorkerPlugin on P: entries + dense snapshot
    apply under the replica lock (short); a peer that fails is skipped and logged
- end: antdt_sync_group(final=True) until the all-member round, exchange, then
-      antdt_sync_complete until every member is through; each non-leader pulls the leader's
-      whole state (antdt_sync_snapshot) and adopts it; stop serving once all adopted
+ end: antdt_sync_group(final=True, departed) until the all-member round, then
+      antdt_sync_complete(gathered, adopted_from) ──► {step, leader}, until step is "done":
+        the leader (step "gather") pulls every member as above and merges, once;
+        the others (step "adopt") send the leader their changed-row mask
+          worker_B.rpc(leader).antdt_sync_rows(job, B, changed) ──► the leader's values of the
+          rows either side changed + its dense parameters, written in place
+      stop serving once every member adopted the leader's rows
 ```
 
 Only small control messages go through the scheduler. Defaults (timeouts, group size...) come
@@ -47,17 +51,19 @@ class SyncService(SchedulerPlugin):
     Handlers (all arguments by keyword; None means the ``antdt.sync`` dask-config default):
 
     - ``antdt_sync_start(job, workers, group_size=None, max_wait_s=None, max_progress_gap=None)``
-    - ``antdt_sync_group(job, worker, progress, final=False, members_version=None) -> GroupMsg``:
-      records that the worker applied the member list of ``members_version``, then waits (on
-      the scheduler's loop, not a thread) until the worker is grouped, told to go on alone, or
-      ``poll_s`` passed (then ``kind == "wait"``: ask again)
+    - ``antdt_sync_group(job, worker, progress, final=False, members_version=None, departed=0)
+      -> GroupMsg``: records that the worker applied the member list of ``members_version``,
+      then waits (on the scheduler's loop, not a thread) until the worker is grouped, told to go
+      on alone, or ``poll_s`` passed (then ``kind == "wait"``: ask again); ``departed`` (with
+      ``final``): the entries of departed members the worker applied
     - ``antdt_sync_members(job) -> MembersMsg``
     - ``antdt_sync_join(job, worker) -> JoinMsg``: adds a worker to a running job; waits up to
       ``poll_s`` for every other member to acknowledge it
     - ``antdt_sync_leave(job, worker)``: the worker stops syncing (idempotent, any job state)
-    - ``antdt_sync_complete(job, worker, adopted_from=None) -> FinalMsg``: the worker finished
-      its final exchange (and adopted ``adopted_from``'s state); waits up to ``poll_s`` until
-      all are done or the worker has a leader to adopt from
+    - ``antdt_sync_complete(job, worker, gathered=False, adopted_from=None) -> FinalMsg``: in the
+      final round, the leader gathered every member's entries (``gathered``) or the worker
+      adopted ``adopted_from``'s rows; waits up to ``poll_s`` until the worker has a step other
+      than "wait" (see :meth:`~antdt.sync.SyncScheduler.final_step`)
     - ``antdt_sync_stop(job)``
 
     Each handler checks its arguments and answers ``{"status": "OK", ...}`` (the message named
@@ -123,7 +129,7 @@ class SyncService(SchedulerPlugin):
         return {"members": scheduler.members(), "members_version": scheduler.members_version}
 
     async def group(self, job: str, worker: str, progress: int, final: bool = False,
-                    members_version: int | None = None) -> GroupMsg:
+                    members_version: int | None = None, departed: int = 0) -> GroupMsg:
         """See the class docstring."""
         if members_version is not None and self._job(job).acknowledge(worker, members_version):
             self._notify(job)
@@ -132,9 +138,12 @@ class SyncService(SchedulerPlugin):
             scheduler = self._job(job)
             event = self._event(job, worker)
             event.clear()
-            answer = scheduler.ready(worker, progress, time(), final=bool(final))
+            answer = scheduler.ready(worker, progress, time(), final=bool(final),
+                                     departed=departed)
             if answer.group is not None:
                 self._wake(job, answer.group.members)
+            if final:  # one partner fewer: the waiting workers may make a full group now
+                self._wake(job, scheduler.waiting())
             if answer.kind != "wait":
                 return group_msg(answer, scheduler.members_version)
             now = time()
@@ -171,25 +180,27 @@ class SyncService(SchedulerPlugin):
         final = scheduler.leave(worker)
         if final is not None:
             self._wake(job, final.members)
+        self._wake(job, scheduler.waiting())
         self._events.pop((job, worker), None)
         self._notify(job)
 
-    async def complete(self, job: str, worker: str,
+    async def complete(self, job: str, worker: str, gathered: bool = False,
                        adopted_from: str | None = None) -> FinalMsg:
         """See the class docstring."""
         scheduler = self._job(job)
-        scheduler.complete(worker)
+        if gathered:
+            scheduler.gathered(worker)
         if adopted_from is not None:
             scheduler.adopted(worker, adopted_from)
-        self._notify(job)
+        if gathered or adopted_from is not None:
+            self._notify(job)
         deadline = time() + self.poll_s
         while True:
             scheduler = self._job(job)
-            leader, done = scheduler.final_leader(), scheduler.final_done()
-            to_adopt = leader not in (None, worker, scheduler.adopted_from(worker))
+            step = scheduler.final_step(worker)
             left = deadline - time()
-            if done or to_adopt or left <= 0:
-                return {"done": done, "leader": leader}
+            if step != "wait" or left <= 0:
+                return {"step": step, "leader": scheduler.final_leader()}
             await self._changed(job, left)
 
     # ---- handlers: arguments checked, errors as replies ----------------------------------------
@@ -221,13 +232,14 @@ class SyncService(SchedulerPlugin):
 
     @rpc.handler
     async def group_handler(self, job: object, worker: object, progress: object,
-                            final: object = False, members_version: object = None) -> Reply:
-        if not isinstance(final, bool):
-            raise SyncError(f"antdt_sync_group: final must be a bool, found {final!r}")
+                            final: object = False, members_version: object = None,
+                            departed: object = 0) -> Reply:
         msg = await self.group(_name("job", job), _name("worker", worker),
-                               rpc.integer("progress", progress, error=SyncError), final,
+                               rpc.integer("progress", progress, error=SyncError),
+                               _flag("antdt_sync_group", "final", final),
                                rpc.integer("members_version", members_version, optional=True,
-                                           error=SyncError))
+                                           error=SyncError),
+                               rpc.integer("departed", departed, error=SyncError))
         return {"status": "OK", **msg}
 
     @rpc.handler
@@ -240,10 +252,11 @@ class SyncService(SchedulerPlugin):
         return {"status": "OK"}
 
     @rpc.handler
-    async def complete_handler(self, job: object, worker: object,
+    async def complete_handler(self, job: object, worker: object, gathered: object = False,
                                adopted_from: object = None) -> Reply:
         adopted = None if adopted_from is None else _name("adopted_from", adopted_from)
-        msg = await self.complete(_name("job", job), _name("worker", worker), adopted)
+        msg = await self.complete(_name("job", job), _name("worker", worker),
+                                  _flag("antdt_sync_complete", "gathered", gathered), adopted)
         return {"status": "OK", **msg}
 
     # ---- cluster events ---------------------------------------------------------------------
@@ -287,6 +300,12 @@ class SyncService(SchedulerPlugin):
 
 def _name(what: str, value: object) -> str:
     return rpc.name(what, value, error=SyncError)
+
+
+def _flag(handler: str, what: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise SyncError(f"{handler}: {what} must be a bool, found {value!r}")
+    return value
 
 
 def start_job(client: Client, job: str, workers: Sequence[str], *, group_size: int | None = None,

@@ -1,5 +1,6 @@
 """What the async mode's sync sends over Dask comms: the handlers' replies as TypedDicts, and
-tensors as numpy arrays (each its own serialized frame), never through the scheduler."""
+tensors as numpy arrays (each its own serialized frame), never through the scheduler. A mask of
+rows travels as bits (:func:`mask_to_bits`): 1/8 byte a row."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import numpy as np
 import torch
 from distributed.protocol import to_serialize
 
+from antdt.errors import SyncError
 from antdt.sync.embeddings import LogEntry
-from antdt.sync.groups import Answer
-from antdt.sync.replica import PeerPayload, ReplicaSnapshot
+from antdt.sync.groups import Answer, FinalStep
+from antdt.sync.replica import LeaderRows, PeerPayload, ReplicaSnapshot
 
 PLUGIN_NAME = "antdt-sync"
 """Name of both halves: ``scheduler.plugins[PLUGIN_NAME]`` and ``worker.plugins[PLUGIN_NAME]``."""
@@ -47,10 +49,11 @@ class JoinMsg(TypedDict):
 
 
 class FinalMsg(TypedDict):
-    """Reply of ``antdt_sync_complete``: ``leader`` (None until every member completed its final
-    exchange) is whose state the others adopt; ``done`` once all of them did."""
+    """Reply of ``antdt_sync_complete``: the worker's next ``step`` in the final round (see
+    :meth:`~antdt.sync.SyncScheduler.final_step`) and the ``leader`` whose rows the others
+    adopt."""
 
-    done: bool
+    step: FinalStep
     leader: str | None
 
 
@@ -75,11 +78,23 @@ class PullMsg(TypedDict):
 
 class SnapshotMsg(TypedDict):
     """Reply of a worker's ``antdt_sync_snapshot``: a :class:`~antdt.sync.ReplicaSnapshot`, the
-    tensors as numpy arrays."""
+    tensors as numpy arrays, the changed rows as bits."""
 
     source: str
     dense: list[Any]
     tables: dict[str, Any]
+    applied: dict[str, int]
+    changed: Any
+
+
+class RowsMsg(TypedDict):
+    """Reply of the final leader's ``antdt_sync_rows``: a :class:`~antdt.sync.LeaderRows`, the
+    tensors as numpy arrays (the request carries the requester's changed rows as bits)."""
+
+    source: str
+    ids: Any
+    rows: Any
+    dense: list[Any]
     applied: dict[str, int]
 
 
@@ -89,14 +104,32 @@ def _tensor(value: Any) -> torch.Tensor:
     return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
+def _array(tensor: torch.Tensor) -> Any:
+    return to_serialize(tensor.detach().cpu().numpy())
+
+
+def mask_to_bits(mask: torch.Tensor) -> np.ndarray:
+    """A ``(rows,)`` bool mask as ``ceil(rows / 8)`` bytes of bits."""
+    return np.packbits(mask.cpu().numpy())
+
+
+def bits_to_mask(bits: Any, rows: int) -> torch.Tensor:
+    """Inverse of :func:`mask_to_bits` for a mask of ``rows`` rows; :class:`SyncError` when
+    ``bits`` are not ``ceil(rows / 8)`` bytes."""
+    array = np.asarray(bits)
+    if array.dtype != np.uint8 or array.shape != ((rows + 7) // 8,):
+        raise SyncError(f"changed rows must be {(rows + 7) // 8} bytes of bits for {rows} rows, "
+                        f"found {array.dtype} {array.shape}")
+    return torch.from_numpy(np.unpackbits(array, count=rows).astype(bool))
+
+
 def payload_to_msg(payload: PeerPayload) -> PullMsg:
     """Tensors become numpy arrays, each sent as its own serialized frame."""
     entries: list[EntryMsg] = [
-        {"seq": e.seq, "rows_offset": e.rows_offset, "ids": to_serialize(e.ids.cpu().numpy()),
-         "deltas": to_serialize(e.deltas.detach().cpu().numpy())}
+        {"seq": e.seq, "rows_offset": e.rows_offset, "ids": _array(e.ids),
+         "deltas": _array(e.deltas)}
         for e in payload.entries]
-    dense = (None if payload.dense is None
-             else [to_serialize(t.detach().cpu().numpy()) for t in payload.dense])
+    dense = None if payload.dense is None else [_array(t) for t in payload.dense]
     return {"source": payload.source, "entries": entries, "dense": dense,
             "layout": payload.layout}
 
@@ -113,17 +146,32 @@ def msg_to_payload(msg: PullMsg) -> PeerPayload:
 def snapshot_to_msg(snapshot: ReplicaSnapshot) -> SnapshotMsg:
     """Tensors become numpy arrays, each sent as its own serialized frame."""
     return {"source": snapshot.source,
-            "dense": [to_serialize(t.detach().cpu().numpy()) for t in snapshot.dense],
-            "tables": {name: to_serialize(t.detach().cpu().numpy())
-                       for name, t in snapshot.tables.items()},
-            "applied": dict(snapshot.applied)}
+            "dense": [_array(t) for t in snapshot.dense],
+            "tables": {name: _array(t) for name, t in snapshot.tables.items()},
+            "applied": dict(snapshot.applied),
+            "changed": to_serialize(mask_to_bits(snapshot.changed))}
 
 
 def msg_to_snapshot(msg: SnapshotMsg) -> ReplicaSnapshot:
     """Inverse of :func:`snapshot_to_msg` on the receiving side."""
-    return ReplicaSnapshot(msg["source"], [_tensor(t) for t in msg["dense"]],
-                           {name: _tensor(t) for name, t in msg["tables"].items()},
-                           {source: int(seq) for source, seq in msg["applied"].items()})
+    tables = {name: _tensor(t) for name, t in msg["tables"].items()}
+    rows = sum(t.shape[0] for t in tables.values())
+    return ReplicaSnapshot(msg["source"], [_tensor(t) for t in msg["dense"]], tables,
+                           {source: int(seq) for source, seq in msg["applied"].items()},
+                           bits_to_mask(msg["changed"], rows))
+
+
+def rows_to_msg(rows: LeaderRows) -> RowsMsg:
+    """Tensors become numpy arrays, each sent as its own serialized frame."""
+    return {"source": rows.source, "ids": _array(rows.ids), "rows": _array(rows.rows),
+            "dense": [_array(t) for t in rows.dense], "applied": dict(rows.applied)}
+
+
+def msg_to_rows(msg: RowsMsg) -> LeaderRows:
+    """Inverse of :func:`rows_to_msg` on the receiving side."""
+    return LeaderRows(msg["source"], _tensor(msg["ids"]), _tensor(msg["rows"]),
+                      [_tensor(t) for t in msg["dense"]],
+                      {source: int(seq) for source, seq in msg["applied"].items()})
 
 
 def group_msg(answer: Answer, members_version: int) -> GroupMsg:

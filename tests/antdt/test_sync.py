@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -14,6 +15,7 @@ import torch
 import antdt.errors
 from antdt.sync import (
     EmbeddingDeltaLog,
+    LeaderRows,
     LogEntry,
     MemberState,
     PeerPayload,
@@ -24,14 +26,15 @@ from antdt.sync import (
     SyncScheduler,
     average_dense,
 )
+from antdt.sync.replica import tensor_bytes
 
 ROWS, DIM = 40, 3
 
 
-def make_tables(seed: int = 0) -> dict[str, torch.Tensor]:
+def make_tables(seed: int = 0, rows: int = ROWS) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {"a": torch.randn(ROWS, DIM, generator=gen, dtype=torch.float64),
-            "b": torch.randn(ROWS // 2, DIM, generator=gen, dtype=torch.float64)}
+    return {"a": torch.randn(rows, DIM, generator=gen, dtype=torch.float64),
+            "b": torch.randn(rows // 2, DIM, generator=gen, dtype=torch.float64)}
 
 
 def make_dense(seed: int = 1) -> list[torch.Tensor]:
@@ -43,9 +46,9 @@ def make_dense(seed: int = 1) -> list[torch.Tensor]:
 class Cluster:
     """Replicas of one initial model wired by an in-memory transport that can fail on demand."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, rows: int = ROWS) -> None:
         self.names = [f"w{i}" for i in range(n)]
-        self.initial_tables = make_tables()
+        self.initial_tables = make_tables(rows=rows)
         self.initial_dense = make_dense()
         self.replicas = {
             name: ReplicaSync(name, [p.clone() for p in self.initial_dense],
@@ -342,7 +345,37 @@ def assert_bit_identical(a: ReplicaSync, b: ReplicaSync) -> None:
         assert torch.equal(p, q)
 
 
-def test_final_adoption_leaves_survivors_bit_identical_after_a_death() -> None:
+def end_job(cluster: Cluster, names: list[str], round: int) -> tuple[str, dict[str, LeaderRows]]:
+    """The final round as BackgroundSync.finish runs it: the scheduler names the leader (each
+    member tells it the entries of departed members it applied), the leader pulls every other
+    member and merges, each other member adopts the rows the leader sends for its changed rows.
+    Returns the leader and what it sent to each member."""
+    scheduler = SyncScheduler(group_size=len(names), max_wait_s=1.0)
+    for name in names:
+        scheduler.join(name)
+    for _ in range(2):  # the last one forms the final group, the others pick it up
+        for name in names:
+            applied = cluster.replicas[name].log.applied_seqs()
+            scheduler.ready(name, cluster.offsets[name], now=0.0, final=True,
+                            departed=sum(seq for s, seq in applied.items() if s not in names))
+    leader = scheduler.final_leader()
+    assert leader is not None and scheduler.final_step(leader) == "gather"
+    report = cluster.replicas[leader].exchange(round, names, cluster.fetch_for(leader))
+    assert report.failed == [] and sorted(report.merged) == sorted(set(names) - {leader})
+    scheduler.gathered(leader)
+    sent = {}
+    for name in names:
+        if name != leader:
+            assert scheduler.final_step(name) == "adopt"
+            replica = cluster.replicas[name]
+            sent[name] = cluster.replicas[leader].serve_rows(replica.changed_rows())
+            replica.adopt_rows(sent[name])
+            scheduler.adopted(name, leader)
+    assert scheduler.final_done()
+    return leader, sent
+
+
+def test_the_final_round_leaves_survivors_bit_identical_and_keeps_a_dead_peer_s_entries() -> None:
     cluster = Cluster(3)
     gen = torch.Generator().manual_seed(2)
     for name in cluster.names:
@@ -356,16 +389,69 @@ def test_final_adoption_leaves_survivors_bit_identical_after_a_death() -> None:
     survivors = ["w0", "w1"]
     for name in survivors:
         cluster.replicas[name].set_peers(survivors)
-    run_round(cluster, 3, cluster.names, gen, train_between=False)  # the final exchange
     assert w1.log.applied_seq("w2") == late > w0.log.applied_seq("w2")
     assert not torch.equal(w0.tables["a"], w1.tables["a"])
     assert w2.synced_offset() <= cluster.offsets["w2"] - 64  # w0 lacks the last step: re-queued
-    w1.adopt(w0.snapshot())  # w0 is the leader: the smallest address
+    leader, _ = end_job(cluster, survivors, 3)
+    assert leader == "w1"  # it applied more of w2's entries than w0, the smaller address
     assert_bit_identical(w0, w1)
-    assert w1.log.applied_seq("w2") == w0.log.applied_seq("w2")
-    # both now hold initial + the survivors' deltas + the prefix of w2's log that w0 applied
+    assert w0.log.applied_seq("w2") == late
+    assert_identical(cluster, survivors)  # every step of all three: w2's last one is not lost
     run_round(cluster, 4, survivors, gen, train_between=False)
     assert_bit_identical(w0, w1)
+
+
+def test_the_final_round_copies_the_changed_rows_not_the_tables() -> None:
+    """Big tables, few rows trained, partial groups that added deltas in different orders: the
+    final round leaves every member bit-identical, and what the leader sends each member is the
+    rows trained during the job (ids and values) and the dense parameters, far below the model
+    that a whole-state copy would send."""
+    cluster = Cluster(3, rows=50_000)
+    gen = torch.Generator().manual_seed(11)
+    for round in range(1, 30):
+        cluster.train(cluster.rng.choice(cluster.names), gen)
+        run_round(cluster, round, cluster.rng.sample(cluster.names, 2), gen, train_between=True)
+    replicas = [cluster.replicas[name] for name in cluster.names]
+    assert not all(torch.equal(replicas[0].tables[t], r.tables[t])
+                   for r in replicas[1:] for t in r.tables)
+    leader, sent = end_job(cluster, cluster.names, 100)
+    for replica in replicas:
+        assert_bit_identical(cluster.replicas[leader], replica)
+    assert_identical(cluster, cluster.names)
+    space = replicas[0].log.space
+    trained = torch.cat([(cluster.total[t] != 0).any(1) for t in space.tables]).nonzero()
+    dense_bytes = tensor_bytes(replicas[0].dense)
+    model_bytes = tensor_bytes(space.tables.values()) + dense_bytes
+    for rows in sent.values():
+        assert rows.ids.tolist() == trained.squeeze(1).tolist()
+        assert rows.nbytes == len(trained) * (8 + DIM * 8) + dense_bytes
+        assert rows.nbytes + (space.rows + 7) // 8 < model_bytes / 10  # the mask sent: 1 bit a row
+
+
+def test_own_entries_the_leader_never_applied_are_dropped_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    cluster = Cluster(2)
+    gen = torch.Generator().manual_seed(6)
+    w0, w1 = (cluster.replicas[n] for n in cluster.names)
+    for name in cluster.names:
+        cluster.train(name, gen)
+    run_round(cluster, 1, cluster.names, gen, train_between=False)
+    cluster.train("w1", gen)
+    w1.prepare(2)  # an entry that the leader w0 never pulls
+    with caplog.at_level(logging.WARNING, logger="antdt.sync.embeddings"):
+        w1.adopt_rows(w0.serve_rows(w1.changed_rows()))
+    assert "w0 lacks our entries 2..2" in caplog.text
+    assert_bit_identical(w0, w1)
+    assert w1.log.last_seq == w0.log.applied_seq("w1") == 1
+    run_round(cluster, 3, cluster.names, gen, train_between=False)  # nobody adds it on top
+    assert_bit_identical(w0, w1)
+    with pytest.raises(SyncError, match="its own rows"):
+        w0.adopt_rows(w0.serve_rows(w0.changed_rows()))
+    bad = w0.serve_rows(w1.changed_rows())
+    with pytest.raises(SyncError, match=r"rows must be \(\d+, 3\)"):
+        w1.adopt_rows(LeaderRows("w0", bad.ids, bad.rows[:, :2], bad.dense, bad.applied))
+    with pytest.raises(SyncError, match="changed rows must be"):
+        w0.serve_rows(torch.zeros(3, dtype=torch.bool))
 
 
 def test_adopt_copies_in_place_and_keeps_own_published_entries() -> None:
@@ -392,7 +478,8 @@ def test_adopt_copies_in_place_and_keeps_own_published_entries() -> None:
     with pytest.raises(SyncError, match="own snapshot"):
         w0.adopt(w0.snapshot())
     with pytest.raises(SyncError, match="does not match"):
-        w0.adopt(ReplicaSnapshot("w1", [torch.zeros(1)], snapshot.tables, {}))
+        w0.adopt(ReplicaSnapshot("w1", [torch.zeros(1)], snapshot.tables, {},
+                                 snapshot.changed))
 
 
 def settle(cluster: Cluster, scheduler: SyncScheduler, names: list[str]) -> None:
@@ -450,6 +537,10 @@ def test_a_joiner_snapshots_only_once_every_source_knows_it(wait_for_settle: boo
     assert report.failed == [] and len(report.merged) == 3
     run_round(cluster, round + 1, cluster.names, gen, train_between=False)
     assert_identical(cluster, cluster.names)
+    # the joiner's changed rows came with its snapshot: the final round leaves all bit-identical
+    leader, _ = end_job(cluster, cluster.names, round + 2)
+    for name in cluster.names:
+        assert_bit_identical(cluster.replicas[leader], cluster.replicas[name])
 
 
 def test_payload_that_cannot_be_applied_is_skipped() -> None:
@@ -567,7 +658,7 @@ def test_final_round_forms_when_every_live_member_finished() -> None:
     assert s.ready("a", 0, now=0.0, final=True).kind == "wait"
     s.ready("c", 0, now=0.0)
     with pytest.raises(SyncError, match="received the final"):
-        s.complete("c")
+        s.final_step("c")
     with pytest.raises(SyncError, match="expected final=True"):
         s.ready("a", 0, now=0.0)
     final = s.leave("c")  # the last one still training dies
@@ -576,8 +667,8 @@ def test_final_round_forms_when_every_live_member_finished() -> None:
         answer = s.ready(name, 0, now=1.0, final=True)
         assert answer.group == final and s.state(name) is MemberState.DONE
     assert s.ready("a", 0, now=2.0).group == final  # asked again: same answer
-    assert not s.all_complete() and s.complete("a") is False
-    assert s.complete("b") is True and s.all_complete()
+    assert s.final_leader() == "a"  # nobody applied a departed member's entries: the smallest
+    assert (s.final_step("a"), s.final_step("b")) == ("gather", "wait")
     with pytest.raises(SyncError, match="final round"):
         s.join("late")
 
@@ -608,25 +699,32 @@ def test_join_running_waits_for_every_member_to_acknowledge() -> None:
         s.join_running("late")
 
 
-def test_final_leader_and_adoption() -> None:
-    s = joined(["a", "b", "c"], group_size=3, max_wait_s=100.0)
+def test_the_final_leader_gathers_and_the_others_adopt_its_rows() -> None:
+    s = joined(["a", "b", "c", "d"], group_size=4, max_wait_s=100.0)
+    s.leave("d")  # d died: its entries reached b and c, more of them c
+    with pytest.raises(SyncError, match="departed must be >= 0"):
+        s.ready("a", 0, now=0.0, final=True, departed=-1)
+    assert s.final_leader() is None
     for _ in range(2):  # the last one forms the final group, the others pick it up
-        for name in ("a", "b", "c"):
-            s.ready(name, 0, now=0.0, final=True)
-    with pytest.raises(SyncError, match="completed its final"):
-        s.adopted("b", "a")
-    assert s.complete("b") is False and s.final_leader() is None
-    s.complete("c")
-    s.complete("a")
-    assert s.final_leader() == "a" and not s.final_done()
-    s.adopted("b", "a")
-    assert not s.final_done() and s.adopted_from("b") == "a"
-    s.adopted("c", "a")
-    assert s.final_done()
-    s.leave("a")  # the leader dies: b leads, and c must adopt b's state
+        for name, departed in (("a", 0), ("b", 3), ("c", 5)):
+            s.ready(name, 0, now=0.0, final=True, departed=departed)
+    assert s.final_leader() == "c"  # it holds the most of d's entries: none of them is lost
+    assert [s.final_step(n) for n in ("a", "b", "c")] == ["wait", "wait", "gather"]
+    with pytest.raises(SyncError, match="expected the final leader 'c'"):
+        s.gathered("a")
+    s.gathered("c")
+    assert [s.final_step(n) for n in ("a", "b", "c")] == ["adopt", "adopt", "wait"]
+    s.adopted("a", "c")
+    assert s.final_step("a") == "wait" and s.adopted_from("a") == "c" and not s.final_done()
+    s.adopted("b", "c")
+    assert s.final_done() and [s.final_step(n) for n in ("a", "b", "c")] == ["done"] * 3
+    s.leave("c")  # the leader dies: b leads (more of d's entries than a) and gathers again
     assert s.final_leader() == "b" and not s.final_done()
-    s.adopted("c", "b")
-    assert s.final_done()
+    assert [s.final_step(n) for n in ("a", "b")] == ["wait", "gather"]
+    s.gathered("b")
+    assert s.final_step("a") == "adopt"
+    s.adopted("a", "b")
+    assert s.final_done() and s.final_step("b") == "done"
 
 
 def test_defaults_come_from_dask_config() -> None:
