@@ -25,8 +25,10 @@ from distributed.protocol import dumps, loads
 from distributed.utils_test import gen_cluster
 
 from antdt.errors import ConfigError
+from antdt.errors import SyncError
 from antdt.sync import (
     ExchangeReport,
+    LeaderRows,
     LogEntry,
     PeerPayload,
     ReplicaSnapshot,
@@ -34,17 +36,19 @@ from antdt.sync import (
     SyncPeriod,
 )
 from antdt.sync.background import BackgroundSync, SyncWorkerPlugin
+from antdt.sync.replica import tensor_bytes
 from antdt.sync.service import SyncService, start_job
-from antdt.sync.wire import (PLUGIN_NAME, msg_to_payload, msg_to_snapshot, payload_to_msg,
+from antdt.sync.wire import (PLUGIN_NAME, bits_to_mask, mask_to_bits, msg_to_payload,
+                             msg_to_rows, msg_to_snapshot, payload_to_msg, rows_to_msg,
                              snapshot_to_msg)
 
 ROWS, DIM = 30, 4
 DENSE_SHAPES = ((6, 3), (3,))
 
 
-def initial_tables() -> dict[str, torch.Tensor]:
+def initial_tables(rows: int = ROWS) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {"user": torch.randn(ROWS, DIM, generator=gen), "item": torch.randn(ROWS, DIM,
+    return {"user": torch.randn(rows, DIM, generator=gen), "item": torch.randn(rows, DIM,
                                                                                generator=gen)}
 
 
@@ -53,23 +57,26 @@ def initial_dense() -> list[torch.Tensor]:
     return [torch.randn(shape, generator=gen) for shape in DENSE_SHAPES]
 
 
-def draw_step(gen: torch.Generator) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]],
-                                             list[torch.Tensor]]:
-    """One training-like step's changes: 4 rows of each table and every dense parameter."""
+def draw_step(gen: torch.Generator, hot: int = ROWS
+              ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """One training-like step's changes: 4 of the first ``hot`` rows of each table and every
+    dense parameter."""
     rows = {}
     for name in ("user", "item"):
-        ids = torch.randperm(ROWS, generator=gen)[:4]
+        ids = torch.randperm(hot, generator=gen)[:4]
         rows[name] = (ids, 0.01 * torch.randn(len(ids), DIM, generator=gen))
     return rows, [0.01 * torch.randn(shape, generator=gen) for shape in DENSE_SHAPES]
 
 
 class Agent:
     """A stand-in for the training agent: random in-place steps under the replica lock (the
-    touch too, so every published entry holds whole steps)."""
+    touch too, so every published entry holds whole steps), on the first ``hot`` of the tables'
+    ``rows`` rows."""
 
-    def __init__(self, worker: Worker, seed: int) -> None:
-        self.replica = ReplicaSync(worker.address, initial_dense(), initial_tables())
-        self.total = {t: torch.zeros(ROWS, DIM, dtype=torch.float64) for t in self.replica.tables}
+    def __init__(self, worker: Worker, seed: int, rows: int = ROWS, hot: int = ROWS) -> None:
+        self.replica = ReplicaSync(worker.address, initial_dense(), initial_tables(rows))
+        self.rows_per_table, self.hot = rows, hot
+        self.total = {t: torch.zeros(rows, DIM, dtype=torch.float64) for t in self.replica.tables}
         self.gen = torch.Generator().manual_seed(seed)
         self.rows = 0
         self.worker = worker
@@ -77,7 +84,7 @@ class Agent:
         self.peer: str | None = None
 
     def step(self) -> None:
-        rows, dense = draw_step(self.gen)
+        rows, dense = draw_step(self.gen, self.hot)
         with self.replica.lock:
             for name, (ids, delta) in rows.items():
                 self.replica.tables[name][ids] += delta
@@ -148,8 +155,9 @@ def served(w: Worker) -> dict[str, ReplicaSync]:
 
 
 def expected_tables(agents: list[Agent]) -> dict[str, torch.Tensor]:
-    return {name: initial_tables()[name].double() + sum(a.total[name] for a in agents)
-            for name in initial_tables()}
+    initial = initial_tables(agents[0].rows_per_table)
+    return {name: initial[name].double() + sum(a.total[name] for a in agents)
+            for name in initial}
 
 
 def assert_bit_identical(replicas: list[ReplicaSync]) -> None:
@@ -182,11 +190,22 @@ def test_payload_roundtrip_through_messages() -> None:
     assert torch.equal(deltas, torch.ones(2, 5))
     assert back.dense is not None and torch.equal(back.dense[0], torch.arange(6.0).reshape(2, 3))
     snapshot = ReplicaSnapshot("w", [torch.ones(2)], {"t": torch.arange(6.0).reshape(3, 2)},
-                               {"w": 4, "v": 2})
+                               {"w": 4, "v": 2}, torch.tensor([True, False, True]))
     copy = msg_to_snapshot(loads(dumps(snapshot_to_msg(snapshot))))
     assert copy.source == "w" and copy.applied == {"w": 4, "v": 2}
     assert torch.equal(copy.tables["t"], snapshot.tables["t"])
     assert torch.equal(copy.dense[0], torch.ones(2))
+    assert copy.changed.tolist() == [True, False, True]
+    rows = LeaderRows("w", torch.tensor([0, 7]), torch.ones(2, 5), [torch.zeros(3)], {"w": 2})
+    back_rows = msg_to_rows(loads(dumps(rows_to_msg(rows))))
+    assert back_rows.ids.tolist() == [0, 7] and back_rows.ids.dtype == torch.int64
+    assert torch.equal(back_rows.rows, rows.rows) and back_rows.applied == {"w": 2}
+    assert torch.equal(back_rows.dense[0], torch.zeros(3)) and back_rows.nbytes == 16 + 40 + 12
+    mask = torch.arange(21) % 3 == 0
+    bits = mask_to_bits(mask)
+    assert bits.nbytes == 3 and torch.equal(bits_to_mask(bits, 21), mask)
+    with pytest.raises(SyncError, match=r"3 bytes of bits for 21 rows, found uint8 \(4,\)"):
+        bits_to_mask(np.zeros(4, dtype=np.uint8), 21)
 
 
 async def start_service(c: Client, s: Scheduler, workers: tuple[Worker, ...],
@@ -203,18 +222,53 @@ async def test_background_rounds_then_final_round_give_identical_replicas(
     assert all(PLUGIN_NAME in w.plugins for w in workers)
     agents = [Agent(w, seed=i) for i, w in enumerate(workers)]
     reports = await run_agents(agents, min_merges=2)
-    assert all(r.failed == [] and len(r.merged) == 2 for r in reports)  # final: everyone
+    leader = min(w.address for w in workers)  # no member died: the smallest address leads
+    assert all(a.sync is not None and a.sync.final_leader == leader for a in agents)
+    for agent, report in zip(agents, reports):
+        if agent.worker.address == leader:  # it gathered everyone
+            assert report.failed == [] and len(report.merged) == 2 and report.rows_copied == 0
+        else:  # the others adopted its rows
+            assert report.failed == [] and report.merged == [leader] and report.rows_copied > 0
     expected = expected_tables(agents)
     for agent in agents:
         for name, table in agent.replica.tables.items():
             torch.testing.assert_close(table.double(), expected[name], rtol=0, atol=1e-5)
     assert_bit_identical([a.replica for a in agents])
-    leader = min(w.address for w in workers)
-    assert all(a.sync is not None and a.sync.final_leader == leader for a in agents)
-    assert service(s).jobs["job"].all_complete()
+    assert service(s).jobs["job"].final_done()
     assert all(not served(w) for w in workers)  # after the job, replicas are no longer served
     await c.scheduler.antdt_sync_stop(job="job")
     assert "job" not in service(s).jobs
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=90)
+async def test_the_final_round_sends_the_rows_trained_not_the_tables(
+        c: Client, s: Scheduler, *workers: Worker) -> None:
+    """Tables of 20,000 rows of which the agents train 40: the final round leaves the replicas
+    bit-identical, and the tensor bytes that cross it (the leader's pulls, each member's mask of
+    changed rows, the rows the leader sends back) are those of the rows trained and the dense
+    parameters, far below the model that a whole-state copy sent to each member."""
+    await start_service(c, s, workers, group_size=2, max_wait_s=0.05)
+    agents = [Agent(w, seed=i, rows=20_000, hot=40) for i, w in enumerate(workers)]
+    reports = await run_agents(agents, min_merges=2)
+    assert_bit_identical([a.replica for a in agents])
+    expected = expected_tables(agents)
+    for name, table in agents[0].replica.tables.items():
+        torch.testing.assert_close(table.double(), expected[name], rtol=0, atol=1e-5)
+    trained = sum(int((sum(a.total[name] for a in agents) != 0).any(1).sum())
+                  for name in expected)
+    assert 0 < trained <= 2 * 40  # of the 40,000 rows
+    dense_bytes = tensor_bytes(agents[0].replica.dense)
+    model_bytes = tensor_bytes(agents[0].replica.tables.values()) + dense_bytes
+    leader = min(w.address for w in workers)
+    for agent, report in zip(agents, reports):
+        if agent.worker.address == leader:
+            assert report.bytes_sent == 0 and 2 * dense_bytes <= report.bytes_received
+        else:  # ids (int64) and float32 values of the rows trained, the dense parameters
+            assert report.rows_copied == trained
+            assert report.bytes_received == trained * (8 + DIM * 4) + dense_bytes
+            assert report.bytes_sent == (2 * 20_000 + 7) // 8  # the mask: one bit a row
+    crossed = sum(r.bytes_received + r.bytes_sent for r in reports)
+    assert crossed < (len(agents) - 1) * model_bytes / 20
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
@@ -300,6 +354,35 @@ async def test_a_dead_worker_leaves_and_its_synced_offset_is_safe(
     assert_bit_identical([agent.replica for agent in survivors])  # whoever applied more
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=60)
+async def test_a_member_that_finishes_lets_the_waiting_ones_group_at_once(
+        c: Client, s: Scheduler, a: Worker, b: Worker, w: Worker) -> None:
+    """Three members in groups of three: two wait for a full group; when the third finishes
+    training, two make a full group and they are told now, not when their wait (an hour)
+    runs out."""
+    await c.register_plugin(SyncService(poll_s=3600.0))
+    sched = c.scheduler
+    ok(await sched.antdt_sync_start(job="j", workers=[a.address, b.address, w.address],
+                                    group_size=3, max_wait_s=3600.0))
+    waiting = [asyncio.create_task(sched.antdt_sync_group(job="j", worker=x.address,
+                                                          progress=10)) for x in (a, b)]
+    groups = s.plugins[PLUGIN_NAME].jobs["j"]
+
+    async def both_wait() -> None:
+        while len(groups.waiting()) < 2:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(both_wait(), 30)
+    assert not any(task.done() for task in waiting)
+    finished = asyncio.create_task(sched.antdt_sync_group(job="j", worker=w.address,
+                                                          progress=10, final=True))
+    answers = [ok(answer) for answer in await asyncio.wait_for(asyncio.gather(*waiting), 30)]
+    assert [answer["kind"] for answer in answers] == ["group", "group"]
+    assert sorted(answers[0]["members"]) == sorted([a.address, b.address])
+    assert not finished.done()  # the others have not finished: no final round yet
+    finished.cancel()
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
 async def test_handlers_validate_their_arguments(c: Client, s: Scheduler, a: Worker,
                                                  b: Worker) -> None:
@@ -323,8 +406,14 @@ async def test_handlers_validate_their_arguments(c: Client, s: Scheduler, a: Wor
                                          members_version="2"), "members_version must be")
     refused(await sched.antdt_sync_group(job="j", worker=["w"], progress=0),
             "worker must be a str")
+    refused(await sched.antdt_sync_group(job="j", worker=a.address, progress=0, final=True,
+                                         departed=-2), "departed must be an int >= 0")
+    refused(await sched.antdt_sync_group(job="j", worker=a.address, progress=0, final=1),
+            "final must be a bool")
     refused(await sched.antdt_sync_members(job="nope"), "unknown sync job")
     refused(await sched.antdt_sync_complete(job="j", worker=a.address), "received the final")
+    refused(await sched.antdt_sync_complete(job="j", worker=a.address, gathered="yes"),
+            "gathered must be a bool")
     refused(await sched.antdt_sync_leave(job={}, worker=a.address), "job must be a str")
     answer = ok(await sched.antdt_sync_group(job="j", worker=a.address, progress=0))
     assert answer["kind"] == "alone" and answer["members_version"] == 2  # waited max_wait_s
@@ -333,6 +422,16 @@ async def test_handlers_validate_their_arguments(c: Client, s: Scheduler, a: Wor
     refused(await pull(job="j", requester=a.address, round=-1, since_seq=0),
             "round must be an int >= 0")
     refused(await pull(job="j", requester=None, round=1, since_seq=0), "requester must be")
+    rows = a.rpc(b.address).antdt_sync_rows
+    refused(await rows(job="j", requester=a.address, changed=b"\0"), "no replica")
+    plugin = b.plugins[PLUGIN_NAME]
+    assert isinstance(plugin, SyncWorkerPlugin)
+    plugin.attach("j", ReplicaSync(b.address, initial_dense(), initial_tables()))
+    refused(await rows(job="j", requester=a.address, changed=np.zeros(3, dtype=np.uint8)),
+            r"8 bytes of bits for 60 rows, found uint8 \(3,\)")
+    refused(await rows(job="j", requester=a.address, changed="bits"), "bytes of bits")
+    reply = ok(await rows(job="j", requester=a.address, changed=np.zeros(8, dtype=np.uint8)))
+    assert msg_to_rows(reply).ids.tolist() == []  # nothing changed on either side: no rows
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=90)
@@ -355,7 +454,11 @@ async def test_a_worker_joins_a_running_job_and_all_end_identical(
         reports = await asyncio.gather(*runs, joiner)
     assert agents[2].peer in {w.address for w in first}
     assert service(s).jobs["job"].members() == sorted(w.address for w in workers)
-    assert all(r is not None and r.failed == [] and len(r.merged) == 2 for r in reports)
+    leader = min(w.address for w in workers)  # it gathered everyone, the others adopted its rows
+    others = sorted(w.address for w in workers if w.address != leader)
+    for agent, report in zip(agents, reports):
+        assert report is not None and report.failed == []
+        assert report.merged == (others if agent.worker.address == leader else [leader])
     # no pull ever failed: every source kept what the joiner needed after its snapshot
     assert [a.sync.peers_failed for a in agents if a.sync is not None] == [0, 0, 0]
     expected = expected_tables(agents)
