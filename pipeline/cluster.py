@@ -149,7 +149,8 @@ def job_spec(job: JobConfig, data: PreparedData | None = None, *,
                 shard_rows=train.shard_rows, epochs=train.epochs, seed=train.seed,
                 sync_period=str(train.sync_period), sharding=train.sharding,
                 threads=train.threads, quarantine=list(plan.quarantine), faults=faults,
-                deadline_s=deadline_s, workers=workers, preload=["pipeline.recipes"],
+                deadline_s=deadline_s, workers=workers,
+                min_batches_per_worker=train.min_batches_per_worker, preload=["pipeline.recipes"],
                 tags={"experiment": job.mlflow.experiment, "tracking_uri": redact(uri)},
                 checkpoint_dir=train.checkpoint_dir, checkpoint_every=train.checkpoint_every,
                 checkpoint_keep=train.checkpoint_keep,
@@ -269,7 +270,11 @@ def run(job: JobConfig, *, workers: int | None = None, scheduler: str | None = N
     if resume is not None:
         manifest = resume_point(job, spec, resume)
         spec, job_id = resumed(spec, manifest), manifest.job_id
-    local = workers or job.train.workers if scheduler is None else None
+    local = None
+    if scheduler is None:  # no process started for a worker the job would leave idle
+        asked = workers or job.train.workers
+        spec = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, workers=asked))
+        local, _ = spec.plan.fitted_workers(asked)
     with connect(local, scheduler, security=security) as client, JobClient(client) as jobs:
         submitted = jobs.submit(spec, job_id=job_id)
         return follow(jobs, submitted["job"]["job_id"], progress)

@@ -73,6 +73,10 @@ class TrainConfig:
     log_every: int = 50
     mode: Mode = "async"
     workers: int = 2
+    min_batches_per_worker: int = 128
+    """The async mode trains on fewer workers than ``workers`` when each would see fewer
+    batches than this (0: never): a replica that syncs only a few dozen times drifts from the
+    others (see :meth:`antdt.jobs.JobPlan.fitted_workers`)."""
     sync_period: SyncPeriod = SyncPeriod(batches=1)
     shard_rows: int = SHARD_BATCHES * 4096
     sharding: Sharding = "antdt"
@@ -233,7 +237,7 @@ def _number(raw: Mapping[str, Any], key: str, default: float, where: str, *,
 
 def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
     own = {"batch_size", "epochs", "seed", "threads", "log_every", "mode", "workers",
-           "sync_period", "shard_rows", "sharding", "checkpoint_dir", "checkpoint_every",
+           "min_batches_per_worker", "sync_period", "shard_rows", "sharding", "checkpoint_dir", "checkpoint_every",
            "checkpoint_keep"}
     _reject_unknown(raw, own | _OPTIM_KEYS, where)
     defaults = TrainConfig()
@@ -263,6 +267,8 @@ def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
         log_every=_positive_int(raw, "log_every", defaults.log_every, where),
         mode=mode,
         workers=_positive_int(raw, "workers", defaults.workers, where),
+        min_batches_per_worker=_positive_int(raw, "min_batches_per_worker",
+                                             defaults.min_batches_per_worker, where, minimum=0),
         sync_period=(SyncPeriod.parse(raw["sync_period"], where=f"{where}.sync_period")
                      if "sync_period" in raw else defaults.sync_period),
         shard_rows=_positive_int(raw, "shard_rows", SHARD_BATCHES * batch_size, where),

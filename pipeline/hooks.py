@@ -105,7 +105,7 @@ class RankingHooks:
             straggler_actions=len(report["actions"]), tracking_uri=tracker.tracking_uri,
             rows_replayed=int(report.get("rows_replayed", 0)),
             experiment_id=tracker.experiment_id,
-            timeline=tracker.artifact_location("timeline.png"))
+            timeline=tracker.artifact_location("timeline.png"), adapted=report.get("adapted"))
         tracker.summary({k: v for k, v in summary.metrics().items() if not math.isnan(v)})
         tracker.summary({f"ledger.{'' if k.startswith('epoch') else 'rows_'}{k}": v
                          for k, v in rows.items() if isinstance(v, int)})
@@ -122,6 +122,8 @@ class RankingHooks:
                       f"sharding {report['sharding']})"))
         if report["stopped"] is not None:
             tracker.tag("antdt.stopped", report["stopped"])
+        if summary.adapted is not None:
+            tracker.tag("antdt.adapted", summary.adapted)
         if trainer is None:
             tracker.end("FINISHED")
         else:  # the model is the last thing logged: the run ends with it

@@ -71,6 +71,9 @@ class JobSummary:
     """The registered model the run's model became a version of (None: not registered)."""
     registered_version: str | None = None
     """That version (a string, as MLflow's URIs and REST API spell it: ``models:/NAME/3``)."""
+    adapted: str | None = None
+    """Why the job trained on fewer workers than it asked for (``train.min_batches_per_worker``;
+    None: it did not)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -98,6 +101,7 @@ class JobSummary:
             + (f"  replayed {self.rows_replayed:,}" if self.rows_replayed else ""),
             f"speed    {self.samples_per_s:,.0f} samples/s, {self.wall_s:.1f} s wall",
             f"control  {self.straggler_actions:,} straggler action(s)",
+            *([f"adapted  {self.adapted}"] if self.adapted is not None else []),
             *([f"registered {self.registered_model} version {self.registered_version}"]
               if self.registered_model is not None else []),
             *self.next_steps(),

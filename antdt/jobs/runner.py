@@ -130,6 +130,10 @@ class JobRunner:
         self.slots: list[Slot] = []
         self._chosen: set[str] = set()
         """The workers chosen for the job's agents (placed before they start)."""
+        self.cap = spec.plan.workers
+        """The most workers the job trains on: its plan's, or fewer for a small job."""
+        self.adapted: str | None = None
+        """Why the job trains on fewer workers than it asked for (None: it does not)."""
         self.stopped: str | None = None
         """Why the job was stopped before its end (a deadline, a cancellation), or None."""
         self.inbox: deque[tuple[float, dict[str, Any]]] = deque()
@@ -188,7 +192,7 @@ class JobRunner:
                 "last_row": self._last_row - self._train_started if self._last_row else None,
                 "checkpoint": self._last_checkpoint(),
                 "checkpoints": self._checkpoints(), "rows_replayed": self.rows_replayed,
-                "resumes": self.resumes}
+                "resumes": self.resumes, "adapted": self.adapted}
 
     def log_records(self, since: int) -> list[dict[str, Any]]:
         """The job's log records with ``seq >= since``, oldest first."""
@@ -267,7 +271,11 @@ class JobRunner:
 
     async def _begin(self) -> None:
         plan = self.plan
-        initial = self._choose(self.scheduler.workers, plan.workers)
+        fitted, self.adapted = plan.fitted_workers(len(self.scheduler.workers))
+        if self.adapted is not None:
+            self.cap = fitted
+            self.log("info", f"adapted: {self.adapted}")
+        initial = self._choose(self.scheduler.workers, self.cap)
         if not initial:
             raise JobError("the cluster has no workers; expected at least one")
         unknown = sorted(i for i in plan.faults if i >= len(initial))
@@ -422,7 +430,7 @@ class JobRunner:
         self.resumes += 1
         self._trained_before -= replayed  # trained here, then rolled back with the ledger
         await self._restore_ledger(manifest)
-        workers = self._choose(self.scheduler.workers, self.plan.workers)
+        workers = self._choose(self.scheduler.workers, self.cap)
         self.service.sync.stop_job(self.job_id)
         self.service.sync.start_job(self.job_id, workers)
         self._read_ledger()
@@ -490,9 +498,9 @@ class JobRunner:
         the job has fewer agents training or finished than its plan's ``workers`` (one died or
         was retired), the least busy."""
         free = set(workers) - {s.worker for s in self.slots}
-        if self.plan.workers is None:
+        if self.cap is None:
             return sorted(free)
-        wanted = self.plan.workers - sum(
+        wanted = self.cap - sum(
             s.live or (s.report is not None and s.report.outcome == "finished")
             for s in self.slots)
         return self._choose(free, wanted) if wanted > 0 and free else []
@@ -760,7 +768,7 @@ class JobRunner:
                 "actions": list(self._actions), "spans": spans, "marks": marks,
                 "first_lease": dict(self._first_lease), "sharding": self.plan.sharding,
                 "rows_replayed": self.rows_replayed, "resumes": self.resumes,
-                "checkpoints": self._checkpoints()}
+                "checkpoints": self._checkpoints(), "adapted": self.adapted}
 
     # ---- tasks on workers -------------------------------------------------------------------
 

@@ -68,7 +68,9 @@ class JobPlan:
     longer (its rows not done count as lost). ``workers``: train on at most that many workers,
     the least busy when the job starts (fewest other jobs' agents and tasks; a worker joins only
     while the job has fewer live agents), so several jobs share a cluster side by side (None:
-    every worker, and every worker that joins). ``preload``: modules every worker imports before
+    every worker, and every worker that joins). ``min_batches_per_worker``: train on fewer
+    workers when each would see fewer batches than this (0: never; see
+    :meth:`fitted_workers`). ``preload``: modules every worker imports before
     the agents start (the training stack takes seconds to import). ``tags``: free text the
     master shows in ``status`` (never secrets).
 
@@ -93,6 +95,7 @@ class JobPlan:
     faults: dict[int, dict[str, Any]] = field(default_factory=dict)
     deadline_s: float | None = None
     workers: int | None = None
+    min_batches_per_worker: int = 0
     preload: list[str] = field(default_factory=list)
     tags: dict[str, str] = field(default_factory=dict)
     checkpoint_dir: str | None = None
@@ -157,6 +160,7 @@ class JobPlan:
             faults=_faults(raw.get("faults", {})),
             deadline_s=None if deadline is None else float(deadline),
             workers=None if raw.get("workers") is None else _int(raw, "workers", 1),
+            min_batches_per_worker=_int(raw, "min_batches_per_worker", 0, default=0),
             preload=[_module(i, name) for i, name in enumerate(_list(raw, "preload"))],
             tags=_tags(raw.get("tags", {})),
             checkpoint_dir=_optional_text(raw, "checkpoint_dir", 4096),
@@ -169,6 +173,35 @@ class JobPlan:
     def rows(self) -> int:
         """Rows of one epoch, quarantined ones included."""
         return sum(rows for _, _, rows in self.row_groups)
+
+    def fitted_workers(self, available: int) -> tuple[int, str | None]:
+        """How many of ``available`` workers the job trains on, and why, when that is fewer
+        than it asks for (``workers``, or every one available).
+
+        A replica of the async mode that trains only a few dozen batches syncs only a few
+        dozen times, and the replicas drift apart while the model is learning fastest: with 2
+        workers a job of 18 batches a worker ended 0.077 AUC below the same job in one process,
+        one of 73 batches 0.009 below, one of 293 0.003 below. So every worker gets at least
+        ``min_batches_per_worker`` batches (counting every epoch), down to one worker.
+
+        >>> plan = JobPlan("j", [("a.parquet", 0, 50_000)], batch_rows=4096, shard_rows=16384,
+        ...                workers=4, min_batches_per_worker=128)
+        >>> plan.fitted_workers(8)
+        (1, '13 batches of 4,096 rows: fewer than min_batches_per_worker (128) for each of 4 \
+workers; training on 1')
+        >>> JobPlan("j", plan.row_groups, batch_rows=4096, shard_rows=16384).fitted_workers(4)
+        (4, None)
+        """
+        asked = available if self.workers is None else self.workers
+        if self.min_batches_per_worker <= 0 or asked <= 1:
+            return min(asked, available), None
+        batches = -(-self.rows * self.epochs // self.batch_rows)
+        fitted = max(1, min(asked, batches // self.min_batches_per_worker))
+        why = None if fitted == asked else (
+            f"{batches:,} batches of {self.batch_rows:,} rows: fewer than "
+            f"min_batches_per_worker ({self.min_batches_per_worker}) for each of {asked} "
+            f"workers; training on {fitted}")
+        return min(fitted, available), why
 
 
 class JobHooks(Protocol):

@@ -60,7 +60,7 @@ def days(tmp_path: Path) -> Path:
            "model": {"arch": "dlrm", "embedding_dim": 8, "dense_arch": [16, 8],
                      "over_arch": [16, 1]},
            "train": {"batch_size": 512, "epochs": 1, "seed": 0, "mode": "async", "workers": 2,
-                     "sync_period": 0.2}}
+                     "min_batches_per_worker": 0, "sync_period": 0.2}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     return tmp_path
 

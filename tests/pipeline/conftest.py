@@ -59,7 +59,9 @@ def job_file(tmp_path: Path, tiny_data: SynthResult) -> Path:
                  "schema": str(out / "schema.yaml")},
         "model": {"arch": "dlrm", "embedding_dim": 8, "dense_arch": [16, 8],
                   "over_arch": [16, 1]},
-        "train": {"batch_size": 512, "epochs": 1, "seed": 0, "log_every": 10},
+        # 78 batches: on every worker the tests start, not on fewer (the small-job default)
+        "train": {"batch_size": 512, "epochs": 1, "seed": 0, "log_every": 10,
+                  "min_batches_per_worker": 0},
         "mlflow": {"experiment": "tests", "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
     }
     path = tmp_path / "job.yaml"
@@ -88,8 +90,9 @@ def cluster_job(tmp_path: Path, small_data: SynthResult) -> Path:
                  "schema": str(out / "schema.yaml")},
         "model": {"arch": "dlrm", "embedding_dim": 8, "dense_arch": [16, 8],
                   "over_arch": [16, 1]},
+        # 31 batches: on every worker the tests start, not on fewer (the small-job default)
         "train": {"batch_size": 512, "epochs": 1, "seed": 0, "mode": "async", "workers": 2,
-                  "sync_period": 0.2},
+                  "min_batches_per_worker": 0, "sync_period": 0.2},
         "mlflow": {"experiment": "tests", "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
     }
     path = tmp_path / "job.yaml"
