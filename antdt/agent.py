@@ -6,7 +6,8 @@ sharding service leases to it.
  run_agent:  secede from the worker's thread pool (a long-running service, not a task)
              trainer = make_trainer(device); reader = make_reader()
              async mode: ReplicaSync(dense, tables) + BackgroundSync (antdt.sync.background)
-   loop:     lease ─► read rows [offset, end) ─► step (under the replica lock) ─► touch ─► commit
+   loop:     lease ─► read rows [offset, end) ─► step (under the replica lock, once the
+             replica is not too far ahead of its sync rounds) ─► touch ─► commit
              Claim: go on   Revoked: finish the claim, lease again   Finished: lease again
              Stop: the job was stopped   (no lease left: the job finished)
    end:      finished: final sync round (replicas identical), keep the trainer for the master
@@ -210,7 +211,8 @@ class AgentReport:
     ``rows``/``batches``: trained by this agent (rows later re-queued after its death are not its
     rows any more, but a returned agent did not die). ``seconds``: the whole task; ``busy_s``:
     reading and training (injected slowdown included). ``loss``: mean batch loss (nan: no batch).
-    ``joined_from``: the member whose model a joiner copied.
+    ``joined_from``: the member whose model a joiner copied. ``sync_wait_s``: seconds training
+    waited for sync rounds (the replica was too far ahead; part of ``busy_s``).
     """
 
     worker: str
@@ -224,6 +226,7 @@ class AgentReport:
     exchanges: int
     device: str
     joined_from: str | None = None
+    sync_wait_s: float = 0.0
 
 
 def event_topic(job: str) -> str:
@@ -406,7 +409,8 @@ class Agent:
             leases=self.leases, seconds=time.perf_counter() - started, busy_s=self.busy_s,
             loss=self._loss_sum / self.batches if self.batches else math.nan,
             exchanges=self.sync.exchanges if self.sync is not None else 0,
-            device=str(self.device), joined_from=self.joined_from)
+            device=str(self.device), joined_from=self.joined_from,
+            sync_wait_s=self.sync.waited_s if self.sync is not None else 0.0)
         logger.info("agent of job %s on %s %s: %d rows in %d batches, %.1fs", self.spec.job,
                     self.worker.address, outcome, report.rows, report.batches, report.seconds)
         return report
@@ -496,15 +500,18 @@ class Agent:
         return None, revoked
 
     def _step(self, batch: Any, rows: int) -> float:
-        """One training step; in the async mode under the replica lock, then mark the touched
-        rows with the worker's stream offset after this batch (what the ledger will hold)."""
+        """One training step; in the async mode once the replica is not too far ahead of its
+        sync rounds and under the replica lock (waits for either count as busy time, as the
+        monitor judges a worker by its pace), then mark the touched rows with the worker's
+        stream offset after this batch (what the ledger will hold)."""
         if self.replica is None:
             return self.trainer.step(batch)
         touched = self.trainer.touched(batch)
-        with self.replica.lock:
+        assert self.sync is not None
+        self.sync.before_step()  # the replica may not run too far ahead of its sync rounds
+        with self.replica.lock.training():
             loss = self.trainer.step(batch)
         self.replica.touch(touched, self.shards.trained_rows + rows)
-        assert self.sync is not None
         self.sync.batch_done()
         return loss
 

@@ -104,7 +104,8 @@ class Slot:
                 "batches": report.batches if report else None,
                 "loss": report.loss if report and not math.isnan(report.loss) else None,
                 "exchanges": report.exchanges if report else None,
-                "joined_from": report.joined_from if report else None}
+                "joined_from": report.joined_from if report else None,
+                "sync_wait_s": report.sync_wait_s if report else None}
 
 
 class JobRunner:

@@ -25,7 +25,8 @@ One module per idea, plain classes first, the Dask glue beside them:
 =============================  ==================================================================
 :mod:`antdt.sync.embeddings`   :class:`RowSpace`, :class:`LogEntry`, :class:`EmbeddingDeltaLog`
 :mod:`antdt.sync.dense`        dense snapshots and group averaging
-:mod:`antdt.sync.period`       :class:`SyncPeriod`: how often a worker starts a round
+:mod:`antdt.sync.period`       :class:`SyncPeriod`: how often a worker starts a round;
+                               :class:`Staleness`: how far training may run ahead of rounds
 :mod:`antdt.sync.replica`      :class:`ReplicaSync`: one worker's side of the protocol
 :mod:`antdt.sync.groups`       :class:`SyncScheduler`: who syncs with whom (injected clock)
 :mod:`antdt.sync.wire`         the messages on Dask comms
@@ -43,13 +44,13 @@ from antdt.errors import SyncError
 from antdt.sync.dense import average_dense, check_dense, snapshot_dense
 from antdt.sync.embeddings import EmbeddingDeltaLog, LogEntry, RowSpace
 from antdt.sync.groups import Answer, FinalStep, MemberState, SyncGroup, SyncScheduler
-from antdt.sync.period import SyncPeriod
+from antdt.sync.period import Staleness, SyncPeriod
 from antdt.sync.replica import (PEER_FAILURES, ExchangeReport, LeaderRows, PeerFetch,
                                 PeerPayload, ReplicaSnapshot, ReplicaSync)
 
 __all__ = [
     "PEER_FAILURES", "Answer", "EmbeddingDeltaLog", "ExchangeReport", "FinalStep", "LeaderRows",
     "LogEntry", "MemberState", "PeerFetch", "PeerPayload", "ReplicaSnapshot", "ReplicaSync",
-    "RowSpace", "SyncError", "SyncGroup", "SyncPeriod", "SyncScheduler", "average_dense",
-    "check_dense", "snapshot_dense",
+    "RowSpace", "Staleness", "SyncError", "SyncGroup", "SyncPeriod", "SyncScheduler",
+    "average_dense", "check_dense", "snapshot_dense",
 ]

@@ -39,7 +39,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from distributed import Worker, get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -50,7 +50,7 @@ from distributed.utils import sync
 from antdt import config, rpc
 from antdt.errors import SyncError
 from antdt.rpc import Reply
-from antdt.sync.period import SyncPeriod
+from antdt.sync.period import Staleness, SyncPeriod
 from antdt.sync.replica import (PEER_FAILURES, ExchangeReport, PeerPayload, ReplicaSnapshot,
                                 ReplicaSync)
 from antdt.sync.wire import (PLUGIN_NAME, FinalMsg, GroupMsg, JoinMsg, MembersMsg, PullMsg,
@@ -150,16 +150,24 @@ class BackgroundSync:
     The agent builds the :class:`~antdt.sync.ReplicaSync`, calls :meth:`start` (``join=True``
     on a worker that joins a running job; see the module docstring) before its first training
     step, trains while holding ``replica.lock`` per step and calls ``replica.touch``; it reads
-    :attr:`synced_offset` for its commits. At the end it calls :meth:`finish` (the final
-    all-member round), or :meth:`stop` to abandon the job. An error in the thread that is not a
-    peer's or the scheduler's failure is re-raised there.
+    :attr:`synced_offset` for its commits. Before each step it calls :meth:`before_step`,
+    which waits while the replica is more than ``max_staleness`` batches ahead of its newest
+    finished round (:class:`~antdt.sync.Staleness`). At the end it calls :meth:`finish` (the
+    final all-member round), or :meth:`stop` to abandon the job. An error in the thread that is
+    not a peer's or the scheduler's failure is re-raised there.
 
-    ``worker`` defaults to the worker running the calling task; ``period`` and
-    ``rpc_timeout_s`` to ``antdt.sync.period`` and ``antdt.sync.rpc-timeout``.
+    ``worker`` defaults to the worker running the calling task; ``period``,
+    ``rpc_timeout_s`` and ``max_staleness`` to ``antdt.sync.period``,
+    ``antdt.sync.rpc-timeout`` and ``antdt.sync.max-staleness``.
     """
 
     def __init__(self, replica: ReplicaSync, job: str, *, worker: Worker | None = None,
-                 period: SyncPeriod | None = None, rpc_timeout_s: float | None = None) -> None:
+                 period: SyncPeriod | None = None, rpc_timeout_s: float | None = None,
+                 max_staleness: int | None | Literal["config"] = "config") -> None:
+        self.staleness = Staleness(config.get("antdt.sync.max-staleness")
+                                   if max_staleness == "config" else max_staleness)
+        self._staleness_wait_s = config.seconds("antdt.sync.max-wait")
+        self.waited_s = 0.0  # seconds the training thread waited for rounds
         if period is None:
             period = SyncPeriod.parse(config.get("antdt.sync.period"),
                                       where="dask config antdt.sync.period")
@@ -405,9 +413,20 @@ class BackgroundSync:
         idle, waiting for its rows to be synced)."""
         self._hurry.set()
 
+    def before_step(self) -> float:
+        """The training thread is about to step: wait while its replica runs more than
+        ``max_staleness`` batches ahead of the newest finished round (at most
+        ``antdt.sync.max-wait``); return the seconds waited."""
+        if self.staleness.bound is not None and self.staleness.lag > self.staleness.bound:
+            self._hurry.set()  # a period in seconds may not start the round soon enough
+        waited = self.staleness.wait(self._staleness_wait_s)
+        self.waited_s += waited
+        return waited
+
     def batch_done(self) -> None:
         """The training thread finished a batch. With a period in batches, the period's last
         batch starts the next round (at once if the thread is idle, else when its round ends)."""
+        self.staleness.trained()
         if self.period.batches is None:
             return
         with self._batches_lock:
@@ -425,16 +444,21 @@ class BackgroundSync:
                     break
                 with self._batches_lock:
                     self._batches = 0
+                covered = self.staleness.round_started()
                 try:
                     self._round()
                 except PEER_FAILURES as exc:  # a background round is only retried later
                     logger.warning("sync job %s: round failed, next one in %s: %r", self.job,
                                    self.period, exc)
+                finally:
+                    self.staleness.round_ended(covered)
         except BaseException as exc:  # handed to the agent (raise_if_failed, stop, finish)
             logger.error("sync thread of job %s failed", self.job, exc_info=True)
             self._error = exc
+            self.staleness.release()
 
     def _halt(self) -> None:
+        self.staleness.release()
         self._stop.set()
         self._hurry.set()
         if self._thread.is_alive():

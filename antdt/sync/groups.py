@@ -28,6 +28,7 @@ import collections
 import enum
 import itertools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -46,6 +47,9 @@ class MemberState(enum.Enum):
     FINISHED = "finished"  # done training, waiting for the final all-member round
     DONE = "done"  # received the final round
 
+
+SPAN_WEIGHT = 0.1
+"""Weight of the newest span in the running mean of spans."""
 
 FinalStep = Literal["gather", "adopt", "wait", "done"]
 """What a member of the final round does next (:meth:`SyncScheduler.final_step`)."""
@@ -74,6 +78,7 @@ class _Member:
     key: tuple[int, int, str] | None = None  # position in the ready pool while READY
     ready_since: float = 0.0
     queued: int = -1  # ticket of its entry in the FIFO of waiting workers while READY
+    idle: tuple[float, int, str] | None = None  # (since, ticket, worker) in the idle list
     pending: SyncGroup | None = None
     acked: int = -1  # members_version of the newest member list it applied (-1: none reported)
     joined_version: int | None = None  # members_version its mid-job join created; None: listed
@@ -85,16 +90,21 @@ class SyncScheduler:
     Workers :meth:`join` before training starts, then call :meth:`ready` whenever they want to
     sync (with their progress in rows); the scheduler groups up to ``group_size`` ready workers of
     similar progress: the nearest ones, and with ``max_progress_gap`` set, only partners within
-    that many rows of the caller until it has waited ``max_wait_s``. A worker put in a group by a
-    partner's call learns it on its next call. A worker that waited ``max_wait_s`` takes
-    whichever ready partners there are, or is told to go on ``alone``: nobody ever blocks on a
-    straggler. ``ready(..., final=True, departed=k)`` says the worker is done training (``k``:
-    the entries of departed members it applied); once every live member has said so, one final
-    group of all members forms with a :meth:`final_leader`. The leader pulls every member's
-    entries and dense snapshot and says so with :meth:`gathered`; each other member then adopts
-    the leader's rows and says so with :meth:`adopted`; :meth:`final_step` tells each member what
-    to do next, and :meth:`final_done` turns True once every one adopted the current leader's
-    rows.
+    that many rows of the caller until it has waited ``max_wait_s``. A full group is every
+    member still training, up to ``group_size``, less the members that are away: those that
+    trained ``away_spans`` typical spans (the running mean of the time members train between
+    two asks) without asking, such as a straggler mid-batch, a hung worker or one waiting for a
+    lease. Groups do not wait for them, so the others' rounds (and their training, which waits
+    for a round once its replica runs too far ahead) keep their pace; an away member is grouped
+    again when it asks. A worker put in a group by a partner's call learns it on its next call.
+    A worker that waited ``max_wait_s`` takes whichever ready partners there are, or is told to
+    go on ``alone``: nobody ever blocks on a straggler. ``ready(..., final=True, departed=k)``
+    says the worker is done training (``k``: the entries of departed members it applied); once
+    every live member has said so, one final group of all members forms with a
+    :meth:`final_leader`. The leader pulls every member's entries and dense snapshot and says so
+    with :meth:`gathered`; each other member then adopts the leader's rows and says so with
+    :meth:`adopted`; :meth:`final_step` tells each member what to do next, and
+    :meth:`final_done` turns True once every one adopted the current leader's rows.
 
     A worker that joins a running job calls :meth:`join_running`; it may take a snapshot once
     :meth:`settled`, i.e. once every other member reported (:meth:`acknowledge`) that it applied
@@ -117,11 +127,15 @@ class SyncScheduler:
     """
 
     def __init__(self, group_size: int | None = None, max_wait_s: float | None = None,
-                 max_progress_gap: int | None = None) -> None:
+                 max_progress_gap: int | None = None, away_spans: float | None = None) -> None:
         if group_size is None:
             group_size = int(config.number("antdt.sync.group-size", integer=True))
         if max_wait_s is None:
             max_wait_s = config.seconds("antdt.sync.max-wait")
+        if away_spans is None:
+            away_spans = config.number("antdt.sync.away-spans", low=0.0)
+        if away_spans < 0:
+            raise SyncError(f"away_spans must be >= 0 (0: nobody is away), found {away_spans}")
         if group_size < 2:
             raise SyncError(f"group_size must be >= 2, found {group_size}")
         if max_wait_s < 0:
@@ -131,9 +145,12 @@ class SyncScheduler:
         self.group_size = group_size
         self.max_wait_s = max_wait_s
         self.max_progress_gap = max_progress_gap
+        self.away_spans = away_spans
         self._members: dict[str, _Member] = {}
         self._pool: list[tuple[int, int, str]] = []  # sorted (progress, ticket, worker)
         self._waiting: collections.deque[tuple[int, str]] = collections.deque()  # FIFO, lazy
+        self._idle: list[tuple[float, int, str]] = []  # sorted (since, ticket, worker)
+        self._span: float | None = None  # running mean of the time members train between asks
         self._tickets = itertools.count()
         self._round = 0
         self._finished = 0
@@ -211,6 +228,7 @@ class SyncScheduler:
         self.members_version += 1
         if member.state is MemberState.READY:
             self._pool_remove(member)
+        self._idle_remove(member)
         if member.state in (MemberState.FINISHED, MemberState.DONE):
             self._finished -= 1
         self._departed.pop(worker, None)
@@ -289,7 +307,13 @@ class SyncScheduler:
         member = self._member(worker)
         if member.state is not MemberState.READY:
             return 0.0
-        return max(0.0, member.ready_since + self.max_wait_s - now)
+        left = member.ready_since + self.max_wait_s - now
+        horizon = self._horizon()
+        if horizon is not None:  # the next member to go away may complete a group
+            pos = bisect.bisect_left(self._idle, (now - horizon, math.inf))
+            if pos < len(self._idle):
+                left = min(left, self._idle[pos][0] + horizon - now)
+        return max(0.0, left)
 
     # -- the one call workers make ---------------------------------------------------------
     def ready(self, worker: str, progress: int, now: float, final: bool = False,
@@ -300,7 +324,7 @@ class SyncScheduler:
         if departed < 0:
             raise SyncError(f"ready {worker!r}: departed must be >= 0, found {departed}")
         if member.state is MemberState.ASSIGNED:
-            return self._hand_over(member)
+            return self._hand_over(worker, member, now)
         if member.state is MemberState.DONE:
             assert self._final is not None
             return Answer("group", self._final)
@@ -313,6 +337,7 @@ class SyncScheduler:
         if member.state is MemberState.READY:
             self._pool_remove(member)
         else:
+            self._busy(member, now)
             member.state = MemberState.READY
             member.ready_since = now
             member.queued = next(self._tickets)
@@ -324,7 +349,7 @@ class SyncScheduler:
     # -- transitions -----------------------------------------------------------------------
     def _try_group(self, worker: str, member: _Member, now: float) -> Answer:
         active = len(self._members) - self._finished
-        size = min(self.group_size, active)
+        size = min(self.group_size, active - self._away(now))
         expired = now - member.ready_since >= self.max_wait_s
         if len(self._pool) < size and not expired:
             return Answer("wait")
@@ -337,7 +362,7 @@ class SyncScheduler:
             return Answer("wait")
         if not partners:
             self._pool_remove(member)
-            member.state = MemberState.IDLE
+            self._idle_from(member, worker, now)
             return Answer("alone")
         self._round += 1
         group = SyncGroup(self._round, tuple(sorted([worker, *partners])), final=False)
@@ -347,7 +372,7 @@ class SyncScheduler:
             other.state = MemberState.ASSIGNED
             other.pending = group
         self._pool_remove(member)
-        member.state = MemberState.IDLE
+        self._idle_from(member, worker, now)
         return Answer("group", group)
 
     def _overdue(self, caller: str, now: float) -> str | None:
@@ -388,16 +413,20 @@ class SyncScheduler:
                 right += 1
         return chosen
 
-    def _hand_over(self, member: _Member) -> Answer:
+    def _hand_over(self, worker: str, member: _Member, now: float) -> Answer:
         group = member.pending
         assert group is not None
         member.pending = None
-        member.state = MemberState.DONE if group.final else MemberState.IDLE
+        if group.final:
+            member.state = MemberState.DONE
+        else:
+            self._idle_from(member, worker, now)
         return Answer("group", group)
 
     def _finish(self, worker: str, member: _Member) -> Answer:
         if member.state is MemberState.READY:
             self._pool_remove(member)
+        self._idle_remove(member)
         if member.state is not MemberState.FINISHED:
             member.state = MemberState.FINISHED
             self._finished += 1
@@ -438,6 +467,44 @@ class SyncScheduler:
         if self._member(worker).state is not MemberState.DONE:
             raise SyncError(f"{what} {worker!r}: expected a member that received the final "
                             f"round, found state {self.state(worker).value}")
+
+    # -- who is away ---------------------------------------------------------------------------
+    def _idle_from(self, member: _Member, worker: str, now: float) -> None:
+        """``member`` goes back to training at ``now`` (O(log n))."""
+        member.state = MemberState.IDLE
+        member.idle = (now, next(self._tickets), worker)
+        bisect.insort(self._idle, member.idle)
+
+    def _busy(self, member: _Member, now: float) -> None:
+        """``member`` asks again: its span of training ends (O(log n))."""
+        if member.idle is None:
+            return
+        span = max(0.0, now - member.idle[0])
+        self._span = span if self._span is None else \
+            self._span + SPAN_WEIGHT * (span - self._span)
+        self._idle_remove(member)
+
+    def _idle_remove(self, member: _Member) -> None:
+        if member.idle is None:
+            return
+        pos = bisect.bisect_left(self._idle, member.idle)
+        assert self._idle[pos] == member.idle
+        del self._idle[pos]
+        member.idle = None
+
+    def _horizon(self) -> float | None:
+        """How long a member may train without asking before it counts as away (None: no
+        span measured yet, nobody is away)."""
+        if self._span is None or self.away_spans == 0:
+            return None
+        return min(self.max_wait_s, self.away_spans * self._span)
+
+    def _away(self, now: float) -> int:
+        """The members away at ``now`` (O(log n))."""
+        horizon = self._horizon()
+        if horizon is None:
+            return 0
+        return bisect.bisect_left(self._idle, (now - horizon, math.inf))
 
     def _pool_remove(self, member: _Member) -> None:
         assert member.key is not None

@@ -24,9 +24,10 @@ as the deltas already assume).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -118,6 +119,55 @@ class ExchangeReport:
     bytes_sent: int = 0
 
 
+class ReplicaLock:
+    """The replica lock, fair to the sync side.
+
+    The training thread holds it for a whole step and takes it again at once for the next one;
+    a plain lock would let a sync thread that waits for it (to cut its entry, to merge its
+    peers') wait through several steps, each one more batch its replica trains unsynced. Here
+    the training thread takes it with :meth:`training`, which first lets every waiting sync
+    call in: the sync side waits at most for the rest of the current step.
+
+    ``with lock:`` is the sync side's (and any other caller's) way to hold it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._turn = threading.Condition()
+        self._waiting = 0
+
+    @property
+    def waiting(self) -> int:
+        """Sync-side calls waiting for the lock now."""
+        with self._turn:
+            return self._waiting
+
+    def __enter__(self) -> ReplicaLock:
+        with self._turn:
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._turn:
+                self._waiting -= 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        with self._turn:
+            self._turn.notify_all()
+
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """Hold the lock for one training step, after every sync call that waits for it."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._waiting == 0)
+        with self._lock:
+            yield
+        with self._turn:
+            self._turn.notify_all()
+
+
 PeerFetch = Callable[[str, int, int], PeerPayload]
 """``fetch(peer, round, since_seq)``: ask ``peer`` for its payload; raises ``OSError`` or
 ``TimeoutError`` when the peer is gone or too slow, :class:`SyncError` when it refuses."""
@@ -130,7 +180,8 @@ class ReplicaSync:
     """One worker's replica and its side of the sync protocol, transport injected.
 
     ``dense`` (parameters, updated in place) and ``tables`` (see :class:`EmbeddingDeltaLog`) are
-    the replica. The training thread holds :attr:`lock` while it updates them (forward, backward,
+    the replica. The training thread holds :attr:`lock` (with :meth:`ReplicaLock.training`)
+    while it updates them (forward, backward,
     optimizer step) and then calls :meth:`touch`; the sync side takes the lock only to cut its own
     entry and snapshot, and to apply peers' deltas and the dense average, never across a network
     call, so training never waits for a slow peer.
@@ -151,7 +202,7 @@ class ReplicaSync:
         self.worker = worker
         self.dense = list(dense)
         self.log = EmbeddingDeltaLog(tables, peers=(p for p in peers if p != worker))
-        self.lock = threading.Lock()
+        self.lock = ReplicaLock()
         self._keep_rounds = keep_rounds
         self._rows_offset = 0
         self._snapshots: dict[int, list[torch.Tensor]] = {}

@@ -21,12 +21,14 @@ from antdt.sync import (
     PeerPayload,
     ReplicaSnapshot,
     ReplicaSync,
+    Staleness,
     SyncError,
     SyncPeriod,
     SyncScheduler,
     average_dense,
 )
-from antdt.sync.replica import tensor_bytes
+from antdt.sync.replica import ReplicaLock, tensor_bytes
+from waits import bounded
 
 ROWS, DIM = 40, 3
 
@@ -593,8 +595,8 @@ def test_training_thread_and_background_exchanges_run_concurrently() -> None:
 
 
 def joined(names: list[str], group_size: int, max_wait_s: float,
-           max_progress_gap: int | None = None) -> SyncScheduler:
-    scheduler = SyncScheduler(group_size, max_wait_s, max_progress_gap)
+           max_progress_gap: int | None = None, away_spans: float = 0) -> SyncScheduler:
+    scheduler = SyncScheduler(group_size, max_wait_s, max_progress_gap, away_spans)
     for name in names:
         scheduler.join(name)
     return scheduler
@@ -637,6 +639,38 @@ def test_a_worker_waiting_too_long_joins_the_next_group() -> None:
     answer = s.ready("b", 0, now=1.5)  # a is nearer, but lead has waited max_wait_s
     assert answer.group is not None and answer.group.members == ("b", "lead")
     assert s.ready("a", 0, now=1.55).kind == "wait"
+
+
+def test_groups_do_not_wait_for_a_member_that_is_away() -> None:
+    """Members train 1 s between asks; after 3 spans without asking, a member is away: the
+    others' groups form without it, and it is grouped again when it asks."""
+    s = joined(["a", "b", "c"], group_size=4, max_wait_s=100.0, away_spans=3.0)
+    now = 0.0
+    for _ in range(3):  # everyone trains 1 s a span and syncs with everyone
+        s.ready("a", 0, now)
+        s.ready("b", 0, now)
+        assert s.ready("c", 0, now).group is not None
+        s.ready("a", 0, now)
+        s.ready("b", 0, now)  # both pick up their group: training again from `now`
+        now += 1.0
+    # c hangs: it stopped asking at 2.0
+    assert s.ready("a", 0, now).kind == "wait"  # c trained 1 s: not away yet
+    assert s.ready("b", 0, now).kind == "wait"
+    assert s.wait_left("a", now) == pytest.approx(2.0)  # c goes away at 2.0 + 3 spans
+    answer = s.ready("b", 0, now=5.0)  # asked again when its wait ran out
+    assert answer.group is not None and answer.group.members == ("a", "b")
+    s.ready("a", 0, now=5.0)
+    assert s.ready("c", 0, now=9.0).kind == "wait"  # back, and waited for: a, b trained 4 s
+    s.ready("a", 0, now=9.0)
+    answer = s.ready("b", 0, now=9.0)
+    assert answer.group is not None and answer.group.members == ("a", "b", "c")
+
+
+def test_nobody_is_away_before_a_span_is_measured_or_with_away_spans_0() -> None:
+    for away_spans in (3.0, 0.0):
+        s = joined(["a", "b"], group_size=2, max_wait_s=100.0, away_spans=away_spans)
+        assert s.ready("a", 0, now=50.0).kind == "wait"
+        assert s.wait_left("a", now=50.0) == pytest.approx(100.0)
 
 
 def test_group_size_is_capped_by_active_members() -> None:
@@ -809,3 +843,55 @@ def test_a_sync_period_refuses_what_it_cannot_mean(kwargs: dict[str, float],
     with pytest.raises(antdt.errors.ConfigError) as info:
         SyncPeriod(**kwargs)  # type: ignore[arg-type]
     assert message in str(info.value)
+
+
+# ---- Staleness and the replica lock ----------------------------------------------------------
+
+
+def test_staleness_holds_the_step_until_a_round_covers_the_batches() -> None:
+    gate = Staleness(bound=1)
+    for _ in range(3):
+        gate.trained()
+    covered = gate.round_started()  # a round covering 3 batches starts ...
+    waiting = bounded.start(gate.wait, 60.0)
+    gate.round_ended(covered)  # ... and ends: the step may go
+    assert waiting.result() < 60.0 and gate.lag == 0
+    gate.trained()
+    gate.trained()
+    assert gate.wait(timeout_s=0.05) >= 0.05  # no round: the wait runs out, training goes on
+    gate.release()
+    assert gate.wait(timeout_s=60.0) == 0.0  # the sync stopped: never wait again
+    assert Staleness(bound=None).wait(timeout_s=60.0) == 0.0
+
+
+def test_a_bad_staleness_bound_is_refused() -> None:
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(antdt.errors.ConfigError, match="max staleness"):
+            Staleness(bad)
+
+
+def test_the_replica_lock_lets_a_waiting_sync_call_in_before_the_next_step() -> None:
+    lock = ReplicaLock()
+    steps: list[int] = []
+    in_first_step, first_step_may_end = threading.Event(), threading.Event()
+
+    def train() -> None:
+        for step in range(20):
+            with lock.training():
+                steps.append(step)
+                if step == 0:
+                    in_first_step.set()
+                    first_step_may_end.wait(60.0)
+
+    def merge() -> int:
+        with lock:
+            return len(steps)
+
+    trainer = bounded.start(train)
+    assert in_first_step.wait(60.0)
+    merging = bounded.start(merge)
+    bounded.until(lambda: lock.waiting == 1, "the sync call waits for the lock")
+    first_step_may_end.set()
+    assert merging.result() == 1  # in right after the first step, not after several
+    trainer.result()
+    assert steps == list(range(20)) and lock.waiting == 0

@@ -24,6 +24,7 @@ from distributed.metrics import time
 from distributed.protocol import dumps, loads
 from distributed.utils_test import gen_cluster
 
+from antdt import config
 from antdt.errors import ConfigError
 from antdt.errors import SyncError
 from antdt.sync import (
@@ -82,10 +83,14 @@ class Agent:
         self.worker = worker
         self.sync: BackgroundSync | None = None
         self.peer: str | None = None
+        self.starts: list[tuple[int, float]] = []  # per step: the lag it started with, waited
 
     def step(self) -> None:
+        if self.sync is not None:
+            waited = self.sync.before_step()
+            self.starts.append((self.sync.staleness.lag, waited))
         rows, dense = draw_step(self.gen, self.hot)
-        with self.replica.lock:
+        with self.replica.lock.training():
             for name, (ids, delta) in rows.items():
                 self.replica.tables[name][ids] += delta
                 self.total[name][ids] += delta.double()
@@ -101,15 +106,17 @@ class Agent:
             until: Callable[[], bool] | None = None,
             ready: Callable[[], object] | None = None,
             period: SyncPeriod = SyncPeriod(seconds=0.01),
-            hurry: bool = False) -> ExchangeReport | None:
+            hurry: bool = False, max_staleness: int | None = None) -> ExchangeReport | None:
         """Train until the background thread merged ``min_merges`` peers (then call ``ready``)
         and ``until()`` holds, wait for the agents sharing ``together`` (still syncing: a
         finished worker only takes the final round, so the last one would find no partner), then
         take part in the final round; with ``die``, stop syncing instead (the worker is about to
         be killed). ``join``: join the running job first. ``hurry``: ask for a round after every
-        step (as an agent waiting for its rows to sync does)."""
+        step (as an agent waiting for its rows to sync does). ``max_staleness``: the replica's
+        bound (None: training never waits for a round)."""
         sync = self.sync = BackgroundSync(self.replica, "job", worker=self.worker,
-                                          period=period, rpc_timeout_s=10.0)
+                                          period=period, rpc_timeout_s=10.0,
+                                          max_staleness=max_staleness)
         self.peer = sync.start(join=join)
         deadline = time() + timeout_s
         while sync.peers_merged < min_merges:
@@ -301,6 +308,29 @@ async def test_a_period_in_batches_starts_rounds_as_batches_are_trained(
         reports = await asyncio.gather(*[loop.run_in_executor(pool, run, a) for a in agents])
     # no period in seconds and no hurry: only finished batches started the background rounds
     assert all(a.sync is not None and a.sync.exchanges >= 3 for a in agents)
+    assert all(r is not None and r.failed == [] for r in reports)
+    assert_bit_identical([a.replica for a in agents])
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
+async def test_training_waits_while_its_replica_is_too_far_ahead_of_its_rounds(
+        c: Client, s: Scheduler, *workers: Worker) -> None:
+    await start_service(c, s, workers, group_size=2, max_wait_s=5.0)
+    agents = [Agent(w, seed=i) for i, w in enumerate(workers)]
+    loop = asyncio.get_running_loop()
+    together = threading.Barrier(len(agents))
+    run = functools.partial(Agent.run, min_merges=5, together=together,
+                            period=SyncPeriod(batches=1), max_staleness=0)
+    with ThreadPoolExecutor(len(agents)) as pool:
+        reports = await asyncio.gather(*[loop.run_in_executor(pool, run, a) for a in agents])
+    timeout = config.seconds("antdt.sync.max-wait")
+    for agent in agents:
+        assert agent.sync is not None
+        # bound 0: every step began with all earlier batches in a finished round, unless the
+        # wait ran out (a partner that had not started yet)
+        assert all(lag == 0 or waited >= timeout for lag, waited in agent.starts)
+        assert sum(waited for _, waited in agent.starts) == pytest.approx(agent.sync.waited_s)
+        assert agent.sync.waited_s > 0
     assert all(r is not None and r.failed == [] for r in reports)
     assert_bit_identical([a.replica for a in agents])
 
