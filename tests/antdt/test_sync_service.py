@@ -149,6 +149,19 @@ async def run_agents(agents: list[Agent], min_merges: int) -> list[ExchangeRepor
     return [r for r in reports if r is not None]
 
 
+async def run_pair(c: Client, s: Scheduler, workers: tuple[Worker, ...],
+                   **run: Any) -> tuple[list[Agent], list[ExchangeReport | None]]:
+    """Two agents on ``workers`` synced in groups of two, each ``Agent.run(**run)`` until
+    both may take the final round; the agents and their reports."""
+    await start_service(c, s, workers, group_size=2, max_wait_s=5.0)
+    agents = [Agent(w, seed=i) for i, w in enumerate(workers)]
+    loop = asyncio.get_running_loop()
+    job = functools.partial(Agent.run, together=threading.Barrier(len(agents)), **run)
+    with ThreadPoolExecutor(len(agents)) as pool:
+        reports = await asyncio.gather(*[loop.run_in_executor(pool, job, a) for a in agents])
+    return agents, list(reports)
+
+
 def service(s: Scheduler) -> SyncService:
     plugin = s.plugins[PLUGIN_NAME]
     assert isinstance(plugin, SyncService)
@@ -281,14 +294,8 @@ async def test_the_final_round_sends_the_rows_trained_not_the_tables(
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
 async def test_hurry_starts_a_round_before_the_period_ends(c: Client, s: Scheduler,
                                                           *workers: Worker) -> None:
-    await start_service(c, s, workers, group_size=2, max_wait_s=5.0)
-    agents = [Agent(w, seed=i) for i, w in enumerate(workers)]
-    loop = asyncio.get_running_loop()
-    together = threading.Barrier(len(agents))
-    run = functools.partial(Agent.run, min_merges=1, together=together,
-                            period=SyncPeriod(seconds=3600.0), hurry=True)
-    with ThreadPoolExecutor(len(agents)) as pool:
-        reports = await asyncio.gather(*[loop.run_in_executor(pool, run, a) for a in agents])
+    agents, reports = await run_pair(c, s, workers, min_merges=1,
+                                     period=SyncPeriod(seconds=3600.0), hurry=True)
     # an hour-long period: every background exchange was a hurried one
     assert all(a.sync is not None and a.sync.exchanges >= 2 for a in agents)
     assert all(r is not None and r.failed == [] for r in reports)
@@ -298,14 +305,7 @@ async def test_hurry_starts_a_round_before_the_period_ends(c: Client, s: Schedul
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
 async def test_a_period_in_batches_starts_rounds_as_batches_are_trained(
         c: Client, s: Scheduler, *workers: Worker) -> None:
-    await start_service(c, s, workers, group_size=2, max_wait_s=5.0)
-    agents = [Agent(w, seed=i) for i, w in enumerate(workers)]
-    loop = asyncio.get_running_loop()
-    together = threading.Barrier(len(agents))
-    run = functools.partial(Agent.run, min_merges=2, together=together,
-                            period=SyncPeriod(batches=3))
-    with ThreadPoolExecutor(len(agents)) as pool:
-        reports = await asyncio.gather(*[loop.run_in_executor(pool, run, a) for a in agents])
+    agents, reports = await run_pair(c, s, workers, min_merges=2, period=SyncPeriod(batches=3))
     # no period in seconds and no hurry: only finished batches started the background rounds
     assert all(a.sync is not None and a.sync.exchanges >= 3 for a in agents)
     assert all(r is not None and r.failed == [] for r in reports)
@@ -315,14 +315,8 @@ async def test_a_period_in_batches_starts_rounds_as_batches_are_trained(
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
 async def test_training_waits_while_its_replica_is_too_far_ahead_of_its_rounds(
         c: Client, s: Scheduler, *workers: Worker) -> None:
-    await start_service(c, s, workers, group_size=2, max_wait_s=5.0)
-    agents = [Agent(w, seed=i) for i, w in enumerate(workers)]
-    loop = asyncio.get_running_loop()
-    together = threading.Barrier(len(agents))
-    run = functools.partial(Agent.run, min_merges=5, together=together,
-                            period=SyncPeriod(batches=1), max_staleness=0)
-    with ThreadPoolExecutor(len(agents)) as pool:
-        reports = await asyncio.gather(*[loop.run_in_executor(pool, run, a) for a in agents])
+    agents, reports = await run_pair(c, s, workers, min_merges=5, period=SyncPeriod(batches=1),
+                                     max_staleness=0)
     timeout = config.seconds("antdt.sync.max-wait")
     for agent in agents:
         assert agent.sync is not None
