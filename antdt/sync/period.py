@@ -23,10 +23,10 @@ class SyncPeriod:
     whenever its training thread finished ``batches`` batches since the last round began.
     Exactly one of the two is set.
 
-    A period in batches bounds the staleness (the steps a replica takes between exchanges)
-    whatever the speed of the machine; a period in seconds bounds the share of the CPU the
-    exchanges take. Either way training never waits: a round that takes longer than the period
-    is followed by the next one at once.
+    A period in batches sets how often rounds start whatever the speed of the machine; a period
+    in seconds bounds the share of the CPU the exchanges take. A round that takes longer than
+    the period is followed by the next one at once; how far training may run ahead of the
+    rounds is :class:`Staleness`'s bound.
 
     >>> SyncPeriod.parse(0.5), SyncPeriod.parse("250ms"), SyncPeriod.parse("4 batches")
     (SyncPeriod(seconds=0.5, batches=None), SyncPeriod(seconds=0.25, batches=None), \

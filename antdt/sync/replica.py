@@ -5,7 +5,8 @@
 An exchange publishes the worker's own embedding deltas and snapshots its dense parameters
 (:meth:`ReplicaSync.prepare`, once per round), pulls each peer's entries and snapshot, then
 merges them under the replica lock. The training thread holds the same lock per step, and the
-sync side never holds it across a network call, so training never waits for a slow peer.
+sync side never holds it across a network call, so a step never waits for a slow peer (only,
+between steps, for a round when the replica runs too far ahead: :class:`~antdt.sync.Staleness`).
 
 Joiners copy a whole :class:`ReplicaSnapshot` (:meth:`ReplicaSync.adopt`): a worker that joins a
 running job adopts a live member's snapshot (its tables without its unpublished changes, its
@@ -181,10 +182,9 @@ class ReplicaSync:
 
     ``dense`` (parameters, updated in place) and ``tables`` (see :class:`EmbeddingDeltaLog`) are
     the replica. The training thread holds :attr:`lock` (with :meth:`ReplicaLock.training`)
-    while it updates them (forward, backward,
-    optimizer step) and then calls :meth:`touch`; the sync side takes the lock only to cut its own
-    entry and snapshot, and to apply peers' deltas and the dense average, never across a network
-    call, so training never waits for a slow peer.
+    while it updates them (forward, backward, optimizer step) and then calls :meth:`touch`; the
+    sync side takes the lock only to cut its own entry and snapshot, and to apply peers' deltas
+    and the dense average, never across a network call, so a step never waits for a slow peer.
 
     An exchange of round ``r`` is ``prepare(r)`` (idempotent per round: publish own deltas, take
     the dense snapshot), one fetch per peer (served by the peer's :meth:`serve`, which prepares
