@@ -48,10 +48,14 @@ def _default(key: str) -> object:
     return value
 
 
+_UNSET = object()
+
+
 def get(key: str) -> object:
-    """The value of a dotted dask-config ``key``, falling back to the package default."""
-    value = dask.config.get(key, default=None)
-    return _default(key) if value is None else value
+    """The value of a dotted dask-config ``key``, falling back to the package default when the
+    key is missing (a setting overridden to None, ``DASK_ANTDT__...=None``, stays None)."""
+    value = dask.config.get(key, default=_UNSET)
+    return _default(key) if value is _UNSET else value
 
 
 def number(key: str, *, low: float = 0.0, high: float = float("inf"),
