@@ -49,7 +49,16 @@ class MemberState(enum.Enum):
 
 
 SPAN_WEIGHT = 0.1
-"""Weight of the newest span in the running mean of spans."""
+"""Weight of the newest span in the running mean of every member's spans."""
+
+WAIT_SPANS = 0.5
+"""A caller waits for the members expected to ask within this many of its own spans: members
+that train in step with it (whose asks jitter around its own) are waited for, one 1.5x slower
+or more is late."""
+
+MEMBER_SPAN_WEIGHT = 0.25
+"""Weight of a member's newest span in the running mean of its own spans (a member that slows
+down or recovers is judged by its new pace within a few spans)."""
 
 FinalStep = Literal["gather", "adopt", "wait", "done"]
 """What a member of the final round does next (:meth:`SyncScheduler.final_step`)."""
@@ -78,7 +87,10 @@ class _Member:
     key: tuple[int, int, str] | None = None  # position in the ready pool while READY
     ready_since: float = 0.0
     queued: int = -1  # ticket of its entry in the FIFO of waiting workers while READY
-    idle: tuple[float, int, str] | None = None  # (since, ticket, worker) in the idle list
+    since: float = 0.0  # when it went back to training (while IDLE with an expected ask)
+    span: float | None = None  # running mean of its own spans (None: none measured yet)
+    expect: tuple[float, int, str] | None = None  # (expected ask, ticket, worker) while training
+    away_at: tuple[float, int, str] | None = None  # (when it goes away, ticket, worker) likewise
     pending: SyncGroup | None = None
     acked: int = -1  # members_version of the newest member list it applied (-1: none reported)
     joined_version: int | None = None  # members_version its mid-job join created; None: listed
@@ -91,12 +103,16 @@ class SyncScheduler:
     sync (with their progress in rows); the scheduler groups up to ``group_size`` ready workers of
     similar progress: the nearest ones, and with ``max_progress_gap`` set, only partners within
     that many rows of the caller until it has waited ``max_wait_s``. A full group is every
-    member still training, up to ``group_size``, less the members that are away: those that
-    trained ``away_spans`` typical spans (the running mean of the time members train between
-    two asks) without asking, such as a straggler mid-batch, a hung worker or one waiting for a
-    lease. Groups do not wait for them, so the others' rounds (and their training, which waits
-    for a round once its replica runs too far ahead) keep their pace; an away member is grouped
-    again when it asks. A worker put in a group by a partner's call learns it on its next call.
+    member still training, up to ``group_size``, less two kinds the caller does not wait for.
+    Each member's *span* is the running mean of the time it trains between two asks (its own
+    pace). A member is *late* when it is not expected to ask within half the caller's own span
+    (a worker twice as slow as the caller, mid-batch), and *away* once it trained
+    ``away_spans`` of its spans (at most ``max_wait_s``) without asking (a hung worker, one
+    waiting for a lease). So the others' rounds (and their training, which waits for a round
+    once its replica runs too far ahead) keep their own pace, not the slowest member's; a late
+    or away member is grouped when it asks, and then waits for the members due within half its
+    span. ``away_spans=0`` waits for every member (up to ``max_wait_s``). A worker put in a
+    group by a partner's call learns it on its next call.
     A worker that waited ``max_wait_s`` takes whichever ready partners there are, or is told to
     go on ``alone``: nobody ever blocks on a straggler. ``ready(..., final=True, departed=k)``
     says the worker is done training (``k``: the entries of departed members it applied); once
@@ -149,7 +165,8 @@ class SyncScheduler:
         self._members: dict[str, _Member] = {}
         self._pool: list[tuple[int, int, str]] = []  # sorted (progress, ticket, worker)
         self._waiting: collections.deque[tuple[int, str]] = collections.deque()  # FIFO, lazy
-        self._idle: list[tuple[float, int, str]] = []  # sorted (since, ticket, worker)
+        self._expect: list[tuple[float, int, str]] = []  # training members by expected ask
+        self._away_at: list[tuple[float, int, str]] = []  # ... by when they go away
         self._span: float | None = None  # running mean of the time members train between asks
         self._tickets = itertools.count()
         self._round = 0
@@ -308,11 +325,9 @@ class SyncScheduler:
         if member.state is not MemberState.READY:
             return 0.0
         left = member.ready_since + self.max_wait_s - now
-        horizon = self._horizon()
-        if horizon is not None:  # the next member to go away may complete a group
-            pos = bisect.bisect_left(self._idle, (now - horizon, math.inf))
-            if pos < len(self._idle):
-                left = min(left, self._idle[pos][0] + horizon - now)
+        pos = bisect.bisect_right(self._away_at, (now, math.inf))
+        if pos < len(self._away_at):  # the next member to go away may complete a group
+            left = min(left, self._away_at[pos][0] - now)
         return max(0.0, left)
 
     # -- the one call workers make ---------------------------------------------------------
@@ -348,8 +363,7 @@ class SyncScheduler:
 
     # -- transitions -----------------------------------------------------------------------
     def _try_group(self, worker: str, member: _Member, now: float) -> Answer:
-        active = len(self._members) - self._finished
-        size = min(self.group_size, active - self._away(now))
+        size = min(self.group_size, self._awaited(member, now))
         expired = now - member.ready_since >= self.max_wait_s
         if len(self._pool) < size and not expired:
             return Answer("wait")
@@ -468,43 +482,58 @@ class SyncScheduler:
             raise SyncError(f"{what} {worker!r}: expected a member that received the final "
                             f"round, found state {self.state(worker).value}")
 
-    # -- who is away ---------------------------------------------------------------------------
+    # -- who is waited for ----------------------------------------------------------------------
     def _idle_from(self, member: _Member, worker: str, now: float) -> None:
-        """``member`` goes back to training at ``now`` (O(log n))."""
+        """``member`` goes back to training at ``now``: file when it is expected to ask again
+        (after its own typical span) and when it goes away (O(log n))."""
         member.state = MemberState.IDLE
-        member.idle = (now, next(self._tickets), worker)
-        bisect.insort(self._idle, member.idle)
+        member.since = now
+        span = member.span if member.span is not None else self._span
+        ticket = next(self._tickets)
+        if span is None or self.away_spans == 0:  # nothing to expect: wait for it
+            member.expect, member.away_at = (now, ticket, worker), (math.inf, ticket, worker)
+        else:
+            away_at = now + min(self.max_wait_s, self.away_spans * span)
+            member.expect = (min(now + span, away_at), ticket, worker)
+            member.away_at = (away_at, ticket, worker)
+        bisect.insort(self._expect, member.expect)
+        bisect.insort(self._away_at, member.away_at)
 
     def _busy(self, member: _Member, now: float) -> None:
         """``member`` asks again: its span of training ends (O(log n))."""
-        if member.idle is None:
+        if member.expect is None:
             return
-        span = max(0.0, now - member.idle[0])
+        span = max(0.0, now - member.since)
         self._span = span if self._span is None else \
             self._span + SPAN_WEIGHT * (span - self._span)
+        member.span = span if member.span is None else \
+            member.span + MEMBER_SPAN_WEIGHT * (span - member.span)
         self._idle_remove(member)
 
     def _idle_remove(self, member: _Member) -> None:
-        if member.idle is None:
-            return
-        pos = bisect.bisect_left(self._idle, member.idle)
-        assert self._idle[pos] == member.idle
-        del self._idle[pos]
-        member.idle = None
+        for ordered, key in ((self._expect, member.expect), (self._away_at, member.away_at)):
+            if key is None:
+                continue
+            pos = bisect.bisect_left(ordered, key)
+            assert ordered[pos] == key
+            del ordered[pos]
+        member.expect = member.away_at = None
 
-    def _horizon(self) -> float | None:
-        """How long a member may train without asking before it counts as away (None: no
-        span measured yet, nobody is away)."""
-        if self._span is None or self.away_spans == 0:
-            return None
-        return min(self.max_wait_s, self.away_spans * self._span)
-
-    def _away(self, now: float) -> int:
-        """The members away at ``now`` (O(log n))."""
-        horizon = self._horizon()
-        if horizon is None:
-            return 0
-        return bisect.bisect_left(self._idle, (now - horizon, math.inf))
+    def _awaited(self, caller: _Member, now: float) -> int:
+        """The members a group formed for ``caller`` at ``now`` waits for (O(log n)): every
+        member still training, less those away and those not expected to ask within
+        ``WAIT_SPANS`` of the caller's own spans (they would hold up its rounds; they are
+        grouped when they ask)."""
+        active = len(self._members) - self._finished
+        if self.away_spans == 0:
+            return active
+        away = bisect.bisect_right(self._away_at, (now, math.inf))
+        span = caller.span if caller.span is not None else self._span
+        if span is None:
+            return active - away
+        late = len(self._expect) - bisect.bisect_right(self._expect,
+                                                        (now + WAIT_SPANS * span, math.inf))
+        return active - away - late
 
     def _pool_remove(self, member: _Member) -> None:
         assert member.key is not None

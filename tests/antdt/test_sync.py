@@ -660,10 +660,31 @@ def test_groups_do_not_wait_for_a_member_that_is_away() -> None:
     answer = s.ready("b", 0, now=5.0)  # asked again when its wait ran out
     assert answer.group is not None and answer.group.members == ("a", "b")
     s.ready("a", 0, now=5.0)
-    assert s.ready("c", 0, now=9.0).kind == "wait"  # back, and waited for: a, b trained 4 s
-    s.ready("a", 0, now=9.0)
-    answer = s.ready("b", 0, now=9.0)
+    assert s.ready("c", 0, now=7.5).kind == "wait"  # back, and waits for a, b (2.5 s of 1 s
+    s.ready("a", 0, now=7.5)                       # spans: expected, not away)
+    answer = s.ready("b", 0, now=7.5)
     assert answer.group is not None and answer.group.members == ("a", "b", "c")
+
+
+def test_a_member_twice_as_slow_is_late_for_the_fast_one_and_waits_for_it() -> None:
+    """fast asks every second, slow every two: fast goes on alone when slow is mid-span and
+    groups with it when slow is due; slow waits for fast, which is due within its span."""
+    s = joined(["fast", "slow"], group_size=4, max_wait_s=100.0, away_spans=3.0)
+    s.ready("fast", 0, now=0.0)
+    assert s.ready("slow", 0, now=0.0).kind == "group"
+    s.ready("fast", 0, now=0.0)
+    assert s.ready("fast", 0, now=1.0).kind == "wait"  # no pace measured yet: waited for
+    assert s.ready("slow", 0, now=2.0).kind == "group"
+    s.ready("fast", 0, now=2.0)  # both trained from 2.0: fast at 1 s a span, slow at 2 s
+    assert s.ready("fast", 0, now=3.0).kind == "alone"  # slow is due at 4.0: late
+    assert s.ready("fast", 0, now=4.0).kind == "wait"  # slow is due now
+    answer = s.ready("slow", 0, now=4.0)
+    assert answer.group is not None and answer.group.members == ("fast", "slow")
+    s.ready("fast", 0, now=4.0)
+    assert s.ready("fast", 0, now=5.0).kind == "alone"
+    assert s.ready("slow", 0, now=6.0).kind == "wait"  # fast is due within half slow's span
+    answer = s.ready("fast", 0, now=6.1)
+    assert answer.group is not None and answer.group.members == ("fast", "slow")
 
 
 def test_nobody_is_away_before_a_span_is_measured_or_with_away_spans_0() -> None:
