@@ -425,7 +425,10 @@ class BackgroundSync:
 
     def batch_done(self) -> None:
         """The training thread finished a batch. With a period in batches, the period's last
-        batch starts the next round (at once if the thread is idle, else when its round ends)."""
+        batch starts the next round (at once if the thread is idle, else when its round ends),
+        and the training thread cuts the round's deltas and dense snapshot itself
+        (:meth:`ReplicaSync.cut`): it is between two steps, so the round need not wait for
+        the replica lock through the next one."""
         self.staleness.trained()
         if self.period.batches is None:
             return
@@ -433,6 +436,7 @@ class BackgroundSync:
             self._batches += 1
             due = self._batches >= self.period.batches
         if due:
+            self.replica.cut()
             self._hurry.set()
 
     def _run(self) -> None:
@@ -458,6 +462,7 @@ class BackgroundSync:
             self.staleness.release()
 
     def _halt(self) -> None:
+        self.replica.drop_cut()
         self.staleness.release()
         self._stop.set()
         self._hurry.set()

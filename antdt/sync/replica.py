@@ -187,7 +187,8 @@ class ReplicaSync:
     and the dense average, never across a network call, so a step never waits for a slow peer.
 
     An exchange of round ``r`` is ``prepare(r)`` (idempotent per round: publish own deltas, take
-    the dense snapshot), one fetch per peer (served by the peer's :meth:`serve`, which prepares
+    the dense snapshot, or take those of the training thread's newest :meth:`cut`), one fetch
+    per peer (served by the peer's :meth:`serve`, which prepares
     the same round on its side, so a pull always sees the peer's newest deltas and every member
     averages the same snapshots), then :meth:`merge`.
     """
@@ -206,6 +207,7 @@ class ReplicaSync:
         self._keep_rounds = keep_rounds
         self._rows_offset = 0
         self._snapshots: dict[int, list[torch.Tensor]] = {}
+        self._cut: list[torch.Tensor] | None = None  # taken by cut(), for the next prepare
         self._prepare_lock = threading.Lock()
 
     @property
@@ -238,16 +240,36 @@ class ReplicaSync:
         """See :meth:`EmbeddingDeltaLog.synced_offset`."""
         return self.log.synced_offset()
 
+    def cut(self) -> None:
+        """The training thread, between two steps, when a round is due: publish own deltas and
+        snapshot the dense parameters now, so that the next round's :meth:`prepare` (here, or
+        a peer's pull of it) takes them without waiting for the replica lock through a step.
+        A newer cut replaces one no round took (its deltas stay published)."""
+        with self.lock:
+            self.log.publish(self._rows_offset)
+            snapshot = snapshot_dense(self.dense)
+        with self._prepare_lock:
+            self._cut = snapshot
+
+    def drop_cut(self) -> None:
+        """Training ended: later rounds (the final one) prepare from the replica as it is."""
+        with self._prepare_lock:
+            self._cut = None
+
     def prepare(self, round: int) -> list[torch.Tensor]:
-        """Publish own deltas and snapshot the dense parameters for ``round``, once per round;
-        return the snapshot (shapes as ``dense``)."""
+        """Publish own deltas and snapshot the dense parameters for ``round``, once per round
+        (from the newest :meth:`cut` no round took, if any); return the snapshot (shapes as
+        ``dense``)."""
         with self._prepare_lock:
             snapshot = self._snapshots.get(round)
             if snapshot is not None:
                 return snapshot
-            with self.lock:
-                self.log.publish(self._rows_offset)
-                snapshot = snapshot_dense(self.dense)
+            if self._cut is not None:
+                snapshot, self._cut = self._cut, None
+            else:
+                with self.lock:
+                    self.log.publish(self._rows_offset)
+                    snapshot = snapshot_dense(self.dense)
             self._snapshots[round] = snapshot
             while len(self._snapshots) > self._keep_rounds:
                 del self._snapshots[min(self._snapshots)]

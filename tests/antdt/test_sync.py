@@ -257,6 +257,36 @@ def test_average_keeps_local_progress_made_during_the_exchange() -> None:
         average_dense(x, own, [[torch.zeros(3)]])
 
 
+def test_a_round_prepares_from_the_cut_while_the_next_step_holds_the_lock() -> None:
+    cluster = Cluster(2)
+    replica = cluster.replicas["w0"]
+    gen = torch.Generator().manual_seed(5)
+    cluster.train("w0", gen)
+    replica.cut()  # the training thread, between two steps
+    at_cut = [p.clone() for p in replica.dense]
+    in_step, step_may_end = threading.Event(), threading.Event()
+
+    def next_step() -> None:
+        with replica.lock.training():
+            for p in replica.dense:
+                p += 1.0
+            in_step.set()
+            step_may_end.wait(60.0)
+
+    stepping = bounded.start(next_step)
+    assert in_step.wait(60.0)
+    snapshot = bounded.call(replica.prepare, 1, timeout_s=30.0)  # not waiting for the step
+    payload = bounded.call(replica.serve, "w1", 1, 0, timeout_s=30.0)
+    step_may_end.set()
+    stepping.result()
+    assert all(torch.equal(s, p) for s, p in zip(snapshot, at_cut))
+    assert [e.seq for e in payload.entries] == [1]  # the cut published the first step's rows
+    cluster.train("w0", gen)
+    replica.cut()
+    replica.drop_cut()  # training ended: the final round prepares from the replica as it is
+    assert all(torch.equal(s, p) for s, p in zip(replica.prepare(2), replica.dense))
+
+
 def test_pairwise_random_groups_reach_consensus_and_keep_the_mean() -> None:
     rng = random.Random(3)
     replicas = [[torch.randn(4, 3, dtype=torch.float64)] for _ in range(6)]
