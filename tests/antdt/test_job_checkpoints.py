@@ -76,8 +76,9 @@ def test_a_checkpoint_covers_the_rows_its_ledger_counts_done(
     for version in versions:
         manifest = checkpoints.verify(checkpoints.version_path(folder, version))
         table = checkpoints.load_model(manifest)["table"]
-        # every row counted done has its updates in the model; the model may hold a few more
-        assert manifest.rows["done"] <= table.sum() <= manifest.rows["trained"] + 3 * 8
+        # every row counted done has its updates in the model; it may hold the rows trained
+        # after the ledger's copy (how many depends on timing), never a row twice
+        assert manifest.rows["done"] <= table.sum() <= record["summary"]["rows_trained"]
         assert manifest.run == record["run"] and manifest.job_id == job_id
     note = checkpoints.read_note(folder)
     assert note is not None and note["state"] == "finished"
