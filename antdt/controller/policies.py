@@ -84,19 +84,45 @@ class RevokeHung(ControllerPolicy):
 
 @dataclass(repr=False)
 class RetireHung(ControllerPolicy):
-    """Retire a worker hung for ``after_s`` seconds, or hung in the tail of the job: only its
-    leaving frees its claimed rows, and in the tail every idle worker waits for them."""
+    """Retire a worker hung for ``after_s`` seconds, or hung as the job's end nears: only its
+    leaving frees its claimed rows and the rows it trained but did not sync (trained again by
+    the others). Near the end means that the others would finish every other row within
+    ``lead_s`` seconds plus the time those held rows take them; waiting for the tail instead
+    would leave every other worker idle while it is retired and its rows trained last."""
 
     after_s: float = 30.0
+    lead_s: float = 2.0
 
     def run(self, tick: Tick) -> Iterator[Action]:
         for health in tick.flagged:
-            if health.state is WorkerState.HUNG and (health.silent_s >= self.after_s
-                                                     or tick.tail):
-                when = "in the tail" if health.silent_s < self.after_s else \
-                    f"for more than {self.after_s:g}s"
-                yield Retire(health.worker, Evidence.of(health, (
-                    f"hung {when}: no commit for {health.silent_s:.1f}s")))
+            if health.state is not WorkerState.HUNG:
+                continue
+            if health.silent_s >= self.after_s:
+                when = f"for more than {self.after_s:g}s"
+            elif tick.tail:
+                when = "in the tail"
+            else:
+                ending = self._ending(tick, health.worker)
+                if ending is None:
+                    continue
+                when = ending
+            yield Retire(health.worker, Evidence.of(health, (
+                f"hung {when}: no commit for {health.silent_s:.1f}s")))
+
+    def _ending(self, tick: Tick, worker: str) -> str | None:
+        """Why ``worker``'s held rows are needed soon (None: they are not yet)."""
+        rates = [rate for w in tick.workers if w != worker and (rate := tick.rate(w)) is not None]
+        capacity = sum(rates)
+        if capacity <= 0:
+            return None
+        held = sum(lease.claim_stop - lease.synced for lease in tick.leases(worker))
+        rest = tick.ledger.rows_todo + sum(lease.stop - lease.offset for lease in tick.leases()
+                                           if lease.worker != worker)
+        left_s, held_s = rest / capacity, held / capacity
+        if left_s > held_s + self.lead_s:
+            return None
+        return (f"near the end (the others finish the rest in {left_s:.1f}s, its {held} held "
+                f"rows in {held_s:.1f}s)")
 
 
 @dataclass(repr=False)

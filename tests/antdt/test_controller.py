@@ -115,6 +115,18 @@ def test_hung_lease_is_revoked_then_its_worker_retired() -> None:
     assert rig.emitted == list(rig.controller.records)
 
 
+def test_a_hung_worker_is_retired_before_the_tail_when_the_end_nears() -> None:
+    """With short shards the others would run out of rows while the hung worker still holds
+    its claim: it is retired once they have about ``lead_s`` seconds of other rows left."""
+    rig = Rig("abc", [RevokeHung(), RetireHung(after_s=1000.0, lead_s=2.0)], shard_rows=20)
+    rig.run(3, {"a": 10, "b": 10, "c": 10})
+    rig.run(100, {"a": 10, "b": 10, "c": 0})
+    (retire,) = [record for record in rig.applied if record["action"] == "retire"]
+    assert retire["worker"] == "c" and "hung near the end" in retire["reason"]  # not the tail
+    assert rig.ledger.state is JobState.FINISHED and rig.ledger.rows_done == 1000
+    assert sorted(rig.trained) == list(range(1000))
+
+
 def test_straggler_rows_are_reassigned_with_evidence() -> None:
     rig = Rig("abcd", [ReassignStragglers()], rows=10_000)
     rig.run(10, {"a": 20, "b": 20, "c": 20, "d": 5})
