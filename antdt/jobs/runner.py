@@ -497,7 +497,11 @@ class JobRunner:
     def _joiners(self, workers: Collection[str]) -> list[str]:
         """Workers without an agent of this job that get one now: every new worker, or while
         the job has fewer agents training or finished than its plan's ``workers`` (one died or
-        was retired), the least busy."""
+        was retired), the least busy. None once the final sync round formed: every row is
+        trained, a joiner would train nothing."""
+        sync = self.service.sync.jobs.get(self.job_id)
+        if sync is not None and sync.final is not None:
+            return []
         free = set(workers) - {s.worker for s in self.slots}
         if self.cap is None:
             return sorted(free)

@@ -15,9 +15,10 @@ other member applied a member list naming it (so no source drops entries it stil
 pulls a whole :class:`~antdt.sync.replica.ReplicaSnapshot` from a live member
 (``antdt_sync_snapshot``: its tables and dense parameters and its cursor per source, taken under
 its replica lock), copies it into the replica in place and starts syncing; newer entries are
-pulled as usual. It returns the peer it bootstrapped from (None for a member listed in
+pulled as usual. Until it says it started (``antdt_sync_started``), nobody's group and not the
+final round wait for it. It returns the peer it bootstrapped from (None for a member listed in
 ``start_job``: those need no snapshot, so ``join=True`` is harmless there). It raises
-:class:`~antdt.errors.SyncError` when the job's final round already formed, when no member
+:class:`~antdt.errors.SyncError` when the job's final round formed first, when no member
 acknowledged within ``antdt.sync.join-timeout``, or when no live member could serve a snapshot
 (then the model only lives in a checkpoint); the worker has left the job's sync again by then.
 
@@ -289,6 +290,7 @@ class BackgroundSync:
                     logger.warning("sync job %s: no snapshot from %s: %r", self.job, peer, exc)
                     continue
                 self.replica.adopt(snapshot)
+                self._ask("antdt_sync_started", job=self.job, worker=self.worker.address)
                 logger.info("sync job %s: %s joined from %s's snapshot", self.job,
                             self.worker.address, peer)
                 return peer

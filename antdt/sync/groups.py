@@ -94,6 +94,7 @@ class _Member:
     pending: SyncGroup | None = None
     acked: int = -1  # members_version of the newest member list it applied (-1: none reported)
     joined_version: int | None = None  # members_version its mid-job join created; None: listed
+    bootstrapping: bool = False  # joined mid-job, not training yet (see SyncScheduler.started)
 
 
 class SyncScheduler:
@@ -124,7 +125,9 @@ class SyncScheduler:
 
     A worker that joins a running job calls :meth:`join_running`; it may take a snapshot once
     :meth:`settled`, i.e. once every other member reported (:meth:`acknowledge`) that it applied
-    a member list naming the joiner (see the module docstring for why).
+    a member list naming the joiner (see the module docstring for why), and says it
+    :meth:`started` training once it adopted the snapshot. Until then neither the others' groups
+    nor the final round wait for it: a final round that forms first drops it (every row is done).
 
     Each call costs O(log n + group_size) (a sorted pool of ready workers; the insert/delete
     moves pointers, no Python-level scan over workers). Time comes in as ``now``.
@@ -178,6 +181,8 @@ class SyncScheduler:
         self._adopted: dict[str, str] = {}  # member -> leader whose rows it adopted last
         self._adopting = 0  # members other than the leader that adopted the current leader
         self._joining: dict[str, set[str]] = {}  # joiner -> members yet to acknowledge it
+        self._bootstrapping = 0  # members that joined mid-job and do not train yet
+        self._declined: dict[str, int] = {}  # joiner dropped when the final formed -> its round
         self.members_version = 0
 
     # -- membership ------------------------------------------------------------------------
@@ -199,6 +204,8 @@ class SyncScheduler:
             return
         self.join(worker)
         self._members[worker].joined_version = self.members_version
+        self._members[worker].bootstrapping = True
+        self._bootstrapping += 1
         waiting = {other for other, member in self._members.items()
                    if other != worker and member.acked < self.members_version}
         if waiting:
@@ -233,16 +240,39 @@ class SyncScheduler:
         """The members that have not acknowledged ``worker``'s join yet, sorted."""
         return sorted(self._joining.get(worker, ()))
 
+    def started(self, worker: str, now: float) -> None:
+        """The joiner ``worker`` adopted its snapshot and trains from ``now`` on: groups and
+        the final round wait for it like for any member, expecting its first ask after the
+        members' typical span (O(log n), idempotent). Raises
+        :class:`SyncError` when the final round formed first (the joiner was dropped then: it
+        must train nothing, every row is done)."""
+        member = self._member(worker)
+        if member.bootstrapping:
+            self._trains(member)
+            self._idle_from(member, worker, now)
+
+    def _trains(self, member: _Member) -> None:
+        member.bootstrapping = False
+        self._bootstrapping -= 1
+
     def joined_running(self, worker: str) -> bool:
         """Whether ``worker`` joined the running job (so it must bootstrap from a snapshot)."""
         return self._member(worker).joined_version is not None
 
     def leave(self, worker: str) -> SyncGroup | None:
         """Forget ``worker`` (it left or died); return the final group if this completes it."""
+        if not self._forget(worker):
+            return None
+        return self._maybe_final(caller=None)
+
+    def _forget(self, worker: str) -> bool:
+        """Drop ``worker`` from every structure; False when it was no member."""
         member = self._members.pop(worker, None)
         if member is None:
-            return None
+            return False
         self.members_version += 1
+        if member.bootstrapping:
+            self._bootstrapping -= 1
         if member.state is MemberState.READY:
             self._pool_remove(member)
         self._idle_remove(member)
@@ -259,7 +289,7 @@ class SyncScheduler:
                 del self._joining[joiner]
         if worker == self._leader:
             self._name_leader()
-        return self._maybe_final(caller=None)
+        return True
 
     def members(self) -> list[str]:
         """The live members, sorted."""
@@ -275,6 +305,11 @@ class SyncScheduler:
         return self._member(worker).state
 
     # -- the final round ---------------------------------------------------------------------
+    @property
+    def final(self) -> SyncGroup | None:
+        """The final group once it formed (every member that trains finished), else None."""
+        return self._final
+
     def final_leader(self) -> str | None:
         """The member that gathers the final round and whose rows the others adopt, named when
         the final group forms: the one that applied the most entries of departed members, the
@@ -338,6 +373,8 @@ class SyncScheduler:
         member = self._member(worker)
         if departed < 0:
             raise SyncError(f"ready {worker!r}: departed must be >= 0, found {departed}")
+        if member.bootstrapping:  # a joiner that asks to sync trains
+            self._trains(member)
         if member.state is MemberState.ASSIGNED:
             return self._hand_over(worker, member, now)
         if member.state is MemberState.DONE:
@@ -448,12 +485,19 @@ class SyncScheduler:
         return Answer("wait") if group is None else Answer("group", group)
 
     def _maybe_final(self, caller: str | None) -> SyncGroup | None:
-        """Form the final group once every live member finished (O(n), once per job)."""
-        if self._final is not None or not self._members:
+        """Form the final group once every live member that trains finished (O(n), once per
+        job). Joiners still bootstrapping are dropped then: every row is done, they would only
+        hold up the end (their snapshot and first ask take seconds)."""
+        if self._final is not None or self._finished == 0:
             return None
-        if self._finished < len(self._members):
+        if self._finished < len(self._members) - self._bootstrapping:
             return None
         self._round += 1
+        for worker in [w for w, m in self._members.items() if m.bootstrapping]:
+            self._forget(worker)
+            self._declined[worker] = self._round
+            logger.info("final sync round %d forms without %s, which was still joining",
+                        self._round, worker)
         self._final = SyncGroup(self._round, tuple(sorted(self._members)), final=True)
         for worker, member in self._members.items():
             if worker == caller:
@@ -524,7 +568,7 @@ class SyncScheduler:
         member still training, less those away and those not expected to ask within
         ``WAIT_SPANS`` of the caller's own spans (they would hold up its rounds; they are
         grouped when they ask)."""
-        active = len(self._members) - self._finished
+        active = len(self._members) - self._finished - self._bootstrapping
         if self.away_spans == 0:
             return active
         away = bisect.bisect_right(self._away_at, (now, math.inf))
@@ -545,6 +589,10 @@ class SyncScheduler:
     def _member(self, worker: str) -> _Member:
         member = self._members.get(worker)
         if member is None:
+            if worker in self._declined:
+                raise SyncError(f"{worker!r} is no longer a sync member: the final round "
+                                f"{self._declined[worker]} formed while it was joining (every "
+                                "row is done; it trains nothing)")
             raise SyncError(f"{worker!r} is not a sync member ({len(self._members)} members); "
                             "call join first")
         return member

@@ -59,6 +59,9 @@ class SyncService(SchedulerPlugin):
     - ``antdt_sync_members(job) -> MembersMsg``
     - ``antdt_sync_join(job, worker) -> JoinMsg``: adds a worker to a running job; waits up to
       ``poll_s`` for every other member to acknowledge it
+    - ``antdt_sync_started(job, worker)``: the joiner adopted its snapshot and trains from now
+      on (before, no group and not the final round waits for it; an error when the final round
+      formed first and dropped it)
     - ``antdt_sync_leave(job, worker)``: the worker stops syncing (idempotent, any job state)
     - ``antdt_sync_complete(job, worker, gathered=False, adopted_from=None) -> FinalMsg``: in the
       final round, the leader gathered every member's entries (``gathered``) or the worker
@@ -93,6 +96,7 @@ class SyncService(SchedulerPlugin):
             "antdt_sync_group": self.group_handler,
             "antdt_sync_members": self.members_handler,
             "antdt_sync_join": self.join_handler,
+            "antdt_sync_started": self.started_handler,
             "antdt_sync_leave": self.leave_handler,
             "antdt_sync_complete": self.complete_handler,
             "antdt_sync_stop": self.stop_handler,
@@ -142,6 +146,8 @@ class SyncService(SchedulerPlugin):
                                      departed=departed)
             if answer.group is not None:
                 self._wake(job, answer.group.members)
+                if answer.group.final:  # a joiner it dropped learns so now
+                    self._notify(job)
             if final:  # one partner fewer: the waiting workers may make a full group now
                 self._wake(job, scheduler.waiting())
             if answer.kind != "wait":
@@ -180,6 +186,7 @@ class SyncService(SchedulerPlugin):
         final = scheduler.leave(worker)
         if final is not None:
             self._wake(job, final.members)
+            self._notify(job)
         self._wake(job, scheduler.waiting())
         self._events.pop((job, worker), None)
         self._notify(job)
@@ -245,6 +252,11 @@ class SyncService(SchedulerPlugin):
     @rpc.handler
     async def join_handler(self, job: object, worker: object) -> Reply:
         return {"status": "OK", **await self.join(_name("job", job), _name("worker", worker))}
+
+    @rpc.handler
+    async def started_handler(self, job: object, worker: object) -> Reply:
+        self._job(_name("job", job)).started(_name("worker", worker), time())
+        return {"status": "OK"}
 
     @rpc.handler
     async def leave_handler(self, job: object, worker: object) -> Reply:

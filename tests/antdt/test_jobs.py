@@ -183,6 +183,7 @@ def valid_calls(jobs: JobClient, job_id: str, folder: str) -> dict[str, dict[str
                              "members_version": None},
         "antdt_sync_members": job,
         "antdt_sync_join": {**job, "worker": worker},
+        "antdt_sync_started": {**job, "worker": worker},
         "antdt_sync_leave": {**job, "worker": worker},
         "antdt_sync_complete": {**job, "worker": worker, "adopted_from": None},
         "antdt_sync_stop": job,

@@ -23,6 +23,7 @@ from antdt.sync import (
     ReplicaSync,
     Staleness,
     SyncError,
+    SyncGroup,
     SyncPeriod,
     SyncScheduler,
     average_dense,
@@ -778,10 +779,37 @@ def test_join_running_waits_for_every_member_to_acknowledge() -> None:
     assert s.state("k") is MemberState.IDLE  # not grouped until it asks
     with pytest.raises(SyncError, match="members_version must be"):
         s.acknowledge("a", s.members_version + 1)
+    s.started("k", now=0.0)  # it took its snapshot: the final round waits for it
     for name in s.members():
         s.ready(name, 0, now=0.0, final=True)
     with pytest.raises(SyncError, match="final round"):
         s.join_running("late")
+
+
+def test_a_joiner_holds_no_group_and_no_final_round_until_it_started() -> None:
+    s = joined(["a", "b", "c"], group_size=4, max_wait_s=100.0)
+    s.join_running("j")
+    for name in ("a", "b", "c"):
+        s.acknowledge(name, s.members_version)
+    assert s.settled("j")  # taking its snapshot now: the others' rounds do not wait for it
+    assert [s.ready(n, 0, now=0.0).kind for n in ("a", "b", "c")] == ["wait", "wait", "group"]
+    assert [s.ready(n, 0, now=1.0).kind for n in ("a", "b")] == ["group"] * 2  # handed over
+    s.started("j", now=1.0)  # it trains: a full group is all four again
+    assert [s.ready(n, 0, now=2.0).kind for n in ("a", "b", "c")] == ["wait"] * 3
+    assert s.ready("j", 0, now=2.0).group == SyncGroup(2, ("a", "b", "c", "j"), final=False)
+
+    s = joined(["a", "b"], group_size=4, max_wait_s=100.0)
+    s.join_running("j")
+    s.join_running("k")
+    s.started("k", now=0.0)
+    for name in ("a", "b", "k"):
+        assert s.ready(name, 0, now=0.0, final=True).kind in ("wait", "group")
+    assert s.final is not None and s.final.members == ("a", "b", "k")  # not waiting for j
+    assert s.members() == ["a", "b", "k"]
+    for call in (lambda: s.started("j", now=0.0), lambda: s.settled("j"),
+                 lambda: s.ready("j", 0, now=0.0, final=True)):
+        with pytest.raises(SyncError, match=r"final round \d+ formed while it was joining"):
+            call()
 
 
 def test_the_final_leader_gathers_and_the_others_adopt_its_rows() -> None:

@@ -520,6 +520,26 @@ async def test_join_handler_waits_for_acknowledgements(c: Client, s: Scheduler, 
             "no replica")
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 4)
+async def test_the_final_round_forms_without_a_joiner_still_taking_its_snapshot(
+        c: Client, s: Scheduler, a: Worker, b: Worker, started: Worker, late: Worker) -> None:
+    await c.register_plugin(SyncService(poll_s=0.5))
+    await c.scheduler.antdt_sync_start(job="j", workers=[a.address, b.address])
+    for joiner in (started, late):  # nobody acknowledges them: they wait to be settled
+        assert not ok(await c.scheduler.antdt_sync_join(job="j", worker=joiner.address))[
+            "settled"]
+    ok(await c.scheduler.antdt_sync_started(job="j", worker=started.address))
+    joining = asyncio.ensure_future(c.scheduler.antdt_sync_join(job="j", worker=late.address))
+    finals = await asyncio.gather(*(c.scheduler.antdt_sync_group(
+        job="j", worker=w.address, progress=0, final=True) for w in (a, b, started)))
+    members = sorted([a.address, b.address, started.address])
+    assert [(m["final"], list(m["members"])) for m in finals] == [(True, members)] * 3
+    refused(await joining, "formed while it was joining")
+    refused(await c.scheduler.antdt_sync_started(job="j", worker=late.address),
+            r"final round \d+ formed while it was joining")
+    assert service(s).jobs["j"].members() == members
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_defaults_come_from_dask_config(c: Client, s: Scheduler, a: Worker) -> None:
     with dask.config.set({"antdt.sync.period": "20ms", "antdt.sync.rpc-timeout": "7s",
