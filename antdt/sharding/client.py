@@ -32,8 +32,10 @@ in order; :attr:`ShardClient.trained_rows`), how many are already in the shared 
 keeps reporting for leases that are fully trained but not yet synced ("draining"). ``None`` means
 "everything trained is synced" (local and synchronous modes), unless the client was given a
 ``synced_rows`` source to read. While ``lease`` waits for rows it re-reads that source (at least
-every ``antdt.sharding.drain-wait``), so a worker's own draining leases (which keep the job from
-finishing) complete as its sync advances.
+every ``antdt.sharding.drain-wait`` while this worker's or any other worker's rows await sync), so
+draining leases (which keep the job from finishing) complete as the sync advances: a row is
+synced only once every peer applied it, so an idle worker's rounds matter as much as its
+holder's.
 """
 
 from __future__ import annotations
@@ -127,9 +129,10 @@ class ShardClient:
         """The next lease, sending pending commits with the request; None when the job is over
         (finished or stopped). While rows may still come back it asks again, waiting server side
         (the first request does not wait: a "wait" reply lets the synced-rows source publish).
-        While leases of this worker are draining, a request waits at most ``drain_wait_s``: the
-        scheduler cannot see this worker's sync advance, and the job may be waiting only for
-        it, so the next request must carry it soon."""
+        While leases of this worker are draining, or rows of another worker await sync, a
+        request waits at most ``drain_wait_s``: the scheduler cannot see this worker's sync
+        advance, and the job may be waiting only for it (its own rows, or its acknowledgement
+        of a peer's), so the next request must carry it soon."""
         if self._current is not None:
             raise LedgerError(f"job {self.job!r}: lease {self._current.lease.lease_id} is not "
                               f"finished; commit up to its end before leasing again")
@@ -138,8 +141,9 @@ class ShardClient:
             self._sync_to(None)
             reply = self._rpc("antdt_lease", worker=self.address, commits=self._pending(),
                               claim_rows=self._claim_rows(), wait_s=wait_s)
-            wait_s = self.drain_wait_s if self.draining else self.lease_wait_s
             msg = reply["lease"]
+            wait_s = self.drain_wait_s if self.draining or msg.get("unsynced") else \
+                self.lease_wait_s
             if msg["kind"] == "stop":
                 logger.info("job %s: %s stops leasing (%s)", self.job, self.address,
                             msg["reason"])

@@ -89,7 +89,10 @@ class Stop:
 
 @dataclass(frozen=True, slots=True)
 class Wait:
-    """Nothing to lease now, but the job is not over (live leases may requeue rows): ask again."""
+    """Nothing to lease now, but the job is not over (live leases may requeue rows): ask again.
+    ``unsynced``: rows of the job trained but not synced yet (the job may wait for them)."""
+
+    unsynced: int = 0
 
 
 CommitReply: TypeAlias = Claim | Revoked | Finished | Stop

@@ -76,9 +76,11 @@ Counters
   job is stopped. They are trained again (unless the job was stopped), hence "duplicated".
 * ``rows_quarantined``: rows QUARANTINED (registration quarantine counts once per epoch).
 * ``rows_lost``: rows neither DONE nor QUARANTINED when the job was stopped early; 0 otherwise.
+* ``rows_unsynced``: rows of live leases trained but not synced yet (``offset - synced``). A
+  :class:`Wait` carries it: while it is above 0 the job may be waiting for any worker's sync
+  round (a row is synced once every peer applied it), so an idle worker should keep syncing.
 
-At every moment ``rows_trained == rows_done + rows_duplicated + sum(offset - synced of live
-leases)`` and ``rows_todo + rows_leased + rows_done + rows_quarantined + rows_lost ==
+At every moment ``rows_trained == rows_done + rows_duplicated + rows_unsynced`` and ``rows_todo + rows_leased + rows_done + rows_quarantined + rows_lost ==
 total_rows * epochs``; so when the job ends ``rows_trained == total_rows * epochs -
 rows_quarantined - rows_lost + rows_duplicated`` with ``rows_lost == 0`` unless it was stopped.
 
@@ -290,6 +292,7 @@ class ShardLedger:
         self.rows_duplicated = 0
         self.rows_lost = 0
         self.rows_leased = 0
+        self.rows_unsynced = 0
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -370,7 +373,8 @@ class ShardLedger:
             slot = self._slot_for(worker)
             piece = self._next_static_piece(slot) if slot is not None else None
         if piece is None:
-            return Stop("finished") if self.state is JobState.FINISHED else Wait()
+            return Stop("finished") if self.state is JobState.FINISHED \
+                else Wait(self.rows_unsynced)
         epoch, shard, start, stop = piece
         if pace is not None and stop - start > pace:
             self._push_front([(epoch, shard, start + pace, stop)], worker)
@@ -416,6 +420,7 @@ class ShardLedger:
         lease.offset = offset
         lease.synced = synced_offset
         self.rows_trained += trained
+        self.rows_unsynced += trained - newly_synced
         self.rows_done += newly_synced
         self._done_by_epoch[lease.epoch] += newly_synced
         self.rows_leased -= newly_synced
@@ -529,8 +534,8 @@ class ShardLedger:
         every row not DONE or QUARANTINED counts as lost. Returns ``rows_lost``."""
         if self._stopped is not None:
             return self.rows_lost
-        for lease in self._leases.values():
-            self.rows_duplicated += lease.offset - lease.synced
+        self.rows_duplicated += self.rows_unsynced
+        self.rows_unsynced = 0
         self._leases.clear()
         self._by_worker.clear()
         self._front.clear()
@@ -629,6 +634,7 @@ class ShardLedger:
         leased = sum(lease.stop - lease.synced for lease in self._leases.values())
         assert leased == self.rows_leased, (leased, self.rows_leased)
         unsynced = sum(lease.offset - lease.synced for lease in self._leases.values())
+        assert unsynced == self.rows_unsynced, (unsynced, self.rows_unsynced)
         assert self.rows_trained == self.rows_done + self.rows_duplicated + unsynced
         assert sum(self._done_by_epoch) == self.rows_done
         for lease in self._leases.values():
@@ -793,6 +799,7 @@ class ShardLedger:
         return True
 
     def _forget(self, lease: _LiveLease) -> None:
+        self.rows_unsynced -= lease.offset - lease.synced
         del self._leases[lease.lease_id]
         ids = self._by_worker[lease.worker]
         del ids[lease.lease_id]

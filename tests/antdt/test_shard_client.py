@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -142,6 +143,53 @@ async def test_a_draining_worker_does_not_sit_out_the_lease_wait(
     result = await c.submit(agent, "j", 10, 0.01, lag_rows=70, lease_wait_s=3600.0,
                             drain_wait_s=0.0, workers=[a.address], pure=False)
     assert result["trained"] == 300 and result["lag_left"] == 0
+    state = await c.scheduler.antdt_job_state(job="j")
+    assert state["state"] == "finished" and state["rows_done"] == 300
+
+
+ACKS: dict[str, int] = {}  # job -> looks the idle peer took (its acknowledgements)
+
+
+def trainer(job: str) -> int:
+    """Train the job's only lease; its rows count as synced only as far as the idle peer
+    acknowledged them (30 rows per look the peer takes at its own sync)."""
+    shards = ShardClient(job, commit_interval_s=1.0, lease_wait_s=3600.0, drain_wait_s=0.0,
+                         clock=StepClock(), synced_rows=lambda: min(shards.trained_rows,
+                                                                    30 * ACKS[job]))
+    lease = shards.lease()
+    assert lease is not None
+    stop = lease.claim_stop
+    while isinstance(reply := shards.commit(stop), Claim):
+        stop = reply.stop
+    assert shards.lease() is None  # every row synced: the job is over
+    return shards.trained_rows
+
+
+def idle_peer(job: str) -> int:
+    """Lease nothing (the trainer holds every row) until the job ends; count its looks."""
+    def look() -> int:
+        ACKS[job] += 1
+        return 0
+
+    shards = ShardClient(job, commit_interval_s=1.0, lease_wait_s=300.0, drain_wait_s=0.0,
+                         clock=StepClock(), synced_rows=look)
+    assert shards.lease() is None
+    return ACKS[job]
+
+
+@gen_cluster(client=True, timeout=60)
+async def test_an_idle_worker_keeps_syncing_while_a_peers_rows_wait_for_it(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    # A row is synced once every peer applied it: here the trainer's rows wait only for the
+    # idle peer's looks. With a 5-minute lease wait the job ends only because the ledger
+    # tells the idle peer that rows await sync, so it asks again every drain_wait_s.
+    plugin = await register(c, s, row_groups=[["f", 0, 300]], shard_rows=300, batch_rows=10)
+    ACKS["j"] = 0
+    trained = c.submit(trainer, "j", workers=[a.address], pure=False)
+    while plugin.jobs["j"].rows_unsynced == 0:  # bounded by the test's timeout
+        await asyncio.sleep(0.01)
+    looks = await c.submit(idle_peer, "j", workers=[b.address], pure=False)
+    assert await trained == 300 and looks >= 10
     state = await c.scheduler.antdt_job_state(job="j")
     assert state["state"] == "finished" and state["rows_done"] == 300
 

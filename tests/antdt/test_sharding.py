@@ -221,7 +221,7 @@ def test_draining_lease_lives_until_synced() -> None:
     lease = ledger.lease("w")
     assert isinstance(lease, Lease)
     assert ledger.commit(lease.lease_id, lease.token, 2, 0) == Finished(lease.lease_id, 2, False)
-    assert ledger.lease("w") == Wait()  # the rows may still come back
+    assert ledger.lease("w") == Wait(unsynced=2)  # the rows may still come back, once synced
     assert ledger.state is JobState.RUNNING
     assert ledger.commit(lease.lease_id, lease.token, 2, 2) == Finished(lease.lease_id, 2, True)
     assert ledger.lease("w") == Stop("finished")
