@@ -56,6 +56,7 @@ import torch
 from distributed import Client, Event, Future, Worker, get_worker, secede
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.utils import sync
+from tornado.ioloop import PeriodicCallback
 
 from antdt import config
 from antdt.device import pick_device, prepare_process
@@ -70,6 +71,9 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "antdt-agent"
 """``worker.plugins[PLUGIN_NAME]``: the :class:`AgentPlugin`."""
+
+PROFILER_CALLBACKS = ("profile", "profile-cycle")
+"""A Dask worker's periodic callbacks of its statistical profiler."""
 
 CRASH_EXIT_CODE = 75
 """Exit status of a worker process killed by the crash fault."""
@@ -249,6 +253,39 @@ class AgentPlugin(WorkerPlugin):
         self._cancel: dict[str, threading.Event] = {}
         self._trainers: dict[str, Trainer[Any]] = {}
         self._running: dict[str, Agent] = {}
+        self._lock = threading.Lock()
+        self._paused: list[PeriodicCallback] = []  # Dask's profiler, while agents train
+
+    def __reduce__(self) -> tuple[type[AgentPlugin], tuple[()]]:
+        """Registration ships a new plugin: its state lives on one worker only."""
+        return AgentPlugin, ()
+
+    def begin(self, job: str, agent: Agent) -> None:
+        """``agent`` of ``job`` trains here from now on. The first agent pauses the worker's
+        statistical profiler unless ``antdt.agent.dask-profiler``: it walks the training
+        thread's stack 100 times a second (a few percent of a core, and the GIL), and the
+        agents report their own batch times."""
+        keep = config.flag("antdt.agent.dask-profiler")
+        with self._lock:
+            self._running[job] = agent
+            if len(self._running) > 1 or keep:
+                return
+            for name in PROFILER_CALLBACKS:
+                callback = agent.worker.periodic_callbacks.get(name)
+                if callback is not None and callback.is_running():
+                    self._paused.append(callback)
+                    agent.worker.loop.add_callback(callback.stop)
+
+    def end(self, job: str, worker: Worker) -> None:
+        """``job``'s agent stopped training here; the last one resumes what :meth:`begin`
+        paused."""
+        with self._lock:
+            self._running.pop(job, None)
+            if self._running:
+                return
+            for callback in self._paused:
+                worker.loop.add_callback(callback.start)
+            self._paused.clear()
 
     def cancelled(self, job: str) -> threading.Event:
         """``job``'s cancellation flag on this worker (made on first use, set by the driver)."""
@@ -389,7 +426,7 @@ class Agent:
                     self.device)
         forward = _ForwardLogs(self)
         logging.getLogger("antdt").addHandler(forward)
-        self._plugin._running[self.spec.job] = self
+        self._plugin.begin(self.spec.job, self)
         try:
             try:
                 outcome = self._join_sync()
@@ -399,7 +436,7 @@ class Agent:
                 self._abandon()
                 raise
             finally:
-                self._plugin._running.pop(self.spec.job, None)
+                self._plugin.end(self.spec.job, self.worker)
             self._end(outcome)
         finally:
             logging.getLogger("antdt").removeHandler(forward)

@@ -58,6 +58,14 @@ def get(key: str) -> object:
     return _default(key) if value is _UNSET else value
 
 
+def flag(key: str) -> bool:
+    """A yes/no setting; anything but a bool raises :class:`ConfigError` naming the key."""
+    value = get(key)
+    if not isinstance(value, bool):
+        raise ConfigError(f"dask config {key}: expected true or false, found {value!r}")
+    return value
+
+
 def number(key: str, *, low: float = 0.0, high: float = float("inf"),
            integer: bool = False) -> float:
     """A numeric setting in ``[low, high]`` (an int if ``integer``); anything else raises

@@ -294,3 +294,38 @@ def test_spec_is_validated() -> None:
         AgentSpec(job="j", batch_rows=0)
     with pytest.raises(ConfigError, match="sync_period must be a SyncPeriod or None, found 0"):
         AgentSpec(job="j", batch_rows=1, sync_period=0)  # type: ignore[arg-type]
+
+
+def profiling(c: Client, worker: str) -> bool:
+    """Whether ``worker``'s Dask statistical profiler samples its threads now."""
+    running: bool = c.run(lambda dask_worker: dask_worker.periodic_callbacks[
+        "profile"].is_running(), workers=[worker])[worker]
+    return running
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_dask_profiler_pauses_while_an_agent_trains_unless_kept(client: Client,
+                                                                keep: bool) -> None:
+    worker = workers(client)[0]
+    assert profiling(client, worker)
+    job = new_job(client)
+    GATES[job] = threading.Event()
+    with dask.config.set({"antdt.agent.dask-profiler": keep}):
+        future = start(client, job, worker, gate=job)
+        bounded.until(lambda: live_leases(client, job), "the agent holds a lease")
+        if keep:
+            assert profiling(client, worker)
+        else:
+            bounded.until(lambda: not profiling(client, worker), "the profiler paused")
+    GATES[job].set()
+    assert bounded.result(future).outcome == "finished"
+    bounded.until(lambda: profiling(client, worker), "the profiler runs again")
+
+
+def test_a_setting_that_is_not_a_flag_is_refused(client: Client) -> None:
+    job = new_job(client)
+    with dask.config.set({"antdt.agent.dask-profiler": "sometimes"}):
+        future = start(client, job, workers(client)[0])
+        with pytest.raises(ConfigError, match="antdt.agent.dask-profiler: expected true or "
+                                              "false, found 'sometimes'"):
+            bounded.result(future)
