@@ -80,9 +80,10 @@ Counters
   :class:`Wait` carries it: while it is above 0 the job may be waiting for any worker's sync
   round (a row is synced once every peer applied it), so an idle worker should keep syncing.
 
-At every moment ``rows_trained == rows_done + rows_duplicated + rows_unsynced`` and ``rows_todo + rows_leased + rows_done + rows_quarantined + rows_lost ==
-total_rows * epochs``; so when the job ends ``rows_trained == total_rows * epochs -
-rows_quarantined - rows_lost + rows_duplicated`` with ``rows_lost == 0`` unless it was stopped.
+At every moment ``rows_trained == rows_done + rows_duplicated + rows_unsynced`` and
+``rows_todo + rows_leased + rows_done + rows_quarantined + rows_lost == total_rows * epochs``;
+so when the job ends ``rows_trained == total_rows * epochs - rows_quarantined - rows_lost +
+rows_duplicated`` with ``rows_lost == 0`` unless it was stopped.
 
 Static assignment (the baseline)
 --------------------------------

@@ -243,9 +243,9 @@ class SyncScheduler:
     def started(self, worker: str, now: float) -> None:
         """The joiner ``worker`` adopted its snapshot and trains from ``now`` on: groups and
         the final round wait for it like for any member, expecting its first ask after the
-        members' typical span (O(log n), idempotent). Raises
-        :class:`SyncError` when the final round formed first (the joiner was dropped then: it
-        must train nothing, every row is done)."""
+        members' typical span (O(log n), idempotent). Raises :class:`SyncError` when the final
+        round formed first (the joiner was dropped then: it must train nothing, every row is
+        done)."""
         member = self._member(worker)
         if member.bootstrapping:
             self._trains(member)
