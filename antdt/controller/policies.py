@@ -54,6 +54,11 @@ class Tick:
         rate = self.monitor.rate(worker)
         return rate if rate is not None else self.monitor.median_rate
 
+    def capacity(self, without: str | None = None) -> float:
+        """The workers' summed rows/s (:meth:`rate`), ``without`` one of them if given."""
+        return sum(rate for w in self.workers
+                   if w != without and (rate := self.rate(w)) is not None)
+
 
 class ControllerPolicy(abc.ABC):
     """A policy: :meth:`run` looks at a :class:`Tick` and yields actions. It must not change
@@ -111,8 +116,7 @@ class RetireHung(ControllerPolicy):
 
     def _ending(self, tick: Tick, worker: str) -> str | None:
         """Why ``worker``'s held rows are needed soon (None: they are not yet)."""
-        rates = [rate for w in tick.workers if w != worker and (rate := tick.rate(w)) is not None]
-        capacity = sum(rates)
+        capacity = tick.capacity(without=worker)
         if capacity <= 0:
             return None
         held = sum(lease.claim_stop - lease.synced for lease in tick.leases(worker))
@@ -207,7 +211,7 @@ class SplitTail(ControllerPolicy):
         if not tick.tail or tick.monitor.median_rate is None:
             return
         leases = tick.leases()
-        capacity = sum(rate for w in tick.workers if (rate := tick.rate(w)) is not None)
+        capacity = tick.capacity()
         left = sum(lease.stop - lease.offset for lease in leases)
         if capacity <= 0 or left <= 0:
             return
