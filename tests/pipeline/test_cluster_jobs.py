@@ -104,6 +104,13 @@ def test_a_job_outlives_the_client_that_submitted_it(cluster: DaskProcesses, job
     assert len(history) >= 2 and history[-1].value == 2 * TRAIN_ROWS
 
 
+def ctrl_c_as_in_a_shell() -> None:
+    """In the child before it runs: Ctrl-C as a shell gives it. An ignored SIGINT is inherited
+    (something in the test process may have set it so), and Python then installs no
+    KeyboardInterrupt handler: the child would never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_detaches_and_follow_reattaches(cluster: DaskProcesses, job_file: Path,
                                                tmp_path: Path) -> None:
@@ -112,7 +119,7 @@ def test_ctrl_c_detaches_and_follow_reattaches(cluster: DaskProcesses, job_file:
                                   cluster.address, "--job-id", job_id, *UNCONTROLLED,
                                   *paused(3, 512, until=go)],
                                  cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True)
+                                 text=True, preexec_fn=ctrl_c_as_in_a_shell)
     with Client(cluster.address) as client:
         wait_paused(client, job_id, 3)
         following.send_signal(signal.SIGINT)
