@@ -64,7 +64,7 @@ from antdt.errors import AntdtError, ConfigError, SyncError
 from antdt.monitor import BATCHES, BUSY
 from antdt.sharding import Claim, Finished, Lease, Revoked, Stop
 from antdt.sharding.client import ShardClient
-from antdt.sync import ReplicaSync, SyncPeriod
+from antdt.sync import DEFAULT_PERIOD, ReplicaSync, SyncPeriod
 from antdt.sync.background import BackgroundSync
 
 logger = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class AgentSpec:
 
     job: str
     batch_rows: int
-    sync_period: SyncPeriod | None = SyncPeriod(batches=1)
+    sync_period: SyncPeriod | None = DEFAULT_PERIOD
     join: bool = False
     threads: int = 1
     device: str | None = None

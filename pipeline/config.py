@@ -9,7 +9,7 @@
       on_bad_data: fail            # or quarantine: skip bad row groups, report their rows
     model: {arch: dlrm, embedding_dim: 16}
     train: {batch_size: 4096, epochs: 1, seed: 0, sparse_lr: 0.05, dense_lr: 0.001,
-            mode: async, workers: 2, sync_period: 1 batch, shard_rows: 32768, sharding: antdt}
+            mode: async, workers: 2, sync_period: 4 peer batches, shard_rows: 32768, sharding: antdt}
     mlflow: {experiment: antdt, tracking_uri: null}
     faults:                        # injected faults (tests, benchmarks); none by default
       - {worker: 1, slowdown: 3.0}             # worker 1 takes 3x as long per batch
@@ -19,8 +19,11 @@
 
 ``train.mode``: ``async`` (default) trains on a Dask cluster, one replica per worker with
 background model sync; ``local`` trains in this process. ``train.sync_period`` (async mode) is
-how often a worker starts a sync round: batches (default ``1 batch``: the same staleness on a
-slow machine as on a fast one) or seconds (``0.5``, ``500ms``: a bounded share of the CPU).
+how often a worker starts a sync round: batches of its peers (default ``4 peer batches``: a
+round every ``4 // (workers - 1)`` of its own batches, at least one, so that a replica trains on
+about 4 of its peers' batches before it applies them, however many workers), its own batches
+(``1 batch``: the same staleness on a slow machine as on a fast one) or seconds (``0.5``,
+``500ms``: a bounded share of the CPU).
 ``train.shard_rows`` defaults to 8 x ``batch_size``. ``train.sharding`` (async mode): ``antdt`` (default) leases shards dynamically
 and runs the straggler controller; ``pull`` leases dynamically without the controller; ``static``
 deals each worker a fixed 1/N of the shards up front (the baselines of ``antdt bench
@@ -42,7 +45,7 @@ import yaml
 
 from antdt.errors import CheckpointError, ConfigError
 from antdt.jobs.checkpoints import Every
-from antdt.sync import SyncPeriod
+from antdt.sync import DEFAULT_PERIOD, SyncPeriod
 from data.schema import read_yaml
 from models.config import ModelConfig, OptimConfig
 
@@ -77,7 +80,7 @@ class TrainConfig:
     """The async mode trains on fewer workers than ``workers`` when each would see fewer
     batches than this (0: never): a replica that syncs only a few dozen times drifts from the
     others (see :meth:`antdt.jobs.JobPlan.fitted_workers`)."""
-    sync_period: SyncPeriod = SyncPeriod(batches=1)
+    sync_period: SyncPeriod = DEFAULT_PERIOD
     shard_rows: int = SHARD_BATCHES * 4096
     sharding: Sharding = "antdt"
     checkpoint_dir: str | None = None

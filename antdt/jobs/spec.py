@@ -28,6 +28,7 @@ import cloudpickle
 
 from antdt.errors import CheckpointError, JobError
 from antdt.jobs.checkpoints import Every
+from antdt.sync.period import DEFAULT_PERIOD
 
 Sharding = Literal["antdt", "pull", "static"]
 SHARDINGS: tuple[Sharding, ...] = ("antdt", "pull", "static")
@@ -62,8 +63,8 @@ class JobPlan:
 
     ``row_groups`` are ``(path, row_group, num_rows)`` of every training row group (bad ones
     included, so their rows are counted) and ``quarantine`` the bad units ``(path, row_group or
-    None, reason)``. ``sync_period`` is a :class:`~antdt.sync.SyncPeriod` as text (``"1 batch"``,
-    ``"0.1s"``). ``faults`` map the index of a worker in the sorted initial worker list to the
+    None, reason)``. ``sync_period`` is a :class:`~antdt.sync.SyncPeriod` as text (``"4 peer
+    batches"``, ``"1 batch"``, ``"0.1s"``). ``faults`` map the index of a worker in the sorted initial worker list to the
     fields of its :class:`~antdt.agent.Faults`. ``deadline_s``: stop the job if training takes
     longer (its rows not done count as lost). ``workers``: train on at most that many workers,
     the least busy when the job starts (fewest other jobs' agents and tasks; a worker joins only
@@ -88,7 +89,7 @@ class JobPlan:
     shard_rows: int
     epochs: int = 1
     seed: int = 0
-    sync_period: str = "1 batch"
+    sync_period: str = str(DEFAULT_PERIOD)
     sharding: Sharding = "antdt"
     threads: int = 1
     quarantine: list[tuple[str, int | None, str]] = field(default_factory=list)
@@ -155,7 +156,7 @@ class JobPlan:
             name=name, row_groups=row_groups, batch_rows=_int(raw, "batch_rows", 1),
             shard_rows=_int(raw, "shard_rows", 1), epochs=_int(raw, "epochs", 1, default=1),
             seed=_int(raw, "seed", 0, default=0),
-            sync_period=_text(raw, "sync_period", default="1 batch"), sharding=sharding,
+            sync_period=_text(raw, "sync_period", default=str(DEFAULT_PERIOD)), sharding=sharding,
             threads=_int(raw, "threads", 1, default=1), quarantine=quarantine,
             faults=_faults(raw.get("faults", {})),
             deadline_s=None if deadline is None else float(deadline),

@@ -44,12 +44,12 @@ from antdt.errors import SyncError
 from antdt.sync.dense import average_dense, check_dense, snapshot_dense
 from antdt.sync.embeddings import EmbeddingDeltaLog, LogEntry, RowSpace
 from antdt.sync.groups import Answer, FinalStep, MemberState, SyncGroup, SyncScheduler
-from antdt.sync.period import Staleness, SyncPeriod
+from antdt.sync.period import DEFAULT_PERIOD, Staleness, SyncPeriod
 from antdt.sync.replica import (PEER_FAILURES, ExchangeReport, LeaderRows, PeerFetch,
                                 PeerPayload, ReplicaSnapshot, ReplicaSync)
 
 __all__ = [
-    "PEER_FAILURES", "Answer", "EmbeddingDeltaLog", "ExchangeReport", "FinalStep", "LeaderRows",
+    "DEFAULT_PERIOD", "PEER_FAILURES", "Answer", "EmbeddingDeltaLog", "ExchangeReport", "FinalStep", "LeaderRows",
     "LogEntry", "MemberState", "PeerFetch", "PeerPayload", "ReplicaSnapshot", "ReplicaSync",
     "RowSpace", "Staleness", "SyncError", "SyncGroup", "SyncPeriod", "SyncScheduler",
     "average_dense", "check_dense", "snapshot_dense",

@@ -145,15 +145,16 @@ class SyncWorkerPlugin(WorkerPlugin):
 
 class BackgroundSync:
     """ShadowSync's background thread on one worker: every ``period`` (seconds, or batches the
-    training thread reports with :meth:`batch_done`) ask the scheduler for a group and exchange
-    with it, while the training thread goes on.
+    training thread reports with :meth:`batch_done`; a period in peer batches follows the
+    members it learns) ask the scheduler for a group and exchange with it, while the training
+    thread goes on.
 
     The agent builds the :class:`~antdt.sync.ReplicaSync`, calls :meth:`start` (``join=True``
     on a worker that joins a running job; see the module docstring) before its first training
     step, trains while holding ``replica.lock`` per step and calls ``replica.touch``; it reads
     :attr:`synced_offset` for its commits. Before each step it calls :meth:`before_step`,
-    which waits while the replica is more than ``max_staleness`` batches ahead of its newest
-    finished round (:class:`~antdt.sync.Staleness`). At the end it calls :meth:`finish` (the
+    which waits while the replica is more than ``max_staleness`` batches past the period ahead of
+    its newest finished round (:class:`~antdt.sync.Staleness`). At the end it calls :meth:`finish` (the
     final all-member round), or :meth:`stop` to abandon the job. An error in the thread that is
     not a peer's or the scheduler's failure is re-raised there.
 
@@ -200,6 +201,8 @@ class BackgroundSync:
         self._stop = threading.Event()
         self._hurry = threading.Event()
         self._batches = 0  # batches trained since the last round began (a period in batches)
+        self._every = period.batches_for(1)  # ...and how many start the next one
+        self.staleness.follow(self._every)
         self._batches_lock = threading.Lock()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"antdt-sync-{job}", daemon=True)
@@ -417,26 +420,31 @@ class BackgroundSync:
 
     def before_step(self) -> float:
         """The training thread is about to step: wait while its replica runs more than
-        ``max_staleness`` batches ahead of the newest finished round (at most
+        ``max_staleness`` batches past the period ahead of the newest finished round (at most
         ``antdt.sync.max-wait``); return the seconds waited."""
-        if self.staleness.bound is not None and self.staleness.lag > self.staleness.bound:
-            self._hurry.set()  # a period in seconds may not start the round soon enough
+        limit = self.staleness.limit
+        if self._every is None and limit is not None and self.staleness.lag > limit:
+            # a period in seconds may not start the round soon enough; one in batches started
+            # it at the period's last batch, and a second hurry would start an empty round
+            # right after it
+            self._hurry.set()
         waited = self.staleness.wait(self._staleness_wait_s)
         self.waited_s += waited
         return waited
 
     def batch_done(self) -> None:
-        """The training thread finished a batch. With a period in batches, the period's last
-        batch starts the next round (at once if the thread is idle, else when its round ends),
+        """The training thread finished a batch. With a period in (peer) batches, the period's
+        last batch starts the next round (at once if the thread is idle, else when its round ends),
         and the training thread cuts the round's deltas and dense snapshot itself
         (:meth:`ReplicaSync.cut`): it is between two steps, so the round need not wait for
         the replica lock through the next one."""
         self.staleness.trained()
-        if self.period.batches is None:
+        every = self._every
+        if every is None:
             return
         with self._batches_lock:
             self._batches += 1
-            due = self._batches >= self.period.batches
+            due = self._batches >= every
         if due:
             self.replica.cut()
             self._hurry.set()
@@ -444,7 +452,7 @@ class BackgroundSync:
     def _run(self) -> None:
         try:
             while True:
-                self._hurry.wait(self.period.seconds)  # None (batches): until batch_done
+                self._hurry.wait(self.period.seconds)  # None (in batches): until batch_done
                 self._hurry.clear()
                 if self._stop.is_set():
                     break
@@ -477,11 +485,19 @@ class BackgroundSync:
             raise SyncError(f"sync thread of job {self.job} failed") from self._error
 
     def _round(self) -> None:
-        """One background round: ask for a group and exchange with it."""
+        """One background round: ask for a group and exchange with it. A period in batches
+        counts from the moment the group formed, the same for all its members, so that they
+        are due together again (counted from each one's ask, the first to ask would wait for
+        the others in every round)."""
         msg = self._ask_group(final=False)
         if msg is None or msg["kind"] != "group":
             return
         assert msg["round"] is not None
+        with self._batches_lock:
+            self._batches = 0
+            self._hurry.clear()  # a wake-up for the period that just ended is stale...
+        if self._stop.is_set():
+            self._hurry.set()  # ...but _halt's (it sets the stop first) must not be lost
         self._record(self._exchange(msg["round"], msg["members"]))
 
     def _ask_group(self, final: bool) -> GroupMsg | None:
@@ -567,10 +583,18 @@ class BackgroundSync:
         return out
 
     def _set_members(self, members: Sequence[str], members_version: int) -> None:
-        """Apply a member list; the next group call acknowledges ``members_version``."""
+        """Apply a member list (and a period in peer batches to its size); the next group call
+        acknowledges ``members_version``."""
         self.replica.set_peers(members)
         self._members = list(members)
         self._members_version = members_version
+        every = self.period.batches_for(len(members))
+        if every != self._every:
+            logger.info("sync job %s: %s starts a round every %s batch(es) with %d member(s) "
+                        "(period %s)", self.job, self.worker.address, every, len(members),
+                        self.period)
+        self._every = every
+        self.staleness.follow(every)
 
     def _publish_alone(self) -> None:
         """The only member publishes its deltas without an exchange: with nobody to pull them

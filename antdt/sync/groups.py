@@ -95,6 +95,8 @@ class _Member:
     acked: int = -1  # members_version of the newest member list it applied (-1: none reported)
     joined_version: int | None = None  # members_version its mid-job join created; None: listed
     bootstrapping: bool = False  # joined mid-job, not training yet (see SyncScheduler.started)
+    progress: int | None = None  # its progress at its newest ask (None: it never asked)
+    idle: bool = False  # while READY: it trained nothing since its previous ask
 
 
 class SyncScheduler:
@@ -112,8 +114,12 @@ class SyncScheduler:
     waiting for a lease). So the others' rounds (and their training, which waits for a round
     once its replica runs too far ahead) keep their own pace, not the slowest member's; a late
     or away member is grouped when it asks, and then waits for the members due within half its
-    span. ``away_spans=0`` waits for every member (up to ``max_wait_s``). A worker put in a
-    group by a partner's call learns it on its next call.
+    span. A caller that trained nothing since its previous ask (an *idle* one: no lease left,
+    asking so that its rows get synced) waits for every member not away, late ones too: it
+    loses no training by waiting, and its rows are synced only once they applied them (with a
+    period of several batches the others ask seldom, and every ask of two idle workers found
+    the other just gone, late). ``away_spans=0`` waits for every member (up to ``max_wait_s``).
+    A worker put in a group by a partner's call learns it on its next call.
     A worker that waited ``max_wait_s`` takes whichever ready partners there are, or is told to
     go on ``alone``: nobody ever blocks on a straggler. ``ready(..., final=True, departed=k)``
     says the worker is done training (``k``: the entries of departed members it applied); once
@@ -390,6 +396,8 @@ class SyncScheduler:
             self._pool_remove(member)
         else:
             self._busy(member, now)
+            member.idle = progress == member.progress
+            member.progress = progress
             member.state = MemberState.READY
             member.ready_since = now
             member.queued = next(self._tickets)
@@ -565,15 +573,15 @@ class SyncScheduler:
 
     def _awaited(self, caller: _Member, now: float) -> int:
         """The members a group formed for ``caller`` at ``now`` waits for (O(log n)): every
-        member still training, less those away and those not expected to ask within
-        ``WAIT_SPANS`` of the caller's own spans (they would hold up its rounds; they are
-        grouped when they ask)."""
+        member still training, less those away and, unless the caller is idle, those not
+        expected to ask within ``WAIT_SPANS`` of the caller's own spans (they would hold up its
+        rounds; they are grouped when they ask)."""
         active = len(self._members) - self._finished - self._bootstrapping
         if self.away_spans == 0:
             return active
         away = bisect.bisect_right(self._away_at, (now, math.inf))
         span = caller.span if caller.span is not None else self._span
-        if span is None:
+        if span is None or caller.idle:
             return active - away
         late = len(self._expect) - bisect.bisect_right(self._expect,
                                                         (now + WAIT_SPANS * span, math.inf))

@@ -698,23 +698,42 @@ def test_groups_do_not_wait_for_a_member_that_is_away() -> None:
 
 
 def test_a_member_twice_as_slow_is_late_for_the_fast_one_and_waits_for_it() -> None:
-    """fast asks every second, slow every two: fast goes on alone when slow is mid-span and
-    groups with it when slow is due; slow waits for fast, which is due within its span."""
+    """fast asks every second, slow every two (each at its progress, 100 rows a second): fast
+    goes on alone when slow is mid-span and groups with it when slow is due; slow waits for
+    fast, which is due within its span."""
     s = joined(["fast", "slow"], group_size=4, max_wait_s=100.0, away_spans=3.0)
     s.ready("fast", 0, now=0.0)
     assert s.ready("slow", 0, now=0.0).kind == "group"
     s.ready("fast", 0, now=0.0)
-    assert s.ready("fast", 0, now=1.0).kind == "wait"  # no pace measured yet: waited for
-    assert s.ready("slow", 0, now=2.0).kind == "group"
-    s.ready("fast", 0, now=2.0)  # both trained from 2.0: fast at 1 s a span, slow at 2 s
-    assert s.ready("fast", 0, now=3.0).kind == "alone"  # slow is due at 4.0: late
-    assert s.ready("fast", 0, now=4.0).kind == "wait"  # slow is due now
-    answer = s.ready("slow", 0, now=4.0)
+    assert s.ready("fast", 100, now=1.0).kind == "wait"  # no pace measured yet: waited for
+    assert s.ready("slow", 100, now=2.0).kind == "group"
+    s.ready("fast", 100, now=2.0)  # both trained from 2.0: fast at 1 s a span, slow at 2 s
+    assert s.ready("fast", 300, now=3.0).kind == "alone"  # slow is due at 4.0: late
+    assert s.ready("fast", 400, now=4.0).kind == "wait"  # slow is due now
+    answer = s.ready("slow", 200, now=4.0)
     assert answer.group is not None and answer.group.members == ("fast", "slow")
-    s.ready("fast", 0, now=4.0)
-    assert s.ready("fast", 0, now=5.0).kind == "alone"
-    assert s.ready("slow", 0, now=6.0).kind == "wait"  # fast is due within half slow's span
-    answer = s.ready("fast", 0, now=6.1)
+    s.ready("fast", 400, now=4.0)
+    assert s.ready("fast", 500, now=5.0).kind == "alone"
+    assert s.ready("slow", 300, now=6.0).kind == "wait"  # fast is due within half slow's span
+    answer = s.ready("fast", 600, now=6.1)
+    assert answer.group is not None and answer.group.members == ("fast", "slow")
+
+
+def test_an_idle_member_waits_for_a_late_one() -> None:
+    """A member that trained nothing since its previous ask (no lease left, its rows waiting
+    for sync) waits for the others even when they are late: it loses no training, and its rows
+    are synced only once they applied them."""
+    s = joined(["fast", "slow"], group_size=4, max_wait_s=100.0, away_spans=3.0)
+    s.ready("fast", 0, now=0.0)
+    assert s.ready("slow", 0, now=0.0).kind == "group"
+    s.ready("fast", 0, now=0.0)
+    s.ready("fast", 100, now=1.0)
+    assert s.ready("slow", 100, now=2.0).kind == "group"
+    s.ready("fast", 100, now=2.0)  # both trained from 2.0: fast at 1 s a span, slow at 2 s
+    assert s.ready("fast", 300, now=3.0).kind == "alone"  # training: slow is late
+    assert s.ready("fast", 300, now=3.1).kind == "wait"  # idle: it waits for slow after all
+    assert s.wait_left("fast", now=3.1) > 0
+    answer = s.ready("slow", 200, now=4.0)
     assert answer.group is not None and answer.group.members == ("fast", "slow")
 
 
@@ -905,23 +924,37 @@ def test_ten_thousand_workers_are_cheap_and_groups_are_disjoint() -> None:
 
 
 @pytest.mark.parametrize("period", [SyncPeriod(seconds=0.25), SyncPeriod(seconds=3.0),
-                                    SyncPeriod(batches=1), SyncPeriod(batches=16)], ids=str)
+                                    SyncPeriod(batches=1), SyncPeriod(batches=16),
+                                    SyncPeriod(peer_batches=1), SyncPeriod(peer_batches=4)],
+                         ids=str)
 def test_a_sync_period_reads_back_what_it_writes(period: SyncPeriod) -> None:
     assert SyncPeriod.parse(str(period)) == period
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({}, "expected seconds or batches (one of them)"),
-    ({"seconds": 1.0, "batches": 2}, "expected seconds or batches (one of them)"),
+    ({}, "expected seconds, batches or peer batches (one of them)"),
+    ({"seconds": 1.0, "batches": 2}, "expected seconds, batches or peer batches (one of them)"),
+    ({"batches": 1, "peer_batches": 2}, "expected seconds, batches or peer batches"),
     ({"seconds": float("inf")}, "seconds must be a finite number > 0, found inf"),
     ({"batches": 0}, "batches must be an int >= 1, found 0"),
     ({"batches": 1.5}, "batches must be an int >= 1, found 1.5"),
+    ({"peer_batches": 0}, "peer batches must be an int >= 1, found 0"),
 ])
 def test_a_sync_period_refuses_what_it_cannot_mean(kwargs: dict[str, float],
                                                    message: str) -> None:
     with pytest.raises(antdt.errors.ConfigError) as info:
         SyncPeriod(**kwargs)  # type: ignore[arg-type]
     assert message in str(info.value)
+
+
+def test_a_period_in_peer_batches_keeps_what_a_replica_has_not_seen_of_its_peers() -> None:
+    period = SyncPeriod.parse("6 peer batches")
+    assert period == SyncPeriod(peer_batches=6)
+    # members - 1 peers, each training about the period's own batches between two rounds
+    assert {members: period.batches_for(members) for members in range(1, 9)} == \
+        {1: 6, 2: 6, 3: 3, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}
+    assert all((members - 1) * (period.batches_for(members) or 0) <= 6
+               for members in range(2, 8))
 
 
 # ---- Staleness and the replica lock ----------------------------------------------------------
@@ -941,6 +974,20 @@ def test_staleness_holds_the_step_until_a_round_covers_the_batches() -> None:
     gate.release()
     assert gate.wait(timeout_s=60.0) == 0.0  # the sync stopped: never wait again
     assert Staleness(bound=None).wait(timeout_s=60.0) == 0.0
+
+
+def test_staleness_bounds_the_lag_past_the_sync_period() -> None:
+    gate = Staleness(bound=1)
+    gate.follow(period_batches=4)  # a round every 4 batches: the lag reaches 4 before it starts
+    assert gate.limit == 4
+    for _ in range(5):
+        gate.trained()
+    assert gate.wait(timeout_s=0.05) >= 0.05  # 5 > 4: the step waits
+    waiting = bounded.start(gate.wait, 60.0)
+    gate.follow(period_batches=8)  # a member left: the wider period releases the wait
+    assert waiting.result() < 60.0 and gate.limit == 8
+    gate.follow(None)  # a period in seconds: the bound alone
+    assert gate.limit == 1 and Staleness(bound=None).limit is None
 
 
 def test_a_bad_staleness_bound_is_refused() -> None:

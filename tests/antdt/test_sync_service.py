@@ -313,6 +313,24 @@ async def test_a_period_in_batches_starts_rounds_as_batches_are_trained(
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
+async def test_a_period_in_peer_batches_starts_a_round_every_period_batches_with_one_peer(
+        c: Client, s: Scheduler, *workers: Worker) -> None:
+    agents, reports = await run_pair(c, s, workers, min_merges=6,
+                                     period=SyncPeriod(peer_batches=4), max_staleness=1)
+    timeout = config.seconds("antdt.sync.max-wait")
+    for agent in agents:
+        assert agent.sync is not None and agent.sync.staleness.limit == 4
+        # one peer: a round every 4 of its own batches (the final round and a regular one the
+        # partner may have put it in on its way there come on top)
+        assert 6 <= agent.sync.exchanges <= len(agent.starts) // 4 + 2
+        # training ran up to the period's 4 batches plus the bound's 1 past its newest round
+        # before it waited (or the wait ran out: a partner that had not started yet)
+        assert all(lag <= 4 or waited >= timeout for lag, waited in agent.starts)
+    assert all(r is not None and r.failed == [] for r in reports)
+    assert_bit_identical([a.replica for a in agents])
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
 async def test_training_waits_while_its_replica_is_too_far_ahead_of_its_rounds(
         c: Client, s: Scheduler, *workers: Worker) -> None:
     agents, reports = await run_pair(c, s, workers, min_merges=5, period=SyncPeriod(batches=1),

@@ -76,7 +76,7 @@ def test_missing_data_section_and_bad_override(tmp_path: Path) -> None:
 def test_distributed_defaults_and_faults(tmp_path: Path) -> None:
     job = load_job(write(tmp_path, MINIMAL), ["train.batch_size=256"])
     assert (job.train.mode, job.train.workers, job.train.sync_period) == \
-        ("async", 2, SyncPeriod(batches=1))
+        ("async", 2, SyncPeriod(peer_batches=4))
     assert job.train.shard_rows == 8 * 256
     assert job.train.sharding == "antdt"
     assert job.faults == ()
@@ -98,11 +98,13 @@ def test_distributed_defaults_and_faults(tmp_path: Path) -> None:
     ("train.workers=0", "train.workers: expected an integer >= 1, found 0"),
     ("train.sharding=random", "train.sharding: expected one of ['antdt', 'pull', 'static'], "
                               "found 'random'"),
-    ("train.sync_period=0", "train.sync_period: expected seconds > 0 (0.5, '500ms') or "
-                            "batches ('4 batches'), found 0"),
-    ("train.sync_period=0 batches", "('4 batches'), found '0 batches'"),
-    ("train.sync_period=soon", "train.sync_period: expected seconds > 0 (0.5, '500ms') or "
-                               "batches ('4 batches'), found 'soon'"),
+    ("train.sync_period=0", "train.sync_period: expected seconds > 0 (0.5, '500ms'), "
+                            "batches ('4 batches') or peer batches ('4 peer batches'), found 0"),
+    ("train.sync_period=0 batches", "('4 peer batches'), found '0 batches'"),
+    ("train.sync_period=0 peer batches", "('4 peer batches'), found '0 peer batches'"),
+    ("train.sync_period=soon", "train.sync_period: expected seconds > 0 (0.5, '500ms'), "
+                               "batches ('4 batches') or peer batches ('4 peer batches'), "
+                               "found 'soon'"),
     ("train.shard_rows=-5", "train.shard_rows: expected an integer >= 1, found -5"),
     ("train.checkpoint_every=soon", "train.checkpoint_every: expected rows (an int >= 1) or a "
                                     "duration such as '60s', '5m', found 'soon'"),
