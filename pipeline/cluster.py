@@ -40,7 +40,7 @@ from pipeline.hooks import RankingHooks
 from pipeline.local import PreparedData, prepare_data
 from pipeline.recipes import ReaderRecipe, TrainerRecipe
 from pipeline.report import JobSummary, ProgressSink
-from pipeline.tracking import experiment, redact, resolved_uri
+from pipeline.tracking import experiment, redact, resolved_uri, store_modules
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,8 @@ def job_spec(job: JobConfig, data: PreparedData | None = None, *,
                 sync_period=str(train.sync_period), sharding=train.sharding,
                 threads=train.threads, quarantine=list(plan.quarantine), faults=faults,
                 deadline_s=deadline_s, workers=workers,
-                min_batches_per_worker=train.min_batches_per_worker, preload=["pipeline.recipes"],
+                min_batches_per_worker=train.min_batches_per_worker,
+                preload=["pipeline.recipes", *store_modules(uri)],
                 tags={"experiment": job.mlflow.experiment, "tracking_uri": redact(uri)},
                 checkpoint_dir=train.checkpoint_dir, checkpoint_every=train.checkpoint_every,
                 checkpoint_keep=train.checkpoint_keep,
