@@ -99,7 +99,10 @@ class ShardingService(SchedulerPlugin):
 
     ``antdt_lease`` first applies the commits it carries (so an agent finishing a lease and taking
     the next one sends one RPC), then leases; when nothing is leasable yet but the job is not over
-    it waits up to ``wait_s`` (default ``antdt.sharding.lease-wait``) for rows to be requeued.
+    it waits up to ``wait_s`` (default ``antdt.sharding.lease-wait``) for rows to be requeued,
+    or, when no rows awaited sync as it began to wait, until some do (the reply says so, and the
+    worker asks again every ``antdt.sharding.drain-wait``, syncing each time: the job may be
+    waiting only for its look at them).
     Subscribe with :meth:`subscribe` to get every job's :class:`~antdt.sharding.CommitEvent`.
     """
 
@@ -108,6 +111,8 @@ class ShardingService(SchedulerPlugin):
     def __init__(self) -> None:
         self.jobs: dict[str, ShardLedger] = {}
         self._changed: dict[str, asyncio.Event] = {}
+        self.waiting: dict[str, set[str]] = {}
+        """Per job, the workers whose lease request waits for rows now."""
         self._listeners: list[Callable[[str, CommitEvent], None]] = []
         self.scheduler: Scheduler | None = None
 
@@ -231,6 +236,7 @@ class ShardingService(SchedulerPlugin):
         if self.jobs.pop(job, None) is not None:
             self.notify(job)
             self._changed.pop(job, None)
+            self.waiting.pop(job, None)
 
     # ---- agents -------------------------------------------------------------------------------
 
@@ -249,6 +255,7 @@ class ShardingService(SchedulerPlugin):
             raise LedgerError(f"job {job!r}: {worker!r} is not a worker of this cluster")
         replies = self._commits(ledger, commits)
         deadline = time() + wait
+        awaited: int | None = None  # rows awaiting sync when the request began to wait
         while True:
             # checked again after every wait: a worker removed meanwhile (retired, dead) must
             # not be handed rows, no one would ever give them back
@@ -259,9 +266,18 @@ class ShardingService(SchedulerPlugin):
             left = deadline - time()
             if not isinstance(reply, Wait) or left <= 0:
                 break
+            if awaited is None:
+                awaited = reply.unsynced
+            elif reply.unsynced and not awaited:
+                break  # rows await sync now, perhaps this worker's look: it must ask sooner
             event = self._changed[job]
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), left)
+            waiting = self.waiting.setdefault(job, set())
+            waiting.add(worker)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), left)
+            finally:
+                waiting.discard(worker)
             ledger = self._ledger(job)
         return {"status": "OK", "replies": replies, "lease": lease_msg(reply)}
 

@@ -285,3 +285,26 @@ async def test_a_waiting_lease_gets_rows_requeued_by_a_dying_worker(
     closing = a.close()
     reply, _ = await asyncio.gather(waiting, closing)
     assert reply["lease"]["kind"] == "lease" and reply["lease"]["start"] == 0
+
+
+@gen_cluster(client=True, timeout=60)
+async def test_a_long_lease_wait_ends_once_rows_await_sync(c: Client, s: Scheduler, a: Worker,
+                                                           b: Worker) -> None:
+    # b waits the long way for rows while nothing awaits sync; once a's trained rows await it
+    # (perhaps only b's look at them), b must hear it now, not after its 300 s wait.
+    plugin = await setup_job(c, s, row_groups=[["f", 0, 300]], shard_rows=300, batch_rows=10)
+    first = await c.scheduler.antdt_lease(job="j", worker=a.address, wait_s=0)
+    lease = first["lease"]
+    assert lease["kind"] == "lease"
+    waiting = asyncio.ensure_future(c.scheduler.antdt_lease(job="j", worker=b.address,
+                                                            wait_s=300))
+    while b.address not in plugin.waiting.get("j", set()):  # bounded by the test's timeout
+        await asyncio.sleep(0.01)
+    trained = lease["claim_stop"] - lease["start"]
+    answer = await c.scheduler.antdt_commit(job="j", commits=[{
+        "lease_id": lease["lease_id"], "token": lease["token"], "offset": lease["claim_stop"],
+        "synced_offset": lease["start"]}])
+    assert answer["replies"][0]["kind"] == "claim" and trained > 0
+    reply = await waiting
+    assert reply["lease"] == {"kind": "wait", "unsynced": trained}
+    assert b.address not in plugin.waiting["j"]
