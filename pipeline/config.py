@@ -9,7 +9,8 @@
       on_bad_data: fail            # or quarantine: skip bad row groups, report their rows
     model: {arch: dlrm, embedding_dim: 16}
     train: {batch_size: 4096, epochs: 1, seed: 0, sparse_lr: 0.05, dense_lr: 0.001,
-            mode: async, workers: 2, sync_period: 4 peer batches, shard_rows: 32768, sharding: antdt}
+            mode: async, workers: 2, sync_period: 4 peer batches, shard_rows: 32768,
+            sharding: antdt}
     mlflow: {experiment: antdt, tracking_uri: null}
     faults:                        # injected faults (tests, benchmarks); none by default
       - {worker: 1, slowdown: 3.0}             # worker 1 takes 3x as long per batch

@@ -64,8 +64,8 @@ class JobPlan:
     ``row_groups`` are ``(path, row_group, num_rows)`` of every training row group (bad ones
     included, so their rows are counted) and ``quarantine`` the bad units ``(path, row_group or
     None, reason)``. ``sync_period`` is a :class:`~antdt.sync.SyncPeriod` as text (``"4 peer
-    batches"``, ``"1 batch"``, ``"0.1s"``). ``faults`` map the index of a worker in the sorted initial worker list to the
-    fields of its :class:`~antdt.agent.Faults`. ``deadline_s``: stop the job if training takes
+    batches"``, ``"1 batch"``, ``"0.1s"``). ``faults`` map the index of a worker in the sorted
+    initial worker list to the fields of its :class:`~antdt.agent.Faults`. ``deadline_s``: stop the job if training takes
     longer (its rows not done count as lost). ``workers``: train on at most that many workers,
     the least busy when the job starts (fewest other jobs' agents and tasks; a worker joins only
     while the job has fewer live agents), so several jobs share a cluster side by side (None:

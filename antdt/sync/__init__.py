@@ -49,8 +49,9 @@ from antdt.sync.replica import (PEER_FAILURES, ExchangeReport, LeaderRows, PeerF
                                 PeerPayload, ReplicaSnapshot, ReplicaSync)
 
 __all__ = [
-    "DEFAULT_PERIOD", "PEER_FAILURES", "Answer", "EmbeddingDeltaLog", "ExchangeReport", "FinalStep", "LeaderRows",
-    "LogEntry", "MemberState", "PeerFetch", "PeerPayload", "ReplicaSnapshot", "ReplicaSync",
-    "RowSpace", "Staleness", "SyncError", "SyncGroup", "SyncPeriod", "SyncScheduler",
+    "DEFAULT_PERIOD", "PEER_FAILURES", "Answer", "EmbeddingDeltaLog", "ExchangeReport",
+    "FinalStep", "LeaderRows", "LogEntry", "MemberState", "PeerFetch", "PeerPayload",
+    "ReplicaSnapshot", "ReplicaSync", "RowSpace", "Staleness", "SyncError", "SyncGroup",
+    "SyncPeriod", "SyncScheduler",
     "average_dense", "check_dense", "snapshot_dense",
 ]

@@ -154,8 +154,8 @@ class BackgroundSync:
     step, trains while holding ``replica.lock`` per step and calls ``replica.touch``; it reads
     :attr:`synced_offset` for its commits. Before each step it calls :meth:`before_step`,
     which waits while the replica is more than ``max_staleness`` batches past the period ahead of
-    its newest finished round (:class:`~antdt.sync.Staleness`). At the end it calls :meth:`finish` (the
-    final all-member round), or :meth:`stop` to abandon the job. An error in the thread that is
+    its newest finished round (:class:`~antdt.sync.Staleness`). At the end it calls
+    :meth:`finish` (the final all-member round), or :meth:`stop` to abandon the job. An error in the thread that is
     not a peer's or the scheduler's failure is re-raised there.
 
     ``worker`` defaults to the worker running the calling task; ``period``,
@@ -434,8 +434,8 @@ class BackgroundSync:
 
     def batch_done(self) -> None:
         """The training thread finished a batch. With a period in (peer) batches, the period's
-        last batch starts the next round (at once if the thread is idle, else when its round ends),
-        and the training thread cuts the round's deltas and dense snapshot itself
+        last batch starts the next round (at once if the thread is idle, else when its round
+        ends), and the training thread cuts the round's deltas and dense snapshot itself
         (:meth:`ReplicaSync.cut`): it is between two steps, so the round need not wait for
         the replica lock through the next one."""
         self.staleness.trained()

@@ -32,8 +32,8 @@ class SyncPeriod:
     them: about ``members - 1`` times its own period. On the default job 2 workers at a round
     every 4 batches (4 unseen) and 4 at every 2 (6 unseen) end within 0.0025 AUC of the
     single-process model, 2 at every 8 (8 unseen) 0.010 below it and 4 at every 4 (12 unseen)
-    0.015 below. A round that takes longer than the period is followed by the next
-    one at once; how far training may run ahead of the rounds is :class:`Staleness`'s bound.
+    0.015 below. A round that takes longer than the period is followed by the next one at once;
+    how far training may run ahead of the rounds is :class:`Staleness`'s bound.
 
     >>> SyncPeriod.parse(0.5), SyncPeriod.parse("250ms"), SyncPeriod.parse("4 batches")
     (SyncPeriod(seconds=0.5, batches=None, peer_batches=None), \
@@ -42,8 +42,10 @@ SyncPeriod(seconds=None, batches=4, peer_batches=None))
     >>> period = SyncPeriod.parse("4 peer batches")
     >>> str(period), [period.batches_for(members) for members in (1, 2, 3, 4, 8)]
     ('4 peer batches', [4, 4, 2, 1, 1])
-    >>> str(SyncPeriod(seconds=0.5)), str(SyncPeriod(batches=1)), SyncPeriod(batches=3).batches_for(9)
-    ('0.5s', '1 batch', 3)
+    >>> str(SyncPeriod(seconds=0.5)), str(SyncPeriod(batches=1))
+    ('0.5s', '1 batch')
+    >>> SyncPeriod(batches=3).batches_for(9), SyncPeriod(seconds=0.5).batches_for(9) is None
+    (3, True)
     """
 
     seconds: float | None = None

@@ -52,8 +52,8 @@ def synthetic_job(folder: str | None, *, rows: int, days: int = 4, seed: int = 0
         "data": {"train": [os.path.join(folder, d) for d in days_found[:-1]],
                  "validation": os.path.join(folder, days_found[-1]), "schema": schema},
         "model": {"arch": "dlrm", "embedding_dim": 16},
-        # the default sync period (4 peer batches); a benchmark measures the worker counts it names,
-        # however small its job
+        # the default sync period (4 peer batches); a benchmark measures the worker counts it
+        # names, however small its job
         "train": {"batch_size": batch_size, "seed": seed, "shard_rows": 4 * batch_size,
                   "min_batches_per_worker": 0},
         "mlflow": {"experiment": EXPERIMENT},
