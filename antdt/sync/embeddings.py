@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from antdt.errors import SyncError
@@ -146,6 +147,21 @@ class RowSpace:
                 yield table, lo, hi, start
 
 
+def true_rows(mask: torch.Tensor) -> torch.Tensor:
+    """The rows where ``mask`` (``(rows,)`` bool) is true: ``(k,)`` int64, increasing.
+
+    On the CPU through numpy's ``flatnonzero``, one pass over the mask: about 4x faster than
+    ``Tensor.nonzero`` over the millions of rows of a model's tables (2.6M rows: 0.65 against
+    2.4 ms), and a round publishes once per period.
+
+    >>> true_rows(torch.tensor([False, True, False, True])).tolist()
+    [1, 3]
+    """
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
+    return mask.nonzero().squeeze(1)
+
+
 def _end_to_end(tables: Sequence[torch.Tensor], rows: int) -> torch.Tensor | None:
     """A ``(rows, dim)`` view over ``tables`` if they are contiguous and follow each other in
     one storage, in this order; else None."""
@@ -222,7 +238,7 @@ class EmbeddingDeltaLog:
             raise SyncError(f"touch: unknown embedding table {table!r}; "
                             f"tables are {sorted(self._touched_tables)}")
         with self._lock:
-            mask[ids] = True
+            mask.index_fill_(0, ids, True)
 
     def publish(self, rows_offset: int) -> LogEntry | None:
         """Cut one entry with ``current - base`` of every touched row; ``base`` catches up.
@@ -234,11 +250,11 @@ class EmbeddingDeltaLog:
             raise SyncError(f"publish: rows_offset must not decrease, found {rows_offset} "
                             f"after {self._published_offset}")
         with self._lock:
-            ids = self._touched.nonzero().squeeze(1)
+            ids = true_rows(self._touched)
             self._touched.zero_()
         if ids.numel() == 0 and rows_offset == self._published_offset:
             return None
-        # ids are unique (a mask's nonzero): select/copy, about twice as fast as indexing
+        # ids are unique (a mask's true rows): select/copy, about twice as fast as indexing
         current = self.space.gather(ids)
         deltas = current - self._base.index_select(0, ids)
         self._base.index_copy_(0, ids, current)
@@ -397,7 +413,7 @@ class EmbeddingDeltaLog:
         changed) and this replica's values of them (``(k, dim)``). The caller holds the replica
         lock and published first (the values are the tables, unpublished changes included)."""
         self._check_mask("rows_for", changed)
-        ids = (self._changed | changed.to(self.space.device)).nonzero().squeeze(1)
+        ids = true_rows(self._changed | changed.to(self.space.device))
         return ids, self.space.gather(ids)
 
     def adopt_rows(self, source: str, ids: torch.Tensor, rows: torch.Tensor,
