@@ -32,8 +32,9 @@ def average_dense(dense: Sequence[torch.Tensor], own: Sequence[torch.Tensor],
     """Group averaging that keeps local progress: ``x += mean(own, *peers) - own`` in place.
 
     ``dense`` are the live parameters, ``own`` their snapshot from the exchange's start and
-    ``peers`` the peers' snapshots of the same round (each the same shapes as ``dense``). When
-    the whole group uses the same snapshots the sum of the group's parameters is unchanged.
+    ``peers`` the peers' snapshots of the same round (each the same shapes as ``dense``, on any
+    device: received ones are in host memory). When the whole group uses the same snapshots the
+    sum of the group's parameters is unchanged.
     """
     if not peers:
         return
@@ -44,5 +45,5 @@ def average_dense(dense: Sequence[torch.Tensor], own: Sequence[torch.Tensor],
         for i, (param, mine) in enumerate(zip(dense, own)):
             total = mine.clone()
             for peer in peers:
-                total += peer[i]
+                total += peer[i].to(mine.device)  # a peer's snapshot arrives in host memory
             param.add_(total.mul_(scale).sub_(mine))
