@@ -50,6 +50,7 @@ bench: setup $(DEMO_DATA)/oracle.json
 	$(BIN)/antdt bench sharding --json
 	$(BIN)/antdt bench quality --json
 	$(BIN)/antdt bench scaling --json
+	$(BIN)/antdt bench sync --json
 	$(BIN)/antdt bench stragglers --scenario none,persistent,transient,hang,crash --json
 
 typecheck: setup

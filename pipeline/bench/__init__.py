@@ -20,6 +20,7 @@ COMMANDS = {
     "scaling": "pipeline.bench.scaling",
     "sharding": "pipeline.bench.sharding",
     "stragglers": "pipeline.bench.stragglers",
+    "sync": "pipeline.bench.sync",
     "submit": "pipeline.bench.submit",
     "train": "pipeline.bench.train",
 }

@@ -9,6 +9,7 @@ from typing import Any
 
 import dask.config
 import pytest
+import torch
 from click.testing import CliRunner
 
 from pipeline.cli import cli
@@ -39,6 +40,24 @@ def test_bench_train_measures_the_framework_and_a_plain_torchrec_loop() -> None:
     assert out["framework_samples_per_s"] > 0 and out["torchrec_loop_samples_per_s"] > 0
     assert out["ratio"] == pytest.approx(
         out["framework_samples_per_s"] / out["torchrec_loop_samples_per_s"], abs=2e-3)
+
+
+def test_bench_sync_times_a_round_and_ends_with_identical_replicas() -> None:
+    out = bench(["sync", "--target-s", "0.1", "--tables", "3", "--categories", "1000",
+                 "--dim", "4", "--dense", "10", "--batch-size", "64", "--period", "2"])
+    cpu = out["devices"]["cpu"]
+    assert list(out["devices"]) == ["cpu"] and cpu["rounds"] >= 3
+    assert out["rows"] == 2 * (10 + 100 + 1000)  # categories 10 to 1000, two rows each
+    assert cpu["identical"] is True  # the final copy left the two replicas equal, bit for bit
+    assert 0 < cpu["rows_per_round"] <= 3 * 2 * 64 and 0 < cpu["final_rows"] <= out["rows"]
+    assert set(cpu["ms"]) == {"cut", "serve", "wire", "merge"}
+    assert cpu["round_ms"] == pytest.approx(sum(cpu["ms"].values()), abs=0.01)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal needs a machine without a GPU")
+def test_bench_sync_refuses_cuda_without_a_gpu() -> None:
+    result = CliRunner().invoke(cli, ["bench", "sync", "--device", "cpu,cuda"])
+    assert result.exit_code != 0 and "no usable GPU" in result.output
 
 
 @pytest.mark.slow

@@ -1,0 +1,187 @@
+"""`antdt bench sync`: what one round of the async mode's model sync costs a worker, per device.
+
+Two replicas (:class:`~antdt.sync.ReplicaSync`) of a model shaped like the synthetic job's
+(``--tables`` embedding tables whose categories span 10 to ``--categories`` geometrically, each
+table twice its categories' rows, all in one storage as a fused collection keeps them; and
+``--dense`` dense parameters) train between rounds the way a worker does: each batch changes the
+rows its ids hit (``--batch-size`` ids per table, Zipf-like with ``--exponent``, as the
+synthetic data draws its categories) and marks them (:meth:`~antdt.sync.ReplicaSync.touch`).
+Every ``--period`` batches both replicas run a round's replica work: the cut (publish the
+deltas, snapshot the dense part: the training thread does it between two steps), the serve
+(the payload a peer pulls), the wire (a payload on a GPU goes through host memory, as it does
+between two workers) and the merge (apply the peer's deltas, average the dense part: the
+training thread waits for it under the replica lock). At the end the job's final copy: one
+replica adopts the other's changed rows, and the two must then be equal bit for bit.
+
+Rounds repeat for ``--target-s`` seconds per device (rounds, not rows: machines differ 3x).
+Reported per device: the median milliseconds of each part and the rows a round carries; with
+``--device cpu,cuda`` (the CPU is always measured first, the baseline of the same run) each
+part's ratio on the GPU over the CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+import numpy as np
+import torch
+
+from antdt.sync import ReplicaSync
+from pipeline.bench import emit, median_of
+
+T = TypeVar("T")
+
+PARTS = ("cut", "serve", "wire", "merge")
+"""The parts of a round, timed each."""
+
+
+
+def power_law_ids(rng: np.random.Generator, n: int, categories: int,
+                  exponent: float) -> np.ndarray:
+    """``n`` ids in ``[0, categories)``, P(id r) ~ (r + 1) ** -exponent (inverse CDF)."""
+    top = 1.0 - float(categories + 1) ** (1.0 - exponent)
+    u = (1.0 - rng.random(n) * top) ** (1.0 / (1.0 - exponent))
+    return np.minimum(u.astype(np.int64) - 1, categories - 1)
+
+
+class Worker:
+    """One replica and the model it trains: tables of ``2 * categories[i]`` rows end to end in
+    one storage and ``dense`` parameters, changed by :meth:`train_batch` as a step would."""
+
+    def __init__(self, name: str, peer: str, device: torch.device, categories: list[int],
+                 dim: int, dense: int, exponent: float, seed: int) -> None:
+        torch.manual_seed(0)  # every replica starts from the same model
+        starts = np.cumsum([0, *(2 * c for c in categories)]).tolist()
+        self.storage = (torch.randn(starts[-1], dim) * 0.01).to(device)
+        self.dense = [(torch.randn(dense) * 0.01).to(device)]
+        self.tables = {f"t{i}": (c, starts[i]) for i, c in enumerate(categories)}
+        self.replica = ReplicaSync(
+            name, self.dense, {t: self.storage[start:start + 2 * c]
+                               for t, (c, start) in self.tables.items()}, peers=[peer])
+        self.exponent = exponent
+        self.rng = np.random.default_rng(seed)
+        self.trained = 0
+
+    def train_batch(self, batch_size: int) -> None:
+        """Change the rows a batch's ids hit (an update each) and the dense part; mark them."""
+        device = self.storage.device
+        touched = {t: torch.from_numpy(power_law_ids(self.rng, batch_size, c, self.exponent))
+                   .to(device) for t, (c, _) in self.tables.items()}
+        update = torch.full((batch_size, self.storage.shape[1]), 1e-3, device=device)
+        with self.replica.lock.training():
+            for table, ids in touched.items():
+                self.storage.index_add_(0, ids + self.tables[table][1], update)
+            self.dense[0].add_(1e-4)
+        self.trained += batch_size
+        self.replica.touch(touched, self.trained)
+
+
+def timed(device: torch.device, call: Callable[[], T]) -> tuple[T, float]:
+    """``call()`` and its seconds, the device's queued work included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    began = time.perf_counter()
+    result = call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - began
+
+
+def via_host(payload: Any) -> Any:
+    """The payload as a peer receives it: its tensors copied to host memory (the wire)."""
+    for entry_index, entry in enumerate(payload.entries):
+        payload.entries[entry_index] = entry._replace(ids=entry.ids.cpu(),
+                                                      deltas=entry.deltas.cpu())
+    payload.dense = None if payload.dense is None else [t.cpu() for t in payload.dense]
+    return payload
+
+
+def measure(device: torch.device, *, categories: list[int], dim: int, dense: int,
+            exponent: float, batch_size: int, period: int, target_s: float) -> dict[str, Any]:
+    """Rounds between two replicas on ``device`` for ``target_s`` seconds (see the module)."""
+    a = Worker("a", "b", device, categories, dim, dense, exponent, seed=1)
+    b = Worker("b", "a", device, categories, dim, dense, exponent, seed=2)
+    times: dict[str, list[float]] = {part: [] for part in PARTS}
+    carried: list[int] = []
+    began = time.perf_counter()
+    rounds = 0
+    while rounds < 3 or time.perf_counter() - began < target_s:
+        rounds += 1
+        for _ in range(period):
+            a.train_batch(batch_size)
+            b.train_batch(batch_size)
+        for me, peer in ((a, b), (b, a)):
+            _, cut_s = timed(device, me.replica.cut)
+            own = me.replica.prepare(rounds)
+            payload, serve_s = timed(device, lambda: peer.replica.serve(
+                me.replica.worker, rounds, me.replica.log.applied_seq(peer.replica.worker)))
+            payload, wire_s = timed(device, lambda: via_host(payload))
+            _, merge_s = timed(device, lambda: me.replica.merge(rounds, own, [payload]))
+            for part, seconds in zip(PARTS, (cut_s, serve_s, wire_s, merge_s)):
+                times[part].append(seconds)
+            carried.append(sum(len(e.ids) for e in payload.entries))
+    changed = a.replica.changed_rows()
+    leader_rows, serve_rows_s = timed(device, lambda: b.replica.serve_rows(changed))
+    copied, adopt_s = timed(device, lambda: a.replica.adopt_rows(leader_rows))
+    identical = bool(torch.equal(a.storage, b.storage)
+                     and all(torch.equal(x, y) for x, y in zip(a.dense, b.dense)))
+    return {"rounds": rounds, "rows_per_round": round_half(median_of(carried)),
+            "ms": {part: round_ms(median_of(times[part])) for part in PARTS},
+            "round_ms": round_ms(sum(median_of(times[part]) for part in PARTS)),
+            "final_copy_ms": round_ms(serve_rows_s + adopt_s), "final_rows": copied,
+            "identical": identical}
+
+
+def round_ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def round_half(value: float) -> int:
+    return int(value + 0.5)
+
+
+@click.command("sync")
+@click.option("--device", "devices", default="cpu", show_default=True,
+              help="Comma-separated devices: cpu, cuda (the CPU always runs, first).")
+@click.option("--target-s", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+              help="Seconds of rounds per device.")
+@click.option("--tables", type=click.IntRange(min=1), default=26, show_default=True)
+@click.option("--categories", type=click.IntRange(min=10), default=100_000, show_default=True,
+              help="The largest table's categories (the synthetic data's default).")
+@click.option("--exponent", type=click.FloatRange(min=1.01), default=1.175, show_default=True,
+              help="Zipf exponent of the ids (the synthetic data draws 1.05 to 1.3).")
+@click.option("--dim", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--dense", type=click.IntRange(min=1), default=57_361, show_default=True,
+              help="Dense parameters (the default DLRM's).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--period", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Batches between rounds (the default period with 2 workers).")
+@click.option("--json", "as_json", is_flag=True)
+def command(devices: str, target_s: float, tables: int, categories: int, exponent: float,
+            dim: int, dense: int, batch_size: int, period: int, as_json: bool) -> None:
+    """Milliseconds of one sync round's replica work (cut, serve, wire, merge) per device."""
+    wanted = ["cpu", *(d for d in (d.strip() for d in devices.split(",")) if d and d != "cpu")]
+    for name in wanted:
+        if name == "cuda" and not torch.cuda.is_available():
+            raise click.BadParameter("cuda: this machine has no usable GPU", param_hint="--device")
+        if name not in ("cpu", "cuda"):
+            raise click.BadParameter(f"{name!r}: expected cpu or cuda", param_hint="--device")
+    sizes = np.geomspace(10, categories, tables).round().astype(int).tolist()
+    results = {name: measure(torch.device(name), categories=sizes, dim=dim, dense=dense,
+                             exponent=exponent, batch_size=batch_size, period=period,
+                             target_s=target_s)
+               for name in wanted}
+    out: dict[str, Any] = {"devices": results, "tables": tables, "categories": categories,
+                           "rows": 2 * sum(sizes), "dim": dim, "dense": dense,
+                           "exponent": exponent, "batch_size": batch_size, "period": period,
+                           "target_s": target_s}
+    if "cuda" in results:
+        out["cuda_over_cpu"] = {
+            part: round(results["cuda"]["ms"][part] / max(results["cpu"]["ms"][part], 1e-9), 3)
+            for part in PARTS}
+        out["cuda_over_cpu"]["round"] = round(
+            results["cuda"]["round_ms"] / max(results["cpu"]["round_ms"], 1e-9), 3)
+    emit(out, as_json)
