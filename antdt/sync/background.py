@@ -40,7 +40,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 from distributed import Worker, get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -153,10 +153,11 @@ class BackgroundSync:
     on a worker that joins a running job; see the module docstring) before its first training
     step, trains while holding ``replica.lock`` per step and calls ``replica.touch``; it reads
     :attr:`synced_offset` for its commits. Before each step it calls :meth:`before_step`,
-    which waits while the replica is more than ``max_staleness`` batches past the period ahead of
-    its newest finished round (:class:`~antdt.sync.Staleness`). At the end it calls
-    :meth:`finish` (the final all-member round), or :meth:`stop` to abandon the job. An error in the thread that is
-    not a peer's or the scheduler's failure is re-raised there.
+    which waits while the replica is more than ``max_staleness`` (batches, or peer batches)
+    past the period ahead of its newest finished round (:class:`~antdt.sync.Staleness`). At the
+    end it calls :meth:`finish` (the final all-member round), or :meth:`stop` to abandon the
+    job. An error in the thread that is not a peer's or the scheduler's failure is re-raised
+    there.
 
     ``worker`` defaults to the worker running the calling task; ``period``,
     ``rpc_timeout_s`` and ``max_staleness`` to ``antdt.sync.period``,
@@ -165,7 +166,7 @@ class BackgroundSync:
 
     def __init__(self, replica: ReplicaSync, job: str, *, worker: Worker | None = None,
                  period: SyncPeriod | None = None, rpc_timeout_s: float | None = None,
-                 max_staleness: int | None | Literal["config"] = "config") -> None:
+                 max_staleness: int | str | None = "config") -> None:
         self.staleness = Staleness(config.get("antdt.sync.max-staleness")
                                    if max_staleness == "config" else max_staleness)
         self._staleness_wait_s = config.seconds("antdt.sync.max-wait")
@@ -419,8 +420,8 @@ class BackgroundSync:
         self._hurry.set()
 
     def before_step(self) -> float:
-        """The training thread is about to step: wait while its replica runs more than
-        ``max_staleness`` batches past the period ahead of the newest finished round (at most
+        """The training thread is about to step: wait while its replica runs more than the
+        staleness bound past the period ahead of the newest finished round (at most
         ``antdt.sync.max-wait``); return the seconds waited."""
         limit = self.staleness.limit
         if self._every is None and limit is not None and self.staleness.lag > limit:
@@ -594,7 +595,7 @@ class BackgroundSync:
                         "(period %s)", self.job, self.worker.address, every, len(members),
                         self.period)
         self._every = every
-        self.staleness.follow(every)
+        self.staleness.follow(every, len(members))
 
     def _publish_alone(self) -> None:
         """The only member publishes its deltas without an exchange: with nobody to pull them

@@ -117,10 +117,21 @@ class Staleness:
     replicas, each training 3 batches on what the others did 3 batches ago, ended 0.02-0.05 AUC
     below the single-process model (a round every batch: within 0.006). So before each step the
     training thread checks its lag, the batches it trained since the start of its newest
-    finished round, and waits while the lag exceeds its :attr:`limit`: ``bound`` batches past
+    finished round, and waits while the lag exceeds its :attr:`limit`: the bound's batches past
     the sync period's, when the period is in batches (a round every 4 batches lets the lag reach
-    4 before the next round starts; None: never waits). The wait ends when a round finishes, or
-    after ``timeout_s`` (a round held up by a peer slows the training down, never stops it).
+    4 before the next round starts; None: never waits). In other words a round may take the
+    bound's batches to finish before training waits for it. The wait ends when a round
+    finishes, or after ``timeout_s`` (a round held up by a peer slows the training down, never
+    stops it).
+
+    The bound is a number of the replica's own batches (``1``), or of its peers' batches
+    (``"2 peer batches"``): ``N // (members - 1)`` of its own, at least 1 (a lone member: N),
+    recomputed as members come and go (:meth:`follow`). Like a period in peer batches, it keeps
+    what decides quality, the peers' batches a replica trains without having applied, the same
+    for any number of workers: 2 peer batches with the default period of 4 let a round take 2
+    batches with 2 workers and 1 with 3 or more, at most 6 unseen batches with 2 to 4 workers.
+    A round's partners end their steps up to a batch apart, so with 2 workers a bound of 1 held
+    training up for 1-2% of the job (BENCHMARKS.md).
 
     >>> gate = Staleness(bound=1)
     >>> gate.trained(); gate.trained(); gate.lag, gate.limit, gate.wait(timeout_s=0.01) > 0
@@ -129,18 +140,29 @@ class Staleness:
     (2, 0.0)
     >>> covered = gate.round_started(); gate.round_ended(covered); gate.lag, gate.wait(1.0)
     (0, 0.0)
+    >>> peers = Staleness("2 peer batches")
+    >>> peers.follow(period_batches=4, members=2); peers.batches, peers.limit
+    (2, 5)
+    >>> peers.follow(period_batches=2, members=3); peers.batches, peers.limit
+    (1, 2)
     """
 
     def __init__(self, bound: object) -> None:
-        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)
-                                  or bound < 0):
-            raise ConfigError(f"max staleness: expected batches >= 0 or None, found {bound!r}")
-        self.bound: int | None = bound
+        self.bound, self.peer_bound = _parse_bound(bound)
+        self._members = 1
         self._period_batches = 1
         self._turn = threading.Condition()
         self._trained = 0
         self._covered = 0
         self._released = False
+
+    @property
+    def batches(self) -> int | None:
+        """The bound in the replica's own batches with the current members (None: never
+        waits)."""
+        if self.peer_bound is not None:
+            return max(1, self.peer_bound // max(1, self._members - 1))
+        return self.bound
 
     @property
     def lag(self) -> int:
@@ -151,13 +173,16 @@ class Staleness:
     @property
     def limit(self) -> int | None:
         """The lag above which training waits (None: never)."""
-        return None if self.bound is None else self.bound + self._period_batches - 1
+        batches = self.batches
+        return None if batches is None else batches + self._period_batches - 1
 
-    def follow(self, period_batches: int | None) -> None:
+    def follow(self, period_batches: int | None, members: int = 1) -> None:
         """The sync period is now a round every ``period_batches`` batches (None: a period in
-        seconds, which adds nothing to the bound)."""
+        seconds, which adds nothing to the bound) among ``members`` members (a bound in peer
+        batches follows their number)."""
         with self._turn:
             self._period_batches = period_batches or 1
+            self._members = members
             self._turn.notify_all()
 
     def trained(self) -> None:
@@ -180,7 +205,7 @@ class Staleness:
     def wait(self, timeout_s: float) -> float:
         """Before a step: wait while the lag exceeds the bound, at most ``timeout_s``; return
         the seconds waited."""
-        if self.bound is None:
+        if self.bound is None and self.peer_bound is None:
             return 0.0
 
         def free() -> bool:
@@ -199,3 +224,19 @@ class Staleness:
         with self._turn:
             self._released = True
             self._turn.notify_all()
+
+
+def _parse_bound(bound: object) -> tuple[int | None, int | None]:
+    """A staleness bound as (batches, peer batches), one of them set (both None: no bound);
+    a :class:`ConfigError` for anything but None, an int >= 0, ``"N batches"`` or ``"N peer
+    batches"`` (N >= 1)."""
+    if bound is None:
+        return None, None
+    if isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0:
+        return bound, None
+    match = _BATCHES.fullmatch(bound) if isinstance(bound, str) else None
+    if match is not None and int(match.group(1)) >= 1:
+        count = int(match.group(1))
+        return (None, count) if match.group(2) else (count, None)
+    raise ConfigError(f"max staleness: expected batches >= 0 (1), 'N batches' or 'N peer "
+                      f"batches' (N >= 1), or None, found {bound!r}")

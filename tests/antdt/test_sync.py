@@ -990,8 +990,22 @@ def test_staleness_bounds_the_lag_past_the_sync_period() -> None:
     assert gate.limit == 1 and Staleness(bound=None).limit is None
 
 
+def test_a_staleness_bound_in_peer_batches_follows_the_members() -> None:
+    gate = Staleness("2 peer batches")
+    gate.follow(period_batches=4, members=2)  # one peer: its 2 batches are 2 of ours
+    assert (gate.batches, gate.limit) == (2, 5)
+    for _ in range(5):
+        gate.trained()
+    assert gate.wait(timeout_s=60.0) == 0.0  # a round may take 2 batches before training waits
+    gate.follow(period_batches=4, members=3)  # a member joined: 2 peer batches are 1 of ours
+    assert gate.limit == 4 and gate.wait(timeout_s=0.05) >= 0.05
+    gate.follow(period_batches=4, members=1)  # alone: the whole bound
+    assert gate.batches == 2 and gate.wait(timeout_s=60.0) == 0.0
+    assert Staleness("3 batches").batches == 3  # own batches, whatever the members
+
+
 def test_a_bad_staleness_bound_is_refused() -> None:
-    for bad in (-1, 1.5, True, "1"):
+    for bad in (-1, 1.5, True, "1", "0 peer batches", "2 peers"):
         with pytest.raises(antdt.errors.ConfigError, match="max staleness"):
             Staleness(bad)
 
