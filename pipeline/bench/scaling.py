@@ -12,6 +12,12 @@ then step, in one thread, one torch thread) with no Dask, no ledger and no model
 all started together. ``machine_ratio`` is what the hardware gives two such processes over one
 (memory bandwidth and shared caches decide it, not our code); ``efficiency`` is the async ratio
 over it, the share of the machine's scaling the framework keeps.
+
+Where the rest goes is measured in the same run too: the most workers once more with the
+periodic sync rounds off (a period no job reaches; only the rounds of the job's end run), so
+``efficiency_without_rounds`` is what Dask, the ledger and the agents alone keep, and the
+difference to ``efficiency`` what the model sync costs. (A diagnosis, not a way to train: the
+replicas drift apart until the end.)
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from multiprocessing.synchronize import Barrier
 import click
 
 from antdt.device import prepare_process
+from antdt.sync import SyncPeriod
 from data.reader import ShardReader
 from models.train_step import TrainStep
 from pipeline.bench import emit, median_of
@@ -30,6 +37,10 @@ from pipeline.bench.jobs import SET_HELP, echo, run_async, with_train
 from pipeline.bench.sizing import sized_job
 from pipeline.config import JobConfig
 from pipeline.local import iterate_batches, prepare_data, train_local
+
+
+ROUNDS_OFF = SyncPeriod(batches=10**9)
+"""A sync period no job reaches: no periodic round, only those of the job's end."""
 
 
 def _bare_trainer(job: JobConfig, share: int, of: int, start: Barrier) -> tuple[int, float]:
@@ -89,6 +100,7 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
     rates: dict[int, list[float]] = {count: [] for count in counts}
     machine: dict[int, list[float]] = {count: [] for count in counts}
     fixed: dict[int, list[float]] = {count: [] for count in counts}
+    without_rounds: list[float] = []
     local: list[float] = []
     for repeat in range(repeats):
         for count in counts:
@@ -96,6 +108,10 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
             run = run_async(job, count)
             rates[count].append(run.summary.samples_per_s)
             fixed[count].append(run.overhead()["fixed_s"] or 0.0)
+        echo(f"repeat {repeat + 1}/{repeats}: {counts[-1]} worker(s), periodic rounds off",
+             as_json)
+        without_rounds.append(run_async(with_train(job, sync_period=ROUNDS_OFF),
+                                        counts[-1]).summary.samples_per_s)
         for count in counts:
             echo(f"repeat {repeat + 1}/{repeats}: {count} bare process(es)", as_json)
             machine[count].append(machine_samples_per_s(job, count))
@@ -105,11 +121,14 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
     bare = {count: median_of(samples) for count, samples in machine.items()}
     ratio = medians[counts[-1]] / medians[counts[0]]
     machine_ratio = bare[counts[-1]] / bare[counts[0]]
+    ratio_without_rounds = median_of(without_rounds) / medians[counts[0]]
     emit({"samples_per_s": {str(c): round(m) for c, m in medians.items()},
           "machine_samples_per_s": {str(c): round(m) for c, m in bare.items()},
           "local_samples_per_s": round(median_of(local)),
           "ratio": round(ratio, 3), "machine_ratio": round(machine_ratio, 3),
           "efficiency": round(ratio / machine_ratio, 3),
+          "samples_per_s_without_rounds": round(median_of(without_rounds)),
+          "efficiency_without_rounds": round(ratio_without_rounds / machine_ratio, 3),
           "fixed_s": {str(c): round(median_of(f), 2) for c, f in fixed.items()},
           "workers": counts, **sizing.as_dict(), "repeats": repeats, "threads_per_worker": 1,
           "sync_period": str(job.train.sync_period)},
