@@ -29,14 +29,13 @@ import click
 import numpy as np
 import torch
 
-from antdt.sync import ReplicaSync
+from antdt.sync import PeerPayload, ReplicaSync
 from pipeline.bench import emit, median_of
 
 T = TypeVar("T")
 
 PARTS = ("cut", "serve", "wire", "merge")
 """The parts of a round, timed each."""
-
 
 
 def power_law_ids(rng: np.random.Generator, n: int, categories: int,
@@ -90,7 +89,7 @@ def timed(device: torch.device, call: Callable[[], T]) -> tuple[T, float]:
     return result, time.perf_counter() - began
 
 
-def via_host(payload: Any) -> Any:
+def via_host(payload: PeerPayload) -> PeerPayload:
     """The payload as a peer receives it: its tensors copied to host memory (the wire)."""
     for entry_index, entry in enumerate(payload.entries):
         payload.entries[entry_index] = entry._replace(ids=entry.ids.cpu(),
@@ -113,14 +112,15 @@ def measure(device: torch.device, *, categories: list[int], dim: int, dense: int
         for _ in range(period):
             a.train_batch(batch_size)
             b.train_batch(batch_size)
-        for me, peer in ((a, b), (b, a)):
-            _, cut_s = timed(device, me.replica.cut)
+        for worker in (a, b):  # each cuts at its period's end, between two steps
+            times["cut"].append(timed(device, worker.replica.cut)[1])
+        for me, peer in ((a, b), (b, a)):  # then the round: each pulls the other and merges
             own = me.replica.prepare(rounds)
             payload, serve_s = timed(device, lambda: peer.replica.serve(
                 me.replica.worker, rounds, me.replica.log.applied_seq(peer.replica.worker)))
             payload, wire_s = timed(device, lambda: via_host(payload))
             _, merge_s = timed(device, lambda: me.replica.merge(rounds, own, [payload]))
-            for part, seconds in zip(PARTS, (cut_s, serve_s, wire_s, merge_s)):
+            for part, seconds in (("serve", serve_s), ("wire", wire_s), ("merge", merge_s)):
                 times[part].append(seconds)
             carried.append(sum(len(e.ids) for e in payload.entries))
     changed = a.replica.changed_rows()
@@ -128,7 +128,7 @@ def measure(device: torch.device, *, categories: list[int], dim: int, dense: int
     copied, adopt_s = timed(device, lambda: a.replica.adopt_rows(leader_rows))
     identical = bool(torch.equal(a.storage, b.storage)
                      and all(torch.equal(x, y) for x, y in zip(a.dense, b.dense)))
-    return {"rounds": rounds, "rows_per_round": round_half(median_of(carried)),
+    return {"rounds": rounds, "rows_per_round": round(median_of(carried)),
             "ms": {part: round_ms(median_of(times[part])) for part in PARTS},
             "round_ms": round_ms(sum(median_of(times[part]) for part in PARTS)),
             "final_copy_ms": round_ms(serve_rows_s + adopt_s), "final_rows": copied,
@@ -136,11 +136,8 @@ def measure(device: torch.device, *, categories: list[int], dim: int, dense: int
 
 
 def round_ms(seconds: float) -> float:
+    """Seconds as milliseconds, to the microsecond."""
     return round(seconds * 1e3, 3)
-
-
-def round_half(value: float) -> int:
-    return int(value + 0.5)
 
 
 @click.command("sync")
