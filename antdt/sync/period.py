@@ -128,8 +128,9 @@ class Staleness:
     (``"2 peer batches"``): ``N // (members - 1)`` of its own, at least 1 (a lone member: N),
     recomputed as members come and go (:meth:`follow`). Like a period in peer batches, it keeps
     what decides quality, the peers' batches a replica trains without having applied, the same
-    for any number of workers: 2 peer batches with the default period of 4 let a round take 2
-    batches with 2 workers and 1 with 3 or more, at most 6 unseen batches with 2 to 4 workers.
+    for any number of workers: with the default period (4 peer batches), 2 peer batches let a
+    round take 2 batches with 2 workers and 1 with 3 or more, at most 6 unseen batches with 2 to
+    4 workers.
     A round's partners end their steps up to a batch apart, so with 2 workers a bound of 1 held
     training up for 1-2% of the job (BENCHMARKS.md).
 
