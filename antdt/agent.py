@@ -79,7 +79,8 @@ CRASH_EXIT_CODE = 75
 """Exit status of a worker process killed by the crash fault."""
 
 PAUSE_POLL_S = 0.2
-"""A paused agent checks its cancellation flag this often while it waits for its event."""
+"""A paused agent checks its cancellation flag (and starts a sync round) this often while it
+waits for its event."""
 
 Outcome = Literal["finished", "stopped", "cancelled", "declined"]
 """How an agent ended: the job ``finished`` (final sync done, trainer kept for the driver), the
@@ -586,7 +587,9 @@ class Agent:
 
     def _pause(self) -> bool:
         """Once ``pause_after_rows`` rows are trained, wait (once) for the Dask Event
-        ``pause_until``; True when the agent was cancelled meanwhile."""
+        ``pause_until``; True when the agent was cancelled meanwhile. The paused agent's sync
+        keeps exchanging meanwhile: a peer's rows count as synced only once every member pulled
+        them, and a peer that pauses later waits for that (:meth:`_await_synced`)."""
         faults = self.spec.faults
         if faults.pause_until is None or self._paused or self.rows < faults.pause_after_rows:
             return False
@@ -597,10 +600,13 @@ class Agent:
                        self.spec.job, self.worker.address, self.rows, faults.pause_until)
         self._event({"kind": "fault", "fault": "pause", "rows": self.rows})
         event = Event(faults.pause_until)
-        while not event.wait(PAUSE_POLL_S):
+        while True:
+            if self.sync is not None:
+                self.sync.hurry()
+            if event.wait(PAUSE_POLL_S):
+                return False
             if self.cancelled.is_set():
                 return True
-        return False
 
     def _await_synced(self) -> None:
         """Before a pause: wait (at most ``antdt.sync.rpc-timeout``) until the peers have this
