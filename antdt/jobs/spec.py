@@ -65,13 +65,13 @@ class JobPlan:
     included, so their rows are counted) and ``quarantine`` the bad units ``(path, row_group or
     None, reason)``. ``sync_period`` is a :class:`~antdt.sync.SyncPeriod` as text (``"4 peer
     batches"``, ``"1 batch"``, ``"0.1s"``). ``faults`` map the index of a worker in the sorted
-    initial worker list to the fields of its :class:`~antdt.agent.Faults`. ``deadline_s``: stop the job if training takes
-    longer (its rows not done count as lost). ``workers``: train on at most that many workers,
-    the least busy when the job starts (fewest other jobs' agents and tasks; a worker joins only
-    while the job has fewer live agents), so several jobs share a cluster side by side (None:
-    every worker, and every worker that joins). ``min_batches_per_worker``: train on fewer
-    workers when each would see fewer batches than this (0: never; see
-    :meth:`fitted_workers`). ``preload``: modules every worker imports before
+    initial worker list to the fields of its :class:`~antdt.agent.Faults`. ``deadline_s``: stop
+    the job if training takes longer (its rows not done count as lost). ``workers``: train on at
+    most that many workers, the least busy when the job starts (fewest other jobs' agents and
+    tasks; a worker joins only while the job has fewer live agents), so several jobs share a
+    cluster side by side (None: every worker, and every worker that joins).
+    ``min_batches_per_worker``: train on fewer workers when each would see fewer batches than
+    this (0: never; see :meth:`fitted_workers`). ``preload``: modules every worker imports before
     the agents start (the training stack takes seconds to import). ``tags``: free text the
     master shows in ``status`` (never secrets).
 
