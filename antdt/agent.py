@@ -88,6 +88,22 @@ job was ``stopped`` early, the driver ``cancelled`` the agent, or a joiner ``dec
 not join the running job's model sync (typically the final round had formed), trained nothing."""
 
 B_co = TypeVar("B_co", covariant=True)
+
+
+def pause_profiler(worker: Worker) -> list[PeriodicCallback]:
+    """Stop ``worker``'s statistical profiler (from any thread); return what was stopped."""
+    paused = [callback for name in PROFILER_CALLBACKS
+              if (callback := worker.periodic_callbacks.get(name)) is not None
+              and callback.is_running()]
+    for callback in paused:
+        worker.loop.add_callback(callback.stop)
+    return paused
+
+
+def resume_profiler(worker: Worker, paused: list[PeriodicCallback]) -> None:
+    """Start again what :func:`pause_profiler` stopped."""
+    for callback in paused:
+        worker.loop.add_callback(callback.start)
 B_contra = TypeVar("B_contra", contravariant=True)
 
 
@@ -271,11 +287,7 @@ class AgentPlugin(WorkerPlugin):
             self._running[job] = agent
             if len(self._running) > 1 or keep:
                 return
-            for name in PROFILER_CALLBACKS:
-                callback = agent.worker.periodic_callbacks.get(name)
-                if callback is not None and callback.is_running():
-                    self._paused.append(callback)
-                    agent.worker.loop.add_callback(callback.stop)
+            self._paused = pause_profiler(agent.worker)
 
     def end(self, job: str, worker: Worker) -> None:
         """``job``'s agent stopped training here; the last one resumes what :meth:`begin`
@@ -284,9 +296,8 @@ class AgentPlugin(WorkerPlugin):
             self._running.pop(job, None)
             if self._running:
                 return
-            for callback in self._paused:
-                worker.loop.add_callback(callback.start)
-            self._paused.clear()
+            resume_profiler(worker, self._paused)
+            self._paused = []
 
     def cancelled(self, job: str) -> threading.Event:
         """``job``'s cancellation flag on this worker (made on first use, set by the driver)."""

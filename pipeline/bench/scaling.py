@@ -13,8 +13,13 @@ all started together. ``machine_ratio`` is what the hardware gives two such proc
 (memory bandwidth and shared caches decide it, not our code); ``efficiency`` is the async ratio
 over it, the share of the machine's scaling the framework keeps.
 
-Where the rest goes is measured in the same run too: the most workers once more with the
-periodic sync rounds off (a period no job reaches; only the rounds of the job's end run), so
+Where the rest goes is measured in the same run too, in two steps. Dask's own share: the same
+bare trainers run as one task on each worker of a LocalCluster like an async job's (scheduler,
+nannies, workers' event loops and monitors, Dask's profiler paused as agents pause it), none of
+antdt's plugins registered; ``dask_ratio`` is what Dask's processes leave of the machine's
+scaling, and ``efficiency_in_dask`` the async ratio over it, the share antdt itself keeps of
+what a Dask cluster gives. The model sync's share: the most workers once more with the periodic
+sync rounds off (a period no job reaches; only the rounds of the job's end run), so
 ``efficiency_without_rounds`` is what Dask, the ledger and the agents alone keep, and the
 difference to ``efficiency`` what the model sync costs. (A diagnosis, not a way to train: the
 replicas drift apart until the end.)
@@ -24,10 +29,13 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+import uuid
 from multiprocessing.synchronize import Barrier
 
 import click
+from distributed import get_worker
 
+from antdt.agent import pause_profiler, resume_profiler
 from antdt.device import prepare_process
 from antdt.sync import SyncPeriod
 from data.reader import ShardReader
@@ -35,6 +43,7 @@ from models.train_step import TrainStep
 from pipeline.bench import emit, median_of
 from pipeline.bench.jobs import SET_HELP, echo, run_async, with_train
 from pipeline.bench.sizing import sized_job
+from pipeline.cluster import connect
 from pipeline.config import JobConfig
 from pipeline.local import iterate_batches, prepare_data, train_local
 
@@ -43,22 +52,37 @@ ROUNDS_OFF = SyncPeriod(batches=10**9)
 """A sync period no job reaches: no periodic round, only those of the job's end."""
 
 
+class _Trainer:
+    """A bare trainer of one share of a job's row groups: the model built (with this process
+    prepared as an agent's is), then read-and-step in the calling thread with no Dask, no ledger
+    and no model sync around it."""
+
+    def __init__(self, job: JobConfig, share: int, of: int) -> None:
+        prepare_process(job.train.threads)
+        self.job = job
+        self.data = prepare_data(job)
+        self.groups = self.data.train[share::of]
+        self.step = TrainStep(self.data.schema, job.model, job.train.optim, seed=job.train.seed)
+        self.reader = ShardReader(self.data.schema)
+
+    def train(self) -> tuple[int, float, float]:
+        """Train every epoch of the share: (rows, wall-clock start, wall-clock end)."""
+        began = time.time()
+        rows = 0
+        for _ in range(self.job.train.epochs):
+            for batch in iterate_batches(self.reader, self.groups, self.job.train.batch_size):
+                self.step.step(batch)
+                rows += int(batch.labels.shape[0])
+        return rows, began, time.time()
+
+
 def _bare_trainer(job: JobConfig, share: int, of: int, start: Barrier) -> tuple[int, float]:
-    """One bare process: build the model, wait for the others, then read and train row groups
-    ``share, share + of, ...`` of the job's training data for the job's epochs; return (rows,
-    seconds)."""
-    prepare_process(job.train.threads)
-    data = prepare_data(job)
-    step = TrainStep(data.schema, job.model, job.train.optim, seed=job.train.seed)
-    reader = ShardReader(data.schema)
+    """One bare process: build its :class:`_Trainer`, wait for the others, then train; return
+    (rows, seconds)."""
+    trainer = _Trainer(job, share, of)
     start.wait()
-    began = time.perf_counter()
-    rows = 0
-    for _ in range(job.train.epochs):
-        for batch in iterate_batches(reader, data.train[share::of], job.train.batch_size):
-            step.step(batch)
-            rows += int(batch.labels.shape[0])
-    return rows, time.perf_counter() - began
+    rows, began, ended = trainer.train()
+    return rows, ended - began
 
 
 def bare_run(job: JobConfig, processes: int) -> list[tuple[int, float]]:
@@ -75,6 +99,48 @@ def machine_samples_per_s(job: JobConfig, processes: int) -> float:
     """Rows over seconds (first start to last end) of :func:`bare_run`."""
     results = bare_run(job, processes)
     return sum(rows for rows, _ in results) / max(seconds for _, seconds in results)
+
+
+_BUILT: dict[str, _Trainer] = {}
+"""Trainers :func:`_build_in_dask` left on this worker for :func:`_train_in_dask`."""
+
+
+def _build_in_dask(key: str, job: JobConfig, share: int, of: int) -> None:
+    _BUILT[key] = _Trainer(job, share, of)
+
+
+def _train_in_dask(key: str) -> tuple[int, float, float]:
+    """Train the share built under ``key``, with Dask's statistical profiler paused as it is
+    while agents train."""
+    worker = get_worker()
+    paused = pause_profiler(worker)
+    try:
+        return _BUILT.pop(key).train()
+    finally:
+        resume_profiler(worker, paused)
+
+
+def dask_run(job: JobConfig, workers: int) -> list[tuple[int, float, float]]:
+    """(rows, start, end) of a bare trainer on each worker of a new LocalCluster like an async
+    job's (:func:`pipeline.cluster.connect`), each on its share of the row groups: the models are
+    built by one round of tasks, then trained by a second submitted at once, so they start
+    together."""
+    with connect(workers) as client:
+        addresses = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        keys = [f"{uuid.uuid4().hex}-{share}" for share in range(workers)]
+        client.gather([client.submit(_build_in_dask, key, job, share, workers, pure=False,
+                                     workers=[address], allow_other_workers=False)
+                       for share, (key, address) in enumerate(zip(keys, addresses))])
+        return client.gather([client.submit(_train_in_dask, key, pure=False, workers=[address],
+                                            allow_other_workers=False)
+                              for key, address in zip(keys, addresses)])
+
+
+def dask_samples_per_s(job: JobConfig, workers: int) -> float:
+    """Rows over seconds (first start to last end) of :func:`dask_run`."""
+    results = dask_run(job, workers)
+    return (sum(rows for rows, _, _ in results)
+            / (max(end for _, _, end in results) - min(start for _, start, _ in results)))
 
 
 @click.command("scaling")
@@ -100,6 +166,7 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
     rates: dict[int, list[float]] = {count: [] for count in counts}
     machine: dict[int, list[float]] = {count: [] for count in counts}
     fixed: dict[int, list[float]] = {count: [] for count in counts}
+    hosted: dict[int, list[float]] = {count: [] for count in counts}
     without_rounds: list[float] = []
     local: list[float] = []
     for repeat in range(repeats):
@@ -115,18 +182,26 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
         for count in counts:
             echo(f"repeat {repeat + 1}/{repeats}: {count} bare process(es)", as_json)
             machine[count].append(machine_samples_per_s(job, count))
+            echo(f"repeat {repeat + 1}/{repeats}: {count} bare trainer(s) on Dask workers",
+                 as_json)
+            hosted[count].append(dask_samples_per_s(job, count))
         echo(f"repeat {repeat + 1}/{repeats}: local mode", as_json)
         local.append(train_local(with_train(job, mode="local")).samples_per_s)
     medians = {count: median_of(samples) for count, samples in rates.items()}
     bare = {count: median_of(samples) for count, samples in machine.items()}
     ratio = medians[counts[-1]] / medians[counts[0]]
     machine_ratio = bare[counts[-1]] / bare[counts[0]]
+    in_dask = {count: median_of(samples) for count, samples in hosted.items()}
+    dask_ratio = in_dask[counts[-1]] / in_dask[counts[0]]
     ratio_without_rounds = median_of(without_rounds) / medians[counts[0]]
     emit({"samples_per_s": {str(c): round(m) for c, m in medians.items()},
           "machine_samples_per_s": {str(c): round(m) for c, m in bare.items()},
           "local_samples_per_s": round(median_of(local)),
           "ratio": round(ratio, 3), "machine_ratio": round(machine_ratio, 3),
           "efficiency": round(ratio / machine_ratio, 3),
+          "dask_samples_per_s": {str(c): round(m) for c, m in in_dask.items()},
+          "dask_ratio": round(dask_ratio, 3),
+          "efficiency_in_dask": round(ratio / dask_ratio, 3),
           "samples_per_s_without_rounds": round(median_of(without_rounds)),
           "efficiency_without_rounds": round(ratio_without_rounds / machine_ratio, 3),
           "fixed_s": {str(c): round(median_of(f), 2) for c, f in fixed.items()},

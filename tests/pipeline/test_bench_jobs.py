@@ -1,5 +1,5 @@
 """The job the distributed benchmarks train, with the user's ``--set`` overrides, and the
-scaling benchmark's bare processes (the machine's own ceiling)."""
+scaling benchmark's bare trainers (the machine's own ceiling, and Dask's)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from antdt.errors import ConfigError
 from antdt.sync import SyncPeriod
 from pipeline.bench.jobs import run_async, synthetic_job, with_train
-from pipeline.bench.scaling import bare_run
+from pipeline.bench.scaling import bare_run, dask_run
 from pipeline.bench.sizing import rows_for, sized_job, train_rows
 from pipeline.bench.stragglers import ideal_seconds
 from pipeline.config import FaultConfig, load_job
@@ -30,13 +30,17 @@ def test_overrides_reach_the_benchmark_job_and_injected_faults_survive(tmp_path:
 
 
 @pytest.mark.slow
-def test_the_machine_ceiling_trains_every_row_once_over_its_processes(job_file: Path) -> None:
+def test_both_ceilings_train_every_row_once_over_their_processes(job_file: Path) -> None:
+    """The bare processes (the machine's ceiling) and the bare trainers on Dask workers (Dask's)
+    each train their share of the row groups, every row once per epoch over all of them."""
     job = load_job(str(job_file))
-    train_rows = sum(g.num_rows for g in prepare_data(job).train)
-    results = bare_run(job, 2)
-    assert len(results) == 2
-    assert sum(rows for rows, _ in results) == train_rows * job.train.epochs
-    assert all(rows > 0 and seconds > 0 for rows, seconds in results)
+    train_rows = sum(g.num_rows for g in prepare_data(job).train) * job.train.epochs
+    bare = bare_run(job, 2)
+    hosted = dask_run(job, 2)
+    assert len(bare) == len(hosted) == 2
+    assert sum(rows for rows, _ in bare) == sum(rows for rows, _, _ in hosted) == train_rows
+    assert all(rows > 0 and seconds > 0 for rows, seconds in bare)
+    assert all(rows > 0 and end > start for rows, start, end in hosted)
 
 
 @pytest.mark.slow
