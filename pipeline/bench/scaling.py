@@ -3,8 +3,11 @@
 Every worker count trains the same synthetic job on a fresh LocalCluster; samples/s is rows
 trained over training seconds (first agent started to last agent ended). The job is sized by
 time (:mod:`pipeline.bench.sizing`): ``--target-s`` seconds of ideal training with the largest
-worker count, unless ``--rows`` names its size. Repeats are interleaved
-and the medians compared; the single-process local mode (one thread) is measured beside them.
+worker count, unless ``--rows`` names its size. Each repeat runs every configuration once, back
+to back, and the single-process local mode (one thread) beside them; samples/s and ratios are the
+medians over repeats. The efficiencies below are taken within each repeat (its async and bare runs
+minutes apart, so a machine slowed for a while by its neighbours slows both) and their median
+reported, with each repeat's.
 
 The machine's own ceiling for this workload is measured in the same run: as many bare processes
 as workers, each reading and training its share of the row groups the way an agent does (read,
@@ -189,21 +192,28 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
         local.append(train_local(with_train(job, mode="local")).samples_per_s)
     medians = {count: median_of(samples) for count, samples in rates.items()}
     bare = {count: median_of(samples) for count, samples in machine.items()}
-    ratio = medians[counts[-1]] / medians[counts[0]]
-    machine_ratio = bare[counts[-1]] / bare[counts[0]]
     in_dask = {count: median_of(samples) for count, samples in hosted.items()}
-    dask_ratio = in_dask[counts[-1]] / in_dask[counts[0]]
-    ratio_without_rounds = median_of(without_rounds) / medians[counts[0]]
+
+    def scaling(samples: dict[int, list[float]], repeat: int) -> float:
+        return samples[counts[-1]][repeat] / samples[counts[0]][repeat]
+
+    efficiency = [scaling(rates, r) / scaling(machine, r) for r in range(repeats)]
+    efficiency_in_dask = [scaling(rates, r) / scaling(hosted, r) for r in range(repeats)]
+    efficiency_without_rounds = [without_rounds[r] / rates[counts[0]][r] / scaling(machine, r)
+                                 for r in range(repeats)]
     emit({"samples_per_s": {str(c): round(m) for c, m in medians.items()},
           "machine_samples_per_s": {str(c): round(m) for c, m in bare.items()},
           "local_samples_per_s": round(median_of(local)),
-          "ratio": round(ratio, 3), "machine_ratio": round(machine_ratio, 3),
-          "efficiency": round(ratio / machine_ratio, 3),
+          "ratio": round(medians[counts[-1]] / medians[counts[0]], 3),
+          "machine_ratio": round(bare[counts[-1]] / bare[counts[0]], 3),
+          "efficiency": round(median_of(efficiency), 3),
+          "efficiency_per_repeat": [round(e, 3) for e in efficiency],
           "dask_samples_per_s": {str(c): round(m) for c, m in in_dask.items()},
-          "dask_ratio": round(dask_ratio, 3),
-          "efficiency_in_dask": round(ratio / dask_ratio, 3),
+          "dask_ratio": round(in_dask[counts[-1]] / in_dask[counts[0]], 3),
+          "efficiency_in_dask": round(median_of(efficiency_in_dask), 3),
+          "efficiency_in_dask_per_repeat": [round(e, 3) for e in efficiency_in_dask],
           "samples_per_s_without_rounds": round(median_of(without_rounds)),
-          "efficiency_without_rounds": round(ratio_without_rounds / machine_ratio, 3),
+          "efficiency_without_rounds": round(median_of(efficiency_without_rounds), 3),
           "fixed_s": {str(c): round(median_of(f), 2) for c, f in fixed.items()},
           "workers": counts, **sizing.as_dict(), "repeats": repeats, "threads_per_worker": 1,
           "sync_period": str(job.train.sync_period)},
