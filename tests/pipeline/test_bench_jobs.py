@@ -34,13 +34,16 @@ def test_both_ceilings_train_every_row_once_over_their_processes(job_file: Path)
     """The bare processes (the machine's ceiling) and the bare trainers on Dask workers (Dask's)
     each train their share of the row groups, every row once per epoch over all of them."""
     job = load_job(str(job_file))
-    train_rows = sum(g.num_rows for g in prepare_data(job).train) * job.train.epochs
-    bare = bare_run(job, 2)
-    hosted = dask_run(job, 2)
-    assert len(bare) == len(hosted) == 2
-    assert sum(rows for rows, _ in bare) == sum(rows for rows, _, _ in hosted) == train_rows
-    assert all(rows > 0 and seconds > 0 for rows, seconds in bare)
-    assert all(rows > 0 and end > start for rows, start, end in hosted)
+    groups = prepare_data(job).train
+    # three shares: with two, this data's even and odd row groups hold the same number of rows
+    shares = [sum(g.num_rows for g in groups[share::3]) * job.train.epochs for share in range(3)]
+    assert len(set(shares)) > 1
+    bare = bare_run(job, 3)
+    hosted = dask_run(job, 3)
+    assert [rows for rows, _ in bare] == [rows for rows, _, _ in hosted] == shares
+    assert sum(shares) == sum(g.num_rows for g in groups) * job.train.epochs
+    assert all(seconds > 0 for _, seconds in bare)
+    assert all(end > start for _, start, end in hosted)
 
 
 @pytest.mark.slow
