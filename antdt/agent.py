@@ -88,6 +88,7 @@ job was ``stopped`` early, the driver ``cancelled`` the agent, or a joiner ``dec
 not join the running job's model sync (typically the final round had formed), trained nothing."""
 
 B_co = TypeVar("B_co", covariant=True)
+B_contra = TypeVar("B_contra", contravariant=True)
 
 
 def pause_profiler(worker: Worker) -> list[PeriodicCallback]:
@@ -104,7 +105,6 @@ def resume_profiler(worker: Worker, paused: list[PeriodicCallback]) -> None:
     """Start again what :func:`pause_profiler` stopped."""
     for callback in paused:
         worker.loop.add_callback(callback.start)
-B_contra = TypeVar("B_contra", contravariant=True)
 
 
 class Reader(Protocol[B_co]):
