@@ -56,6 +56,7 @@ from fsspec.core import url_to_fs
 from antdt.errors import ConfigError
 from data.hashing import hash_arrow, hash_ints
 from data.schema import Schema, SparseFeature
+from data.zipf import zipf_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -156,23 +157,6 @@ def write_parquet(path: str, data: pa.Table | Mapping[str, Any], *, row_group_ro
     with fs.open(target, "wb") as fh:
         pq.write_table(table, fh, row_group_size=row_group_rows)
     return path
-
-
-def _zipf_ranks(rng: np.random.Generator, n: int, cardinality: int, exponent: float
-                ) -> npt.NDArray[np.int64]:
-    """``n`` frequency ranks in ``[0, cardinality)``, P(rank r) ~ (r + 1) ** -exponent.
-
-    Inverse CDF of a power law on ``[1, cardinality + 1)``, floored, in float32 (vectorised
-    ``exp``/``log``; its precision is ample for ranks below a few million).
-    """
-    top = np.float32(1.0 - float(cardinality + 1) ** (1.0 - exponent))
-    u = rng.random(n, dtype=np.float32)
-    u *= -top
-    u += np.float32(1.0)
-    np.log(u, out=u)
-    u *= np.float32(1.0 / (1.0 - exponent))
-    np.exp(u, out=u)
-    return np.minimum(u.astype(np.int64) - 1, cardinality - 1)
 
 
 def _distinct_bucket_ids(rng: np.random.Generator, feature: SparseFeature, cardinality: int
@@ -298,7 +282,7 @@ def _rows(truth: _Truth, rng: np.random.Generator, n: int
             columns[name] = _multi_valued_rows(sparse, rng, n, nulls, terms[1])
             ranks.append(np.zeros(n, dtype=np.int64))
         else:
-            rank = _zipf_ranks(rng, n, sparse.cardinality, sparse.exponent)
+            rank = zipf_ranks(rng, n, sparse.cardinality, sparse.exponent)
             weights = sparse.weights[rank]
             if nulls is not None:
                 np.copyto(weights, 0.0, where=nulls)
@@ -327,7 +311,7 @@ def _multi_valued_rows(spec: _SparseTruth, rng: np.random.Generator, n: int,
     lengths = rng.poisson(_MULTI_MEAN_LENGTH, n)
     if nulls is not None:
         lengths[nulls] = 0
-    ranks = _zipf_ranks(rng, int(lengths.sum()), spec.cardinality, spec.exponent)
+    ranks = zipf_ranks(rng, int(lengths.sum()), spec.cardinality, spec.exponent)
     rows = np.repeat(np.arange(n), lengths)
     first_order += np.bincount(rows, weights=spec.weights[ranks], minlength=n)
     offsets = np.zeros(n + 1, dtype=np.int32)

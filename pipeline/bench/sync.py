@@ -30,20 +30,13 @@ import numpy as np
 import torch
 
 from antdt.sync import PeerPayload, ReplicaSync
+from data.zipf import zipf_ranks
 from pipeline.bench import emit, median_of
 
 T = TypeVar("T")
 
 PARTS = ("cut", "serve", "wire", "merge")
 """The parts of a round, timed each."""
-
-
-def power_law_ids(rng: np.random.Generator, n: int, categories: int,
-                  exponent: float) -> np.ndarray:
-    """``n`` ids in ``[0, categories)``, P(id r) ~ (r + 1) ** -exponent (inverse CDF)."""
-    top = 1.0 - float(categories + 1) ** (1.0 - exponent)
-    u = (1.0 - rng.random(n) * top) ** (1.0 / (1.0 - exponent))
-    return np.minimum(u.astype(np.int64) - 1, categories - 1)
 
 
 class Worker:
@@ -67,7 +60,7 @@ class Worker:
     def train_batch(self, batch_size: int) -> None:
         """Change the rows a batch's ids hit (an update each) and the dense part; mark them."""
         device = self.storage.device
-        touched = {t: torch.from_numpy(power_law_ids(self.rng, batch_size, c, self.exponent))
+        touched = {t: torch.from_numpy(zipf_ranks(self.rng, batch_size, c, self.exponent))
                    .to(device) for t, (c, _) in self.tables.items()}
         update = torch.full((batch_size, self.storage.shape[1]), 1e-3, device=device)
         with self.replica.lock.training():
