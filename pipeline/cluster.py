@@ -25,11 +25,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import dask.config
 import torch
 from distributed import Client, LocalCluster
 from distributed.security import Security
 
-from antdt.errors import CheckpointError, DataError, JobCancelled, JobError, JobFailed
+from antdt import config
+from antdt.errors import (CheckpointError, ConfigError, DataError, JobCancelled, JobError,
+                          JobFailed)
 from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec, checkpoints
 from antdt.jobs.checkpoints import Manifest
 from antdt.sharding import QuarantineSpec
@@ -178,15 +181,29 @@ def connect(workers: int | None = None, scheduler: str | None = None, *,
         raise JobError("connect: give the workers of a LocalCluster to start, or a scheduler")
     resources = {"GPU": 1} if torch.cuda.is_available() else None
     level = logging.getLogger("distributed").getEffectiveLevel()
-    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                      dashboard_address=":0", resources=resources,
-                      silence_logs=level) as cluster, \
-            Client(cluster, set_as_default=False) as client:
+    with dask.config.set(local_cluster_settings()):  # read as the servers start
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                               dashboard_address=":0", resources=resources, silence_logs=level)
+    with cluster, Client(cluster, set_as_default=False) as client:
         # The cluster's own view of its workers can miss one that registered while it started;
         # a worker that then dies makes the cluster fail on close (KeyError). Refresh the view.
         cluster.wait_for_workers(workers)
         logger.info("LocalCluster of %d workers, dashboard %s", workers, client.dashboard_link)
         yield client
+
+
+def local_cluster_settings() -> dict[str, Any]:
+    """The Dask settings ``antdt.local-cluster`` gives the LocalCluster :func:`connect` starts:
+    slower housekeeping than Dask's defaults, which take CPU from training (see antdt.yaml)."""
+    settings = config.get("antdt.local-cluster")
+    if settings is None:
+        return {}
+    if not isinstance(settings, Mapping) or not all(
+            isinstance(key, str) and key.startswith("distributed.") for key in settings):
+        raise ConfigError("dask config antdt.local-cluster: expected a mapping of Dask settings "
+                          "like {'distributed.admin.tick.interval': '500ms'}, found "
+                          f"{settings!r}")
+    return dict(settings)
 
 
 # ---- following a job -------------------------------------------------------------------------

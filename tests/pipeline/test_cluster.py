@@ -10,6 +10,7 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import dask.config
 import mlflow
@@ -18,10 +19,11 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from click.testing import CliRunner
+from dask.utils import parse_timedelta
 from distributed import Client, Event, LocalCluster
 
 from antdt import agent
-from antdt.errors import DataError
+from antdt.errors import ConfigError, DataError
 from antdt.sharding.service import PLUGIN_NAME
 from broken_files import break_label
 from data.files import expand, row_groups
@@ -29,7 +31,7 @@ from data.synth import SynthResult
 from models.evaluate import auc
 from pipeline.cli import cli
 from pipeline.config import load_job
-from pipeline.cluster import train_async
+from pipeline.cluster import connect, local_cluster_settings, train_async
 from waits import bounded
 
 TRAIN_ROWS = 16_000
@@ -273,3 +275,42 @@ def test_cli_refuses_contradictory_options(cluster_job: Path, args: list[str],
     result = CliRunner().invoke(cli, ["train", str(cluster_job), *args])
     assert result.exit_code == 2
     assert message in result.output
+
+
+def housekeeping(client: Client) -> dict[str, list[float]]:
+    """Every server's event-loop tick and every memory monitor's interval, in seconds."""
+    def tick(dask_scheduler: Any = None, dask_worker: Any = None) -> float:
+        server = dask_scheduler if dask_scheduler is not None else dask_worker
+        return float(server.periodic_callbacks["tick"].callback_time) / 1000
+
+    def monitor(dask_worker: Any) -> float:
+        return float(dask_worker.memory_manager.memory_monitor_interval)
+
+    return {"tick": [client.run_on_scheduler(tick), *client.run(tick).values(),
+                     *client.run(tick, nanny=True).values()],
+            "memory-monitor": [*client.run(monitor).values(),
+                               *client.run(monitor, nanny=True).values()]}
+
+
+def test_the_local_cluster_takes_its_housekeeping_settings_from_antdt_config() -> None:
+    shipped = local_cluster_settings()
+    tick = parse_timedelta(shipped["distributed.admin.tick.interval"])
+    monitor = parse_timedelta(shipped["distributed.worker.memory.monitor-interval"])
+    assert tick > parse_timedelta(dask.config.get("distributed.admin.tick.interval"))
+    with connect(1) as client:
+        assert housekeeping(client) == {"tick": [tick] * 3, "memory-monitor": [monitor] * 2}
+    assert dask.config.get("distributed.admin.tick.interval") != shipped[
+        "distributed.admin.tick.interval"]  # the settings only reached the cluster
+    with dask.config.set({"antdt.local-cluster": {}}), connect(1) as client:
+        dask_default = housekeeping(client)
+    assert dask_default == {
+        "tick": [parse_timedelta(dask.config.get("distributed.admin.tick.interval"))] * 3,
+        "memory-monitor": [parse_timedelta(
+            dask.config.get("distributed.worker.memory.monitor-interval"))] * 2}
+
+
+@pytest.mark.parametrize("settings", [["500ms"], {"admin.tick.interval": "500ms"}])
+def test_bad_local_cluster_settings_are_refused(settings: object) -> None:
+    with dask.config.set({"antdt.local-cluster": settings}), \
+            pytest.raises(ConfigError, match="antdt.local-cluster: expected a mapping"):
+        local_cluster_settings()
