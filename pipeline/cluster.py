@@ -198,11 +198,14 @@ def local_cluster_settings() -> dict[str, Any]:
     settings = config.get("antdt.local-cluster")
     if settings is None:
         return {}
-    if not isinstance(settings, Mapping) or not all(
-            isinstance(key, str) and key.startswith("distributed.") for key in settings):
+    if not isinstance(settings, Mapping):
         raise ConfigError("dask config antdt.local-cluster: expected a mapping of Dask settings "
                           "like {'distributed.admin.tick.interval': '500ms'}, found "
                           f"{settings!r}")
+    for key in settings:
+        if not (isinstance(key, str) and key.startswith("distributed.")):
+            raise ConfigError(f"dask config antdt.local-cluster: {key!r} is not a Dask setting; "
+                              "expected a key like 'distributed.admin.tick.interval'")
     return dict(settings)
 
 
