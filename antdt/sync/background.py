@@ -600,9 +600,10 @@ class BackgroundSync:
     def _publish_alone(self) -> None:
         """The only member publishes its deltas without an exchange: with nobody to pull them
         its rows count as synced at once (a job down to one worker, or started with one, gets
-        its rows done as it trains, not only when its leases run out)."""
+        its rows done as it trains, not only when its leases run out); exactly, since nobody
+        pulls them."""
         with self.replica.lock:
-            self.replica.log.publish(self.replica.rows_offset)
+            self.replica.log.publish(self.replica.rows_offset, exact=True)
 
     def _ask(self, handler: str, **kwargs: Any) -> Any:
         """The scheduler's reply to ``handler`` (a :class:`SyncError` when it refused)."""

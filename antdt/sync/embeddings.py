@@ -14,6 +14,14 @@ whose deltas every live peer has pulled and applied (acknowledged); if the worke
 it are trained again, so its entries that reached only some peers count as duplicates, never as
 losses.
 
+Rounded deltas: a log may publish its deltas in a narrower dtype than its tables (bfloat16 for
+float32 tables: half the bytes on the wire and in the log). Its ``base`` then advances by the
+rounded delta, not to ``current``, so what rounding left out stays in ``current - base`` and
+travels with the row's next delta (error feedback): peers lag the exact sum by at most the
+rounding of each row's newest delta (2^-9 of it in bfloat16), never by an error that grows. An
+exact publish (:meth:`EmbeddingDeltaLog.publish`, once training ended) sends every row still
+owing its rounding in the tables' dtype, so replicas end at the exact sum all the same.
+
 Changed rows: addition commutes in exact arithmetic, not in floating point, so replicas that added
 the same deltas in different orders hold rows that differ in their last bits. Each log keeps a
 mask of the rows it ever changed (trained, added an entry to, or copied); every other row still
@@ -43,9 +51,10 @@ class LogEntry(NamedTuple):
 
     ``seq`` counts from 1 per worker without gaps; ``ids`` ``(k,)`` int64, strictly increasing,
     are rows of the log's :class:`RowSpace` (every table end to end) and ``deltas`` ``(k, dim)``
-    their changes; ``rows_offset`` is the worker's training progress (rows trained, an opaque
-    non-decreasing int chosen by the agent) when the entry was cut: every row up to it has its
-    embedding effect in this entry or an earlier one.
+    their changes, in the log's delta dtype (see :class:`EmbeddingDeltaLog`); ``rows_offset`` is
+    the worker's training progress (rows trained, an opaque non-decreasing int chosen by the
+    agent) when the entry was cut: every row up to it has its embedding effect in this entry or an
+    earlier one.
     """
 
     seq: int
@@ -191,6 +200,9 @@ class EmbeddingDeltaLog:
     methods read and write the tables, so their caller must hold the replica lock that the
     training thread holds while it updates the tables (see :class:`ReplicaSync`).
 
+    ``delta_dtype`` (default: the tables' dtype) is the dtype entries carry their deltas in; a
+    narrower one rounds them, with the rounding error fed back (see the module).
+
     Cursors: ``pull(peer, since_seq)`` is also the peer's acknowledgement that it has *applied*
     every entry up to ``since_seq``. An entry is dropped once every live peer has acknowledged it,
     and :meth:`synced_offset` is the ``rows_offset`` of the newest dropped entry. Counting an
@@ -210,9 +222,16 @@ class EmbeddingDeltaLog:
     """
 
     def __init__(self, tables: Mapping[str, torch.Tensor], peers: Iterable[str] = (),
-                 rows_offset: int = 0) -> None:
+                 rows_offset: int = 0, delta_dtype: torch.dtype | None = None) -> None:
         self.space = RowSpace(tables)
         self.tables = self.space.tables
+        self.delta_dtype = self.space.dtype if delta_dtype is None else delta_dtype
+        if not self.delta_dtype.is_floating_point:
+            raise SyncError(f"delta dtype must be a floating-point dtype, found {delta_dtype}")
+        self._owed: torch.Tensor | None = None
+        """Rows whose rounding error is not published yet, when deltas are rounded."""
+        if self.delta_dtype != self.space.dtype:
+            self._owed = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
         self._base = self.space.concat()
         self._touched = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
         self._touched_tables = self.space.split(self._touched)
@@ -240,8 +259,11 @@ class EmbeddingDeltaLog:
         with self._lock:
             mask.index_fill_(0, ids, True)
 
-    def publish(self, rows_offset: int) -> LogEntry | None:
-        """Cut one entry with ``current - base`` of every touched row; ``base`` catches up.
+    def publish(self, rows_offset: int, exact: bool = False) -> LogEntry | None:
+        """Cut one entry with ``current - base`` of every touched row, in the delta dtype;
+        ``base`` advances by the entry's deltas (to ``current`` unless they were rounded).
+        ``exact``: in the tables' dtype, and every row still owing a rounding error too, so
+        that ``base`` is ``current`` afterwards.
 
         Returns the entry, or None when no row was touched and ``rows_offset`` did not advance.
         The caller holds the replica lock.
@@ -249,15 +271,24 @@ class EmbeddingDeltaLog:
         if rows_offset < self._published_offset:
             raise SyncError(f"publish: rows_offset must not decrease, found {rows_offset} "
                             f"after {self._published_offset}")
+        owed = self._owed
         with self._lock:
-            ids = true_rows(self._touched)
+            ids = true_rows(self._touched | owed if exact and owed is not None else self._touched)
             self._touched.zero_()
         if ids.numel() == 0 and rows_offset == self._published_offset:
             return None
         # ids are unique (a mask's true rows): select/copy, about twice as fast as indexing
         current = self.space.gather(ids)
-        deltas = current - self._base.index_select(0, ids)
-        self._base.index_copy_(0, ids, current)
+        if owed is None or exact:
+            deltas = current - self._base.index_select(0, ids)
+            self._base.index_copy_(0, ids, current)
+            if owed is not None:
+                owed.zero_()
+        else:
+            base = self._base.index_select(0, ids)
+            deltas = current.sub_(base).to(self.delta_dtype)
+            self._base.index_copy_(0, ids, base.add_(deltas))
+            owed.index_fill_(0, ids, True)
         self._changed.index_fill_(0, ids, True)
         with self._lock:
             self._last_seq += 1
@@ -379,8 +410,8 @@ class EmbeddingDeltaLog:
         initial tables at most in the ``changed`` rows (``(rows,)`` bool); own entries after
         ``own_seq`` are added back (peers will pull them, so they must be in our tables too).
 
-        Own changes not yet published are overwritten: publish first. The caller holds the
-        replica lock and does not train meanwhile.
+        Own changes not yet published are overwritten (rounding errors included): publish
+        first, exactly. The caller holds the replica lock and does not train meanwhile.
         """
         if tables.keys() != self.tables.keys() or any(
                 tables[name].shape != table.shape for name, table in self.tables.items()):
@@ -392,6 +423,8 @@ class EmbeddingDeltaLog:
         with self._lock:
             keep = [entry for entry in self._entries if entry.seq > own_seq]
             self._touched.zero_()
+        if self._owed is not None:
+            self._owed.zero_()
         for name, base in self.space.split(self._base).items():
             self.tables[name].copy_(tables[name])
             base.copy_(tables[name])

@@ -34,11 +34,23 @@ from dataclasses import dataclass, field
 import torch
 
 from antdt import config
-from antdt.errors import SyncError
+from antdt.errors import ConfigError, SyncError
 from antdt.sync.dense import average_dense, check_dense, snapshot_dense
 from antdt.sync.embeddings import EmbeddingDeltaLog, LogEntry
 
 logger = logging.getLogger(__name__)
+
+DELTA_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+"""Values of ``antdt.sync.delta-dtype``: the dtype a replica publishes its embedding deltas in."""
+
+
+def delta_dtype_setting() -> torch.dtype:
+    """``antdt.sync.delta-dtype`` as a torch dtype; :class:`ConfigError` names a bad value."""
+    value = config.get("antdt.sync.delta-dtype")
+    if value not in DELTA_DTYPES:
+        raise ConfigError(f"dask config antdt.sync.delta-dtype: expected one of "
+                          f"{', '.join(DELTA_DTYPES)}, found {value!r}")
+    return DELTA_DTYPES[str(value)]
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -185,6 +197,7 @@ class ReplicaSync:
     while it updates them (forward, backward, optimizer step) and then calls :meth:`touch`; the
     sync side takes the lock only to cut its own entry and snapshot, and to apply peers' deltas
     and the dense average, never across a network call, so a step never waits for a slow peer.
+    Its embedding deltas travel in ``delta_dtype`` (default: ``antdt.sync.delta-dtype``).
 
     An exchange of round ``r`` is ``prepare(r)`` (idempotent per round: publish own deltas, take
     the dense snapshot, or take those of the training thread's newest :meth:`cut`), one fetch
@@ -195,19 +208,21 @@ class ReplicaSync:
 
     def __init__(self, worker: str, dense: Sequence[torch.Tensor],
                  tables: Mapping[str, torch.Tensor], *, peers: Iterable[str] = (),
-                 keep_rounds: int | None = None) -> None:
+                 keep_rounds: int | None = None, delta_dtype: torch.dtype | None = None) -> None:
         if keep_rounds is None:
             keep_rounds = int(config.number("antdt.sync.keep-rounds", low=1, integer=True))
         if keep_rounds < 1:
             raise SyncError(f"keep_rounds must be >= 1, found {keep_rounds}")
         self.worker = worker
         self.dense = list(dense)
-        self.log = EmbeddingDeltaLog(tables, peers=(p for p in peers if p != worker))
+        self.log = EmbeddingDeltaLog(tables, peers=(p for p in peers if p != worker),
+                                     delta_dtype=delta_dtype or delta_dtype_setting())
         self.lock = ReplicaLock()
         self._keep_rounds = keep_rounds
         self._rows_offset = 0
         self._snapshots: dict[int, list[torch.Tensor]] = {}
         self._cut: list[torch.Tensor] | None = None  # taken by cut(), for the next prepare
+        self._ended = False  # training ended: publish exactly (rounding errors included)
         self._prepare_lock = threading.Lock()
 
     @property
@@ -252,9 +267,11 @@ class ReplicaSync:
             self._cut = snapshot
 
     def drop_cut(self) -> None:
-        """Training ended: later rounds (the final one) prepare from the replica as it is."""
+        """Training ended: later rounds (the final one) prepare from the replica as it is and
+        publish exactly, rows still owing a rounding error included."""
         with self._prepare_lock:
             self._cut = None
+            self._ended = True
 
     def prepare(self, round: int) -> list[torch.Tensor]:
         """Publish own deltas and snapshot the dense parameters for ``round``, once per round
@@ -268,7 +285,7 @@ class ReplicaSync:
                 snapshot, self._cut = self._cut, None
             else:
                 with self.lock:
-                    self.log.publish(self._rows_offset)
+                    self.log.publish(self._rows_offset, exact=self._ended)
                     snapshot = snapshot_dense(self.dense)
             self._snapshots[round] = snapshot
             while len(self._snapshots) > self._keep_rounds:
@@ -295,7 +312,7 @@ class ReplicaSync:
             raise SyncError(f"adopt: {self.worker!r} cannot adopt its own snapshot")
         check_dense(self.dense, snapshot.dense)
         with self.lock:
-            self.log.publish(self._rows_offset)
+            self.log.publish(self._rows_offset, exact=True)
             self.log.restore(snapshot.tables,
                              {s: seq for s, seq in snapshot.applied.items() if s != self.worker},
                              own_seq=snapshot.applied.get(self.worker, 0),
@@ -310,7 +327,7 @@ class ReplicaSync:
         changes, then return the rows this replica changed (``(rows,)`` bool, see
         :meth:`~antdt.sync.EmbeddingDeltaLog.changed`)."""
         with self.lock:
-            self.log.publish(self._rows_offset)
+            self.log.publish(self._rows_offset, exact=True)
             return self.log.changed()
 
     def serve_rows(self, changed: torch.Tensor) -> LeaderRows:
@@ -318,7 +335,7 @@ class ReplicaSync:
         bool) needs to end equal to this replica (see :class:`LeaderRows`), under the lock.
         Costs O(rows) for the mask plus O(k dim) for the rows either side changed."""
         with self.lock:
-            self.log.publish(self._rows_offset)
+            self.log.publish(self._rows_offset, exact=True)
             ids, rows = self.log.rows_for(changed)
             dense = snapshot_dense(self.dense)
             applied = self.log.applied_seqs()

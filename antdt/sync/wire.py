@@ -1,6 +1,7 @@
 """What the async mode's sync sends over Dask comms: the handlers' replies as TypedDicts, and
 tensors as numpy arrays (each its own serialized frame), never through the scheduler. A mask of
-rows travels as bits (:func:`mask_to_bits`): 1/8 byte a row."""
+rows travels as bits (:func:`mask_to_bits`): 1/8 byte a row; row ids as int32 when they fit (half
+the bytes of int64); a dtype numpy lacks (bfloat16 deltas) as integers of its width, named."""
 
 from __future__ import annotations
 
@@ -58,13 +59,15 @@ class FinalMsg(TypedDict):
 
 
 class EntryMsg(TypedDict):
-    """One :class:`~antdt.sync.LogEntry`: ``ids`` (k,) int64 and ``deltas`` (k, dim) as numpy
-    arrays (wrapped in ``to_serialize`` on the way out)."""
+    """One :class:`~antdt.sync.LogEntry`: ``ids`` (k,) int32 or int64 and ``deltas`` (k, dim) as
+    numpy arrays (wrapped in ``to_serialize`` on the way out), ``dtype`` the deltas' torch dtype
+    (``"bfloat16"`` arrives as int16)."""
 
     seq: int
     rows_offset: int
     ids: Any
     deltas: Any
+    dtype: str
 
 
 class PullMsg(TypedDict):
@@ -108,6 +111,50 @@ def _array(tensor: torch.Tensor) -> Any:
     return to_serialize(tensor.detach().cpu().numpy())
 
 
+_AS_INTEGERS = {torch.bfloat16: torch.int16}
+"""Tensor dtypes numpy has no type for: they travel as integers of the same width (a view)."""
+
+
+def _typed_array(tensor: torch.Tensor) -> tuple[Any, str]:
+    """``tensor`` as a numpy array, whatever its dtype, and the name of that dtype."""
+    as_integers = _AS_INTEGERS.get(tensor.dtype)
+    sent = tensor if as_integers is None else tensor.view(as_integers)
+    return _array(sent), str(tensor.dtype).removeprefix("torch.")
+
+
+def _typed_tensor(value: Any, dtype: str) -> torch.Tensor:
+    """Inverse of :func:`_typed_array`; :class:`SyncError` when ``dtype`` is not a torch dtype
+    or not what the array holds."""
+    wanted = getattr(torch, dtype, None)
+    if not isinstance(wanted, torch.dtype):
+        raise SyncError(f"deltas: {dtype!r} is not a torch dtype")
+    tensor = _tensor(value)
+    if tensor.dtype == wanted:
+        return tensor
+    if _AS_INTEGERS.get(wanted) != tensor.dtype:
+        raise SyncError(f"deltas: {dtype} sent as {tensor.dtype}, expected "
+                        f"{_AS_INTEGERS.get(wanted, wanted)}")
+    return tensor.view(wanted)
+
+
+_INT32_ROWS = 2**31
+"""Row ids below this travel as int32."""
+
+
+def _ids_array(ids: torch.Tensor) -> Any:
+    """Row ids ``(k,)`` int64, increasing, as int32 when the last one fits."""
+    if ids.numel() and int(ids[-1]) >= _INT32_ROWS:
+        return _array(ids)
+    return _array(ids.to(torch.int32))
+
+
+def _ids_tensor(value: Any) -> torch.Tensor:
+    """Inverse of :func:`_ids_array`: int64 ids (anything else is left for the receiver's
+    checks to name)."""
+    ids = _tensor(value)
+    return ids.to(torch.int64) if ids.dtype == torch.int32 else ids
+
+
 def mask_to_bits(mask: torch.Tensor) -> np.ndarray:
     """A ``(rows,)`` bool mask as ``ceil(rows / 8)`` bytes of bits."""
     return np.packbits(mask.cpu().numpy())
@@ -125,10 +172,11 @@ def bits_to_mask(bits: Any, rows: int) -> torch.Tensor:
 
 def payload_to_msg(payload: PeerPayload) -> PullMsg:
     """Tensors become numpy arrays, each sent as its own serialized frame."""
-    entries: list[EntryMsg] = [
-        {"seq": e.seq, "rows_offset": e.rows_offset, "ids": _array(e.ids),
-         "deltas": _array(e.deltas)}
-        for e in payload.entries]
+    entries: list[EntryMsg] = []
+    for e in payload.entries:
+        deltas, dtype = _typed_array(e.deltas)
+        entries.append({"seq": e.seq, "rows_offset": e.rows_offset, "ids": _ids_array(e.ids),
+                        "deltas": deltas, "dtype": dtype})
     dense = None if payload.dense is None else [_array(t) for t in payload.dense]
     return {"source": payload.source, "entries": entries, "dense": dense,
             "layout": payload.layout}
@@ -136,8 +184,8 @@ def payload_to_msg(payload: PeerPayload) -> PullMsg:
 
 def msg_to_payload(msg: PullMsg) -> PeerPayload:
     """Inverse of :func:`payload_to_msg` on the receiving side."""
-    entries = [LogEntry(int(e["seq"]), _tensor(e["ids"]), _tensor(e["deltas"]),
-                        int(e["rows_offset"]))
+    entries = [LogEntry(int(e["seq"]), _ids_tensor(e["ids"]),
+                        _typed_tensor(e["deltas"], e["dtype"]), int(e["rows_offset"]))
                for e in msg["entries"]]
     dense = None if msg["dense"] is None else [_tensor(t) for t in msg["dense"]]
     return PeerPayload(msg["source"], entries, dense, msg["layout"])
@@ -163,13 +211,13 @@ def msg_to_snapshot(msg: SnapshotMsg) -> ReplicaSnapshot:
 
 def rows_to_msg(rows: LeaderRows) -> RowsMsg:
     """Tensors become numpy arrays, each sent as its own serialized frame."""
-    return {"source": rows.source, "ids": _array(rows.ids), "rows": _array(rows.rows),
+    return {"source": rows.source, "ids": _ids_array(rows.ids), "rows": _array(rows.rows),
             "dense": [_array(t) for t in rows.dense], "applied": dict(rows.applied)}
 
 
 def msg_to_rows(msg: RowsMsg) -> LeaderRows:
     """Inverse of :func:`rows_to_msg` on the receiving side."""
-    return LeaderRows(msg["source"], _tensor(msg["ids"]), _tensor(msg["rows"]),
+    return LeaderRows(msg["source"], _ids_tensor(msg["ids"]), _tensor(msg["rows"]),
                       [_tensor(t) for t in msg["dense"]],
                       {source: int(seq) for source, seq in msg["applied"].items()})
 

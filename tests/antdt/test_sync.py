@@ -47,16 +47,19 @@ def make_dense(seed: int = 1) -> list[torch.Tensor]:
 
 
 class Cluster:
-    """Replicas of one initial model wired by an in-memory transport that can fail on demand."""
+    """Replicas of one initial model wired by an in-memory transport that can fail on demand;
+    their deltas are exact (in the tables' float64) unless ``delta_dtype`` rounds them."""
 
-    def __init__(self, n: int, rows: int = ROWS) -> None:
+    def __init__(self, n: int, rows: int = ROWS,
+                 delta_dtype: torch.dtype = torch.float64) -> None:
         self.names = [f"w{i}" for i in range(n)]
         self.initial_tables = make_tables(rows=rows)
         self.initial_dense = make_dense()
+        self.delta_dtype = delta_dtype
         self.replicas = {
             name: ReplicaSync(name, [p.clone() for p in self.initial_dense],
                               {t: w.clone() for t, w in self.initial_tables.items()},
-                              peers=self.names)
+                              peers=self.names, delta_dtype=delta_dtype)
             for name in self.names}
         self.total = {t: torch.zeros_like(w) for t, w in self.initial_tables.items()}
         self.offsets = dict.fromkeys(self.names, 0)
@@ -70,7 +73,8 @@ class Cluster:
         self.names.append(name)
         self.offsets[name] = 0
         self.replicas[name] = ReplicaSync(name, [p.clone() for p in self.initial_dense],
-                                          {t: w.clone() for t, w in self.initial_tables.items()})
+                                          {t: w.clone() for t, w in self.initial_tables.items()},
+                                          delta_dtype=self.delta_dtype)
         return self.replicas[name]
 
     def fetch_for(self, requester: str) -> Callable[[str, int, int], PeerPayload]:
@@ -346,6 +350,37 @@ def test_random_partial_groups_converge_to_initial_plus_all_deltas() -> None:
     for name, replica in cluster.replicas.items():
         assert len(replica.log) == 0
         assert replica.synced_offset() == cluster.offsets[name]
+    assert_identical(cluster, cluster.names)
+
+
+def test_rounded_deltas_carry_their_rounding_into_the_next_and_end_exact() -> None:
+    """bfloat16 deltas: after a round in which everyone merged everyone, a replica lacks
+    exactly what rounding left out of its peers' deltas (each peer's ``current - base``), not
+    an error that grows with the rounds; once training ended, one round sends those rows
+    exactly and every replica holds the exact sum."""
+    cluster = Cluster(3, delta_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    for round in range(1, 30):
+        for name in cluster.names:
+            cluster.train(name, gen)
+        run_round(cluster, round, cluster.names, gen, train_between=False)
+        expected = cluster.expected_tables()
+        owed = {name: {t: r.tables[t] - base for t, base in r.log.state()[0].items()}
+                for name, r in cluster.replicas.items()}
+        for name, replica in cluster.replicas.items():
+            for t, table in replica.tables.items():
+                peers_owed = sum(owed[peer][t] for peer in cluster.names if peer != name)
+                torch.testing.assert_close(table + peers_owed, expected[t], rtol=0, atol=1e-10)
+    lag = max((table - cluster.expected_tables()[t]).abs().max().item()
+              for replica in cluster.replicas.values() for t, table in replica.tables.items())
+    assert lag > 1e-6  # rounding happened: the replicas are not yet at the exact sum
+    cluster.train("w0", gen)
+    with cluster.replicas["w0"].lock:
+        entry = cluster.replicas["w0"].log.publish(cluster.offsets["w0"])
+    assert entry is not None and entry.deltas.dtype == torch.bfloat16
+    for replica in cluster.replicas.values():
+        replica.drop_cut()  # training ended
+    run_round(cluster, 100, cluster.names, gen, train_between=False)
     assert_identical(cluster, cluster.names)
 
 
@@ -872,6 +907,13 @@ def test_defaults_come_from_dask_config() -> None:
     with dask.config.set({"antdt.sync.group-size": "four"}), \
             pytest.raises(antdt.errors.ConfigError, match="antdt.sync.group-size"):
         SyncScheduler()
+    assert replica.log.delta_dtype == torch.bfloat16  # the default: deltas rounded on the wire
+    with dask.config.set({"antdt.sync.delta-dtype": "float32"}):
+        assert ReplicaSync("w", make_dense(), make_tables()).log.delta_dtype == torch.float32
+    with dask.config.set({"antdt.sync.delta-dtype": "int8"}), pytest.raises(
+            antdt.errors.ConfigError, match="antdt.sync.delta-dtype: expected one of bfloat16, "
+                                            "float16, float32, found 'int8'"):
+        ReplicaSync("w", make_dense(), make_tables())
 
 
 def test_leave_and_unknown_workers() -> None:

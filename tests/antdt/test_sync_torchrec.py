@@ -95,11 +95,22 @@ def test_fused_replicas_sync_in_place_and_keep_training(data: SynthResult) -> No
     assert all(d.abs().sum() > 0 for worker_delta in delta.values() for d in worker_delta.values())
     exchange(workers, round=1)
 
-    # tables: initial + the sum of both replicas' deltas, on both (nothing diluted)
+    # tables: initial + the sum of both replicas' deltas, on both (nothing diluted), but for
+    # what rounding the deltas to bfloat16 (the default) left out of the peer's: that stays in
+    # its current - base, for its next delta
+    expected = {t: initial[t] + delta["a"][t] + delta["b"][t] for t in initial}
+    for name, worker in workers.items():
+        peer = workers["b" if name == "a" else "a"].replica
+        for t, base in peer.log.state()[0].items():
+            torch.testing.assert_close(worker.replica.tables[t] + (peer.tables[t] - base),
+                                       expected[t], rtol=0, atol=1e-6)
+    # training ended: the next round sends what rounding left out, exactly
+    for worker in workers.values():
+        worker.replica.drop_cut()
+    exchange(workers, round=2)
     for t in initial:
-        expected = initial[t] + delta["a"][t] + delta["b"][t]
         for worker in workers.values():
-            torch.testing.assert_close(worker.replica.tables[t], expected, rtol=0, atol=1e-6)
+            torch.testing.assert_close(worker.replica.tables[t], expected[t], rtol=0, atol=1e-6)
     # dense: the average of the two trained replicas
     for i, (pa, pb) in enumerate(zip(trained_dense["a"], trained_dense["b"])):
         for worker in workers.values():
