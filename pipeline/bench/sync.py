@@ -8,15 +8,18 @@ rows its ids hit (``--batch-size`` ids per table, Zipf-like with ``--exponent``,
 synthetic data draws its categories) and marks them (:meth:`~antdt.sync.ReplicaSync.touch`).
 Every ``--period`` batches both replicas run a round's replica work: the cut (publish the
 deltas, snapshot the dense part: the training thread does it between two steps), the serve
-(the payload a peer pulls), the wire (a payload on a GPU goes through host memory, as it does
-between two workers) and the merge (apply the peer's deltas, average the dense part: the
-training thread waits for it under the replica lock). At the end the job's final copy: one
-replica adopts the other's changed rows, and the two must then be equal bit for bit.
+(the payload a peer pulls), the wire (the payload as a pull's reply carries it: to host memory
+from a GPU, into the message's frames and back out of them, as between two workers) and the
+merge (apply the peer's deltas, average the dense part: the training thread waits for it under
+the replica lock). At the end, training ended: one more round (its deltas exact, rounding
+errors included) and the job's final copy: one replica adopts the other's changed rows, and the
+two must then be equal bit for bit.
 
-Rounds repeat for ``--target-s`` seconds per device (rounds, not rows: machines differ 3x).
-Reported per device: the median milliseconds of each part and the rows a round carries; with
-``--device cpu,cuda`` (the CPU is always measured first, the baseline of the same run) each
-part's ratio on the GPU over the CPU.
+Rounds repeat for ``--target-s`` seconds per device and delta dtype (rounds, not rows: machines
+differ 3x). Reported per device and ``--delta-dtype`` (``antdt.sync.delta-dtype``): the median
+milliseconds of each part, the rows and bytes a round's pull carries; each part's ratio on the
+GPU over the CPU with ``--device cpu,cuda`` (the CPU always runs first: the baseline of the same
+run), and bfloat16's over float32's with both dtypes (the default; float32 first).
 """
 
 from __future__ import annotations
@@ -29,7 +32,11 @@ import click
 import numpy as np
 import torch
 
+from distributed.protocol import dumps, loads
+
 from antdt.sync import PeerPayload, ReplicaSync
+from antdt.sync.replica import DELTA_DTYPES
+from antdt.sync.wire import msg_to_payload, payload_to_msg
 from data.zipf import zipf_ranks
 from pipeline.bench import emit, median_of
 
@@ -43,8 +50,9 @@ class Worker:
     """One replica and the model it trains: tables of ``2 * categories[i]`` rows end to end in
     one storage and ``dense`` parameters, changed by :meth:`train_batch` as a step would."""
 
-    def __init__(self, name: str, peer: str, device: torch.device, categories: list[int],
-                 dim: int, dense: int, exponent: float, seed: int) -> None:
+    def __init__(self, name: str, peer: str, device: torch.device, delta_dtype: torch.dtype,
+                 categories: list[int], dim: int, dense: int, exponent: float,
+                 seed: int) -> None:
         torch.manual_seed(0)  # every replica starts from the same model
         starts = np.cumsum([0, *(2 * c for c in categories)]).tolist()
         self.storage = (torch.randn(starts[-1], dim) * 0.01).to(device)
@@ -52,7 +60,8 @@ class Worker:
         self.tables = {f"t{i}": (c, starts[i]) for i, c in enumerate(categories)}
         self.replica = ReplicaSync(
             name, self.dense, {t: self.storage[start:start + 2 * c]
-                               for t, (c, start) in self.tables.items()}, peers=[peer])
+                               for t, (c, start) in self.tables.items()}, peers=[peer],
+            delta_dtype=delta_dtype)
         self.exponent = exponent
         self.rng = np.random.default_rng(seed)
         self.trained = 0
@@ -82,22 +91,22 @@ def timed(device: torch.device, call: Callable[[], T]) -> tuple[T, float]:
     return result, time.perf_counter() - began
 
 
-def via_host(payload: PeerPayload) -> PeerPayload:
-    """The payload as a peer receives it: its tensors copied to host memory (the wire)."""
-    for entry_index, entry in enumerate(payload.entries):
-        payload.entries[entry_index] = entry._replace(ids=entry.ids.cpu(),
-                                                      deltas=entry.deltas.cpu())
-    payload.dense = None if payload.dense is None else [t.cpu() for t in payload.dense]
-    return payload
+def over_wire(payload: PeerPayload) -> tuple[PeerPayload, int]:
+    """The payload as a peer receives it (host memory, through a message's frames) and the
+    frames' bytes."""
+    frames = dumps(payload_to_msg(payload))
+    return msg_to_payload(loads(frames)), sum(memoryview(f).nbytes for f in frames)
 
 
-def measure(device: torch.device, *, categories: list[int], dim: int, dense: int,
-            exponent: float, batch_size: int, period: int, target_s: float) -> dict[str, Any]:
+def measure(device: torch.device, delta_dtype: torch.dtype, *, categories: list[int], dim: int,
+            dense: int, exponent: float, batch_size: int, period: int,
+            target_s: float) -> dict[str, Any]:
     """Rounds between two replicas on ``device`` for ``target_s`` seconds (see the module)."""
-    a = Worker("a", "b", device, categories, dim, dense, exponent, seed=1)
-    b = Worker("b", "a", device, categories, dim, dense, exponent, seed=2)
+    a = Worker("a", "b", device, delta_dtype, categories, dim, dense, exponent, seed=1)
+    b = Worker("b", "a", device, delta_dtype, categories, dim, dense, exponent, seed=2)
     times: dict[str, list[float]] = {part: [] for part in PARTS}
     carried: list[int] = []
+    sent: list[int] = []
     began = time.perf_counter()
     rounds = 0
     while rounds < 3 or time.perf_counter() - began < target_s:
@@ -111,17 +120,25 @@ def measure(device: torch.device, *, categories: list[int], dim: int, dense: int
             own = me.replica.prepare(rounds)
             payload, serve_s = timed(device, lambda: peer.replica.serve(
                 me.replica.worker, rounds, me.replica.log.applied_seq(peer.replica.worker)))
-            payload, wire_s = timed(device, lambda: via_host(payload))
+            (payload, nbytes), wire_s = timed(device, lambda: over_wire(payload))
             _, merge_s = timed(device, lambda: me.replica.merge(rounds, own, [payload]))
             for part, seconds in (("serve", serve_s), ("wire", wire_s), ("merge", merge_s)):
                 times[part].append(seconds)
             carried.append(sum(len(e.ids) for e in payload.entries))
+            sent.append(nbytes)
+    for worker in (a, b):  # training ended: an exact round, then the final copy
+        worker.replica.drop_cut()
+    for me, peer in ((a, b), (b, a)):
+        own = me.replica.prepare(rounds + 1)
+        me.replica.merge(rounds + 1, own, [over_wire(peer.replica.serve(
+            me.replica.worker, rounds + 1, me.replica.log.applied_seq(peer.replica.worker)))[0]])
     changed = a.replica.changed_rows()
     leader_rows, serve_rows_s = timed(device, lambda: b.replica.serve_rows(changed))
     copied, adopt_s = timed(device, lambda: a.replica.adopt_rows(leader_rows))
     identical = bool(torch.equal(a.storage, b.storage)
                      and all(torch.equal(x, y) for x, y in zip(a.dense, b.dense)))
     return {"rounds": rounds, "rows_per_round": round(median_of(carried)),
+            "bytes_per_round": round(median_of(sent)),
             "ms": {part: round_ms(median_of(times[part])) for part in PARTS},
             "round_ms": round_ms(sum(median_of(times[part]) for part in PARTS)),
             "final_copy_ms": round_ms(serve_rows_s + adopt_s), "final_rows": copied,
@@ -149,29 +166,49 @@ def round_ms(seconds: float) -> float:
 @click.option("--batch-size", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--period", type=click.IntRange(min=1), default=4, show_default=True,
               help="Batches between rounds (the default period with 2 workers).")
+@click.option("--delta-dtype", "dtypes", default="float32,bfloat16", show_default=True,
+              help=f"Comma-separated dtypes the deltas travel in: {', '.join(DELTA_DTYPES)}.")
 @click.option("--json", "as_json", is_flag=True)
 def command(devices: str, target_s: float, tables: int, categories: int, exponent: float,
-            dim: int, dense: int, batch_size: int, period: int, as_json: bool) -> None:
-    """Milliseconds of one sync round's replica work (cut, serve, wire, merge) per device."""
+            dim: int, dense: int, batch_size: int, period: int, dtypes: str,
+            as_json: bool) -> None:
+    """Milliseconds and bytes of one sync round's replica work (cut, serve, wire, merge) per
+    device and delta dtype."""
     wanted = ["cpu", *(d for d in (d.strip() for d in devices.split(",")) if d and d != "cpu")]
     for name in wanted:
         if name == "cuda" and not torch.cuda.is_available():
             raise click.BadParameter("cuda: this machine has no usable GPU", param_hint="--device")
         if name not in ("cpu", "cuda"):
             raise click.BadParameter(f"{name!r}: expected cpu or cuda", param_hint="--device")
+    kinds = [d.strip() for d in dtypes.split(",") if d.strip()]
+    for kind in kinds:
+        if kind not in DELTA_DTYPES:
+            raise click.BadParameter(f"{kind!r}: expected one of {', '.join(DELTA_DTYPES)}",
+                                     param_hint="--delta-dtype")
     sizes = np.geomspace(10, categories, tables).round().astype(int).tolist()
-    results = {name: measure(torch.device(name), categories=sizes, dim=dim, dense=dense,
-                             exponent=exponent, batch_size=batch_size, period=period,
-                             target_s=target_s)
+    results = {name: {kind: measure(torch.device(name), DELTA_DTYPES[kind], categories=sizes,
+                                    dim=dim, dense=dense, exponent=exponent,
+                                    batch_size=batch_size, period=period, target_s=target_s)
+                      for kind in kinds}
                for name in wanted}
     out: dict[str, Any] = {"devices": results, "tables": tables, "categories": categories,
                            "rows": 2 * sum(sizes), "dim": dim, "dense": dense,
                            "exponent": exponent, "batch_size": batch_size, "period": period,
                            "target_s": target_s}
     if "cuda" in results:
-        out["cuda_over_cpu"] = {
-            part: round(results["cuda"]["ms"][part] / max(results["cpu"]["ms"][part], 1e-9), 3)
-            for part in PARTS}
-        out["cuda_over_cpu"]["round"] = round(
-            results["cuda"]["round_ms"] / max(results["cpu"]["round_ms"], 1e-9), 3)
+        out["cuda_over_cpu"] = {kind: ratios(results["cuda"][kind], results["cpu"][kind])
+                                for kind in kinds}
+    if {"float32", "bfloat16"} <= set(kinds):
+        out["bfloat16_over_float32"] = {
+            name: {**ratios(by_kind["bfloat16"], by_kind["float32"]),
+                   "bytes": round(by_kind["bfloat16"]["bytes_per_round"]
+                                  / max(by_kind["float32"]["bytes_per_round"], 1), 3)}
+            for name, by_kind in results.items()}
     emit(out, as_json)
+
+
+def ratios(new: dict[str, Any], old: dict[str, Any]) -> dict[str, float]:
+    """Each part's and the whole round's milliseconds in ``new`` over ``old``."""
+    out = {part: round(new["ms"][part] / max(old["ms"][part], 1e-9), 3) for part in PARTS}
+    out["round"] = round(new["round_ms"] / max(old["round_ms"], 1e-9), 3)
+    return out

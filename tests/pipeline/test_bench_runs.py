@@ -45,13 +45,26 @@ def test_bench_train_measures_the_framework_and_a_plain_torchrec_loop() -> None:
 def test_bench_sync_times_a_round_and_ends_with_identical_replicas() -> None:
     out = bench(["sync", "--target-s", "0.1", "--tables", "3", "--categories", "1000",
                  "--dim", "4", "--dense", "10", "--batch-size", "64", "--period", "2"])
-    cpu = out["devices"]["cpu"]
-    assert list(out["devices"]) == ["cpu"] and cpu["rounds"] >= 3
-    assert out["rows"] == 2 * (10 + 100 + 1000)  # categories 10 to 1000, two rows each
-    assert cpu["identical"] is True  # the final copy left the two replicas equal, bit for bit
-    assert 0 < cpu["rows_per_round"] <= 3 * 2 * 64 and 0 < cpu["final_rows"] <= out["rows"]
-    assert set(cpu["ms"]) == {"cut", "serve", "wire", "merge"}
-    assert cpu["round_ms"] == pytest.approx(sum(cpu["ms"].values()), abs=0.01)
+    assert list(out["devices"]) == ["cpu"] and out["rows"] == 2 * (10 + 100 + 1000)
+    by_dtype = out["devices"]["cpu"]
+    assert set(by_dtype) == {"float32", "bfloat16"}
+    for cpu in by_dtype.values():
+        assert cpu["rounds"] >= 3
+        assert cpu["identical"] is True  # the final copy left the replicas equal, bit for bit
+        assert 0 < cpu["rows_per_round"] <= 3 * 2 * 64 and 0 < cpu["final_rows"] <= out["rows"]
+        assert set(cpu["ms"]) == {"cut", "serve", "wire", "merge"}
+        assert cpu["round_ms"] == pytest.approx(sum(cpu["ms"].values()), abs=0.01)
+    # a row's pull: an int32 id and 4 values, 12 bytes in bfloat16 against 20 in float32
+    assert by_dtype["bfloat16"]["bytes_per_round"] < 0.8 * by_dtype["float32"]["bytes_per_round"]
+    assert out["bfloat16_over_float32"]["cpu"]["bytes"] == pytest.approx(
+        by_dtype["bfloat16"]["bytes_per_round"] / by_dtype["float32"]["bytes_per_round"],
+        abs=1e-3)
+
+
+def test_bench_sync_refuses_a_delta_dtype_it_does_not_know() -> None:
+    result = CliRunner().invoke(cli, ["bench", "sync", "--delta-dtype", "float32,float64"])
+    assert result.exit_code != 0 and "'float64': expected one of bfloat16, float16, float32" \
+        in result.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal needs a machine without a GPU")
