@@ -25,7 +25,9 @@ what a Dask cluster gives. The model sync's share: the most workers once more wi
 sync rounds off (a period no job reaches; only the rounds of the job's end run), so
 ``efficiency_without_rounds`` is what Dask, the ledger and the agents alone keep, and the
 difference to ``efficiency`` what the model sync costs. (A diagnosis, not a way to train: the
-replicas drift apart until the end.)
+replicas drift apart until the end.) And the most workers with the embedding deltas sent exact
+(``antdt.sync.delta-dtype: float32``): ``efficiency_float32_deltas`` against ``efficiency`` is
+what rounding them to bfloat16 (the default) saves.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import uuid
 from multiprocessing.synchronize import Barrier
 
 import click
+import dask.config
 from distributed import get_worker
 
 from antdt.agent import pause_profiler, resume_profiler
@@ -171,6 +174,7 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
     fixed: dict[int, list[float]] = {count: [] for count in counts}
     hosted: dict[int, list[float]] = {count: [] for count in counts}
     without_rounds: list[float] = []
+    float32_deltas: list[float] = []
     local: list[float] = []
     for repeat in range(repeats):
         for count in counts:
@@ -182,6 +186,9 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
              as_json)
         without_rounds.append(run_async(with_train(job, sync_period=ROUNDS_OFF),
                                         counts[-1]).summary.samples_per_s)
+        echo(f"repeat {repeat + 1}/{repeats}: {counts[-1]} worker(s), float32 deltas", as_json)
+        with dask.config.set({"antdt.sync.delta-dtype": "float32"}):  # the workers inherit it
+            float32_deltas.append(run_async(job, counts[-1]).summary.samples_per_s)
         for count in counts:
             echo(f"repeat {repeat + 1}/{repeats}: {count} bare process(es)", as_json)
             machine[count].append(machine_samples_per_s(job, count))
@@ -201,6 +208,8 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
     efficiency_in_dask = [scaling(rates, r) / scaling(hosted, r) for r in range(repeats)]
     efficiency_without_rounds = [without_rounds[r] / rates[counts[0]][r] / scaling(machine, r)
                                  for r in range(repeats)]
+    efficiency_float32_deltas = [float32_deltas[r] / rates[counts[0]][r] / scaling(machine, r)
+                                 for r in range(repeats)]
     emit({"samples_per_s": {str(c): round(m) for c, m in medians.items()},
           "machine_samples_per_s": {str(c): round(m) for c, m in bare.items()},
           "local_samples_per_s": round(median_of(local)),
@@ -214,6 +223,10 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
           "efficiency_in_dask_per_repeat": [round(e, 3) for e in efficiency_in_dask],
           "samples_per_s_without_rounds": round(median_of(without_rounds)),
           "efficiency_without_rounds": round(median_of(efficiency_without_rounds), 3),
+          "samples_per_s_float32_deltas": round(median_of(float32_deltas)),
+          "efficiency_float32_deltas": round(median_of(efficiency_float32_deltas), 3),
+          "efficiency_float32_deltas_per_repeat": [round(e, 3)
+                                                   for e in efficiency_float32_deltas],
           "fixed_s": {str(c): round(median_of(f), 2) for c, f in fixed.items()},
           "workers": counts, **sizing.as_dict(), "repeats": repeats, "threads_per_worker": 1,
           "sync_period": str(job.train.sync_period)},
