@@ -598,12 +598,12 @@ class BackgroundSync:
         self.staleness.follow(every, len(members))
 
     def _publish_alone(self) -> None:
-        """The only member publishes its deltas without an exchange: with nobody to pull them
-        its rows count as synced at once (a job down to one worker, or started with one, gets
-        its rows done as it trains, not only when its leases run out); exactly, since nobody
-        pulls them."""
+        """The only member counts its rows as synced without an exchange: with nobody to pull
+        its deltas (a job down to one worker, or started with one) it gets its rows done as it
+        trains, not only when its leases run out. Its log cuts no entry then, nor makes a pass
+        over the touched rows (see :meth:`~antdt.sync.EmbeddingDeltaLog.publish`)."""
         with self.replica.lock:
-            self.replica.log.publish(self.replica.rows_offset, exact=True)
+            self.replica.log.publish(self.replica.rows_offset)
 
     def _ask(self, handler: str, **kwargs: Any) -> Any:
         """The scheduler's reply to ``handler`` (a :class:`SyncError` when it refused)."""

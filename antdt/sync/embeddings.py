@@ -7,7 +7,8 @@ addressed in the :class:`RowSpace` of all tables end to end. Peers pull the entr
 applied yet and add them in place (to ``current`` *and* ``base``, so a peer's update is never
 re-published as one's own). Addition commutes, so every replica converges to ``initial + sum of
 all deltas`` whatever the grouping or order: a row learned by one worker is not diluted, nothing
-is counted twice.
+is counted twice. A log without live peers cuts no entries (nobody would pull them): its touched
+rows wait for the first publish after a peer appears.
 
 The ledger contract: a worker's :meth:`~EmbeddingDeltaLog.synced_offset` is the last trained row
 whose deltas every live peer has pulled and applied (acknowledged); if the worker dies, rows after
@@ -265,14 +266,23 @@ class EmbeddingDeltaLog:
         ``exact``: in the tables' dtype, and every row still owing a rounding error too, so
         that ``base`` is ``current`` afterwards.
 
-        Returns the entry, or None when no row was touched and ``rows_offset`` did not advance.
-        The caller holds the replica lock.
+        Without live peers and not ``exact``, no entry is cut: nobody would pull it, and it
+        would be dropped at once. ``rows_offset`` counts as synced (as it would once dropped),
+        and the touched rows stay touched: they go out with the first publish after a peer
+        appears, or with the exact one at the end. A lone member's rounds then cost no pass
+        over its rows.
+
+        Returns the entry, or None when no row was touched and ``rows_offset`` did not advance,
+        or when the log has no live peers. The caller holds the replica lock.
         """
         if rows_offset < self._published_offset:
             raise SyncError(f"publish: rows_offset must not decrease, found {rows_offset} "
                             f"after {self._published_offset}")
         owed = self._owed
         with self._lock:
+            if not exact and not self._cursors:
+                self._published_offset = self._synced_offset = rows_offset
+                return None
             ids = true_rows(self._touched | owed if exact and owed is not None else self._touched)
             self._touched.zero_()
         if ids.numel() == 0 and rows_offset == self._published_offset:

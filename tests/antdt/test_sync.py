@@ -129,7 +129,7 @@ def test_publish_pull_apply_moves_a_row_without_dilution() -> None:
 
 
 def test_publish_without_change_is_none_and_offset_may_not_decrease() -> None:
-    log = EmbeddingDeltaLog({"t": torch.zeros(3, 1)})
+    log = EmbeddingDeltaLog({"t": torch.zeros(3, 1)}, peers=["b"])
     assert log.publish(rows_offset=0) is None
     entry = log.publish(rows_offset=4)
     assert entry is not None and entry.ids.numel() == 0 and entry.deltas.shape == (0, 1)
@@ -139,6 +139,24 @@ def test_publish_without_change_is_none_and_offset_may_not_decrease() -> None:
         log.touch("nope", torch.tensor([0]))
     with pytest.raises(SyncError, match="2-d"):
         EmbeddingDeltaLog({"t": torch.zeros(3)})
+
+
+def test_a_log_without_peers_counts_rows_synced_and_keeps_them_for_the_first_peer() -> None:
+    """Nobody pulls a lone log's entries: it cuts none (no pass over its rows), its offset
+    counts as synced at once, and what it trained goes out once a peer appears."""
+    log = EmbeddingDeltaLog({"t": torch.zeros(4, 2)}, delta_dtype=torch.bfloat16)
+    log.tables["t"][1] += 1.0
+    log.touch("t", torch.tensor([1]))
+    assert log.publish(rows_offset=8) is None
+    assert (log.last_seq, len(log), log.synced_offset()) == (0, 0, 8)
+    log.tables["t"][3] += 2.0
+    log.touch("t", torch.tensor([3]))
+    assert log.publish(rows_offset=16) is None and log.synced_offset() == 16
+    log.set_peers(["b"])
+    entry = log.publish(rows_offset=20)
+    assert entry is not None and entry.ids.tolist() == [1, 3]
+    assert entry.deltas.float().tolist() == [[1.0, 1.0], [2.0, 2.0]]
+    assert log.synced_offset() == 16  # b has not pulled it yet
 
 
 def test_apply_is_idempotent_and_rejects_gaps() -> None:
@@ -193,7 +211,8 @@ def test_tables_end_to_end_in_one_storage_sync_like_separate_tables() -> None:
     separate = make_tables()
     storage = torch.cat(list(separate.values()))
     views = dict(zip(separate, storage.split([t.shape[0] for t in separate.values()])))
-    logs = {"views": EmbeddingDeltaLog(views), "separate": EmbeddingDeltaLog(separate)}
+    logs = {"views": EmbeddingDeltaLog(views, peers=["peer"]),
+            "separate": EmbeddingDeltaLog(separate, peers=["peer"])}
     assert logs["views"].space.flat is not None and logs["separate"].space.flat is None
     peer = EmbeddingDeltaLog({t: w.clone() for t, w in make_tables().items()}, peers=["me"])
     gen = torch.Generator().manual_seed(5)
