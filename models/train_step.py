@@ -31,10 +31,11 @@ import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
 
-from antdt.device import pick_device
+from antdt.device import huge_pages, pick_device
 from data.schema import Schema
 from models.config import ModelConfig, OptimConfig
-from models.ranking import build_model, dense_parameters, fused_embeddings, sparse_optimizer
+from models.ranking import (build_model, dense_parameters, embedding_tables, fused_embeddings,
+                            sparse_optimizer)
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ class TrainStep:
         with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(seed)
             self.model = build_model(schema, model_cfg, optim_cfg, self.device)
+        for table in {t.untyped_storage().data_ptr(): t
+                      for t in embedding_tables(self.model).values()}.values():
+            huge_pages(table)  # rows are looked up, updated and synced at random
         self.dense_optimizer = _dense_optimizer(
             [p for _, p in dense_parameters(self.model)], optim_cfg, self.device)
         self.rows_trained = 0

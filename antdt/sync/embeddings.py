@@ -42,6 +42,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from antdt.device import huge_pages
 from antdt.errors import SyncError
 
 logger = logging.getLogger(__name__)
@@ -234,6 +235,7 @@ class EmbeddingDeltaLog:
         if self.delta_dtype != self.space.dtype:
             self._owed = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
         self._base = self.space.concat()
+        huge_pages(self._base)  # a round gathers and scatters its rows at random
         self._touched = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
         self._touched_tables = self.space.split(self._touched)
         self._changed = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)

@@ -8,10 +8,11 @@ import sys
 import textwrap
 
 import dask.config
+import distributed  # importing it puts its defaults (distributed.nanny.*) in dask.config
 import pytest
 import torch
 
-from antdt.device import pick_device
+from antdt.device import HUGE_PAGE, huge_pages, pick_device
 
 # Run in a fresh interpreter: whether an 8 MB malloc is served by a fresh mmap (glibc counts
 # those in mallinfo2().hblks) before and after tune_allocator().
@@ -56,3 +57,28 @@ def test_tune_allocator_undoes_the_dask_nannys_malloc_trim_threshold() -> None:
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["1", "True", "0"], out
+
+
+def huge_bytes_at(address: int) -> int:
+    """Bytes of huge pages in this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        first = line.split()[0]
+        if "-" in first and ":" not in first:
+            low, high = (int(part, 16) for part in first.split("-"))
+            inside = low <= address < high
+        elif inside and first == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise(2) only")
+def test_huge_pages_back_a_table_where_the_kernel_has_them() -> None:
+    table = torch.randn((6 << 20) // 4)  # 6 MB: at least two whole huge pages inside
+    asked = huge_pages(table)
+    assert asked >= 2 * HUGE_PAGE and asked % HUGE_PAGE == 0
+    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    if "[never]" not in thp:
+        assert huge_bytes_at(table.data_ptr() + table.nbytes // 2) >= asked
+    assert huge_pages(torch.zeros(1000)) == 0  # under one huge page: nothing to ask
+    assert table.sum().isfinite()  # the values survive the move to huge pages
