@@ -22,8 +22,10 @@ from data.files import expand, row_groups
 from pipeline.bench.jobs import Outcome, echo, run_async, synthetic_job, with_train
 from pipeline.config import JobConfig
 
-CALIBRATION_ROWS = 320_000
-"""Rows of the calibration job's dataset (240,000 of them train: three of its four days)."""
+CALIBRATION_ROWS = 640_000
+"""Rows of the calibration job's dataset, 480,000 of them to train (three of its four days):
+seconds of training on any machine, so that a second of contention from a noisy neighbour moves
+the measured rate by a few percent, not by a fifth."""
 
 DAYS = 4
 """Days of the synthetic datasets; the last one validates."""
