@@ -44,6 +44,7 @@ import torch
 
 from antdt.device import huge_pages
 from antdt.errors import SyncError
+from antdt.sync import kernels
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +240,9 @@ class EmbeddingDeltaLog:
         self._touched = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
         self._touched_tables = self.space.split(self._touched)
         self._changed = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
+        self._host = kernels.host_rows(self.space.flat, self.delta_dtype)
+        """The tables as one array when the cut and the merge run as :mod:`kernels`, else None
+        (torch's index operations)."""
         self._lock = threading.Lock()
         self._entries: list[LogEntry] = []
         self._last_seq = 0
@@ -289,19 +293,13 @@ class EmbeddingDeltaLog:
             self._touched.zero_()
         if ids.numel() == 0 and rows_offset == self._published_offset:
             return None
-        # ids are unique (a mask's true rows): select/copy, about twice as fast as indexing
-        current = self.space.gather(ids)
-        if owed is None or exact:
-            deltas = current - self._base.index_select(0, ids)
-            self._base.index_copy_(0, ids, current)
-            if owed is not None:
-                owed.zero_()
+        rounding = None if exact else owed
+        if self._host is not None:
+            deltas = self._cut_host(self._host, ids, rounding)
         else:
-            base = self._base.index_select(0, ids)
-            deltas = current.sub_(base).to(self.delta_dtype)
-            self._base.index_copy_(0, ids, base.add_(deltas))
-            owed.index_fill_(0, ids, True)
-        self._changed.index_fill_(0, ids, True)
+            deltas = self._cut(ids, rounding)
+        if owed is not None and exact:
+            owed.zero_()
         with self._lock:
             self._last_seq += 1
             entry = LogEntry(self._last_seq, ids, deltas, rows_offset)
@@ -398,14 +396,57 @@ class EmbeddingDeltaLog:
             raise SyncError(f"{where}: ids must increase strictly within [0, {self.space.rows})"
                             f", found {ids[0].item()}..{ids[-1].item()}")
 
+    def _cut(self, ids: torch.Tensor, owed: torch.Tensor | None) -> torch.Tensor:
+        """The deltas of rows ``ids`` (``current - base``), advancing ``base`` by them, through
+        torch's index operations; the rows become changed. With ``owed`` (the rows owing a
+        rounding error) the deltas are rounded to the delta dtype and the rows become owed too;
+        without it they are exact, in the tables' dtype."""
+        # ids are unique (a mask's true rows): select/copy, about twice as fast as indexing
+        current = self.space.gather(ids)
+        if owed is not None:
+            base = self._base.index_select(0, ids)
+            deltas = current.sub_(base).to(self.delta_dtype)
+            self._base.index_copy_(0, ids, base.add_(deltas))
+            owed.index_fill_(0, ids, True)
+        else:
+            deltas = current - self._base.index_select(0, ids)
+            self._base.index_copy_(0, ids, current)
+        self._changed.index_fill_(0, ids, True)
+        return deltas
+
+    def _cut_host(self, host: np.ndarray, ids: torch.Tensor,
+                  owed: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`_cut` of the tables ``host`` in one pass over the rows (:mod:`kernels`), bit
+        for bit the same."""
+        base, changed, rows = self._base.numpy(), self._changed.numpy(), ids.numpy()
+        if owed is not None:
+            deltas = torch.empty(len(ids), self.space.dim, dtype=self.delta_dtype)
+            kernels.cut_bfloat16(host, base, changed, owed.numpy(), rows, kernels.bits(deltas))
+        else:
+            deltas = torch.empty(len(ids), self.space.dim, dtype=self.space.dtype)
+            kernels.cut(host, base, changed, rows, deltas.numpy())
+        return deltas
+
     def _add(self, entry: LogEntry) -> int:
         """Add ``entry``'s deltas in place to ``current`` and ``base``; return rows added."""
         ids = entry.ids.to(self.space.device)
+        if self._host is not None and entry.deltas.dtype in kernels.KERNEL_DELTAS:
+            self._add_host(self._host, ids.contiguous(), entry.deltas.contiguous())
+            return int(ids.numel())
         deltas = entry.deltas.to(self.space.device, self.space.dtype)
         self.space.add_(ids, deltas)
         self._base.index_add_(0, ids, deltas)
         self._changed.index_fill_(0, ids, True)
         return int(ids.numel())
+
+    def _add_host(self, host: np.ndarray, ids: torch.Tensor, deltas: torch.Tensor) -> None:
+        """:meth:`_add` to the tables ``host`` in one pass over the rows (:mod:`kernels`), bit
+        for bit the same."""
+        base, changed, rows = self._base.numpy(), self._changed.numpy(), ids.numpy()
+        if deltas.dtype == torch.bfloat16:
+            kernels.add_bfloat16(host, base, changed, rows, kernels.bits(deltas))
+        else:
+            kernels.add(host, base, changed, rows, deltas.numpy())
 
     # -- whole-state copies (joiners) --------------------------------------------------------
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, int], torch.Tensor]:

@@ -28,6 +28,7 @@ from antdt.sync import (
     SyncScheduler,
     average_dense,
 )
+from antdt.sync import kernels
 from antdt.sync.replica import ReplicaLock, tensor_bytes
 from waits import bounded
 
@@ -205,38 +206,61 @@ def test_without_peers_entries_are_synced_at_once() -> None:
     assert len(log) == 0 and log.synced_offset() == 7
 
 
-def test_tables_end_to_end_in_one_storage_sync_like_separate_tables() -> None:
-    """The one-kernel path (tables are views of one buffer, as FBGEMM keeps them) and the
-    per-table path publish the same entries and end with the same tables."""
-    separate = make_tables()
+@pytest.mark.parametrize(("dtype", "delta_dtype"), [
+    (torch.float64, torch.float64),  # torch's index kernels on one view and per table
+    (torch.float32, torch.float32),  # antdt.sync.kernels against torch's per table
+    (torch.float32, torch.bfloat16),
+])
+def test_tables_end_to_end_in_one_storage_sync_like_separate_tables(
+        dtype: torch.dtype, delta_dtype: torch.dtype) -> None:
+    """The one-view path (tables are views of one buffer, as FBGEMM keeps them: one torch
+    kernel, or one pass of :mod:`antdt.sync.kernels` for float32 tables) and the per-table path
+    publish the same entries, bit for bit, and end with the same tables and bases, rounded
+    deltas and the final exact publish included."""
+    separate = {name: table.to(dtype) for name, table in make_tables().items()}
     storage = torch.cat(list(separate.values()))
     views = dict(zip(separate, storage.split([t.shape[0] for t in separate.values()])))
-    logs = {"views": EmbeddingDeltaLog(views, peers=["peer"]),
-            "separate": EmbeddingDeltaLog(separate, peers=["peer"])}
+    logs = {"views": EmbeddingDeltaLog(views, peers=["peer"], delta_dtype=delta_dtype),
+            "separate": EmbeddingDeltaLog(separate, peers=["peer"], delta_dtype=delta_dtype)}
     assert logs["views"].space.flat is not None and logs["separate"].space.flat is None
-    peer = EmbeddingDeltaLog({t: w.clone() for t, w in make_tables().items()}, peers=["me"])
+    kernel = kernels.host_rows(logs["views"].space.flat, delta_dtype) is not None
+    assert kernel == (dtype == torch.float32)
+    peer = EmbeddingDeltaLog({t: w.clone() for t, w in separate.items()}, peers=["me"],
+                             delta_dtype=delta_dtype)
     gen = torch.Generator().manual_seed(5)
-    for offset in (1, 2, 3):
+    for offset in (1, 2, 3, 4):
+        exact = offset == 4  # training ended: rows owing a rounding error go out exactly
         for name in separate:
             ids = torch.randint(0, separate[name].shape[0], (6,), generator=gen)
-            peer.tables[name][ids] += 1.0
+            peer.tables[name][ids] += torch.randn(len(ids), DIM, generator=gen, dtype=dtype)
             peer.touch(name, ids)
-        peer.publish(rows_offset=offset)
+        peer.publish(rows_offset=offset, exact=exact)
         change = {name: torch.randperm(t.shape[0], generator=gen)[:4] for name, t in
                   separate.items()}
+        steps = {name: torch.randn(len(ids), DIM, generator=gen, dtype=dtype)
+                 for name, ids in change.items()}
         published = []
         for log in logs.values():
             for name, ids in change.items():
-                log.tables[name][ids] -= 0.5
+                log.tables[name][ids] -= steps[name]
                 log.touch(name, ids)
-            published.append(log.publish(rows_offset=offset))
+            published.append(log.publish(rows_offset=offset, exact=exact))
             assert log.apply("peer", peer.pull("me", since_seq=offset - 1)) > 0
         assert torch.equal(published[0].ids, published[1].ids)
-        assert torch.equal(published[0].deltas, published[1].deltas)
+        assert published[0].deltas.dtype == (dtype if exact else delta_dtype)
+        assert bits_equal(published[0].deltas, published[1].deltas)
+    bases = [log.state()[0] for log in logs.values()]
+    assert bases[0].keys() == separate.keys()
     for name in separate:
-        assert torch.equal(views[name], separate[name]), name
-        assert not torch.equal(views[name], make_tables()[name]), name
-    assert logs["views"].state()[0].keys() == separate.keys()
+        assert bits_equal(views[name], separate[name]), name
+        assert bits_equal(bases[0][name], bases[1][name]), name
+        assert not torch.equal(views[name], make_tables()[name].to(dtype)), name
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` hold the same bits (``torch.equal`` says -0.0 == 0.0)."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
 
 
 @pytest.mark.parametrize(("ids", "deltas", "match"), [
