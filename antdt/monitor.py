@@ -26,7 +26,11 @@ calls it every tick). When a window closes:
   (with two workers, one at 2x the other's BPT is 1.33x the median of both, but 2x its peer's).
   A lease holder that is still training but committed nothing for the whole window is slow too
   (its evidence BPT is the time since its last commit, a lower bound); any other silent worker
-  gives no evidence and keeps its verdict. A worker with no measured peer gets no verdict;
+  gives no evidence and keeps its verdict, and so does a holder before its first commit: a
+  worker's first batch pays one-time costs (imports, the first use of its kernels, its first
+  row group), and a healthy worker judged by it was retired within windows of 150 ms. A worker
+  stuck before its first commit is hung once its timeout passes. A worker with no measured peer
+  gets no verdict;
 * ``streak`` counts consecutive slow windows: 0 is :attr:`WorkerState.OK`, 1 to ``k - 1`` is
   :attr:`WorkerState.TRANSIENT`, ``k`` (``persistent-windows``) or more is
   :attr:`WorkerState.PERSISTENT`.
@@ -361,9 +365,8 @@ class Monitor:
                 bpts.append(bpt)
                 rates.append(track.rows / track.busy)
                 measured.append((worker, track, bpt, True))
-            elif worker in holders:
-                last = track.since if track.last_commit is None else max(track.last_commit,
-                                                                         track.since)
+            elif worker in holders and track.last_commit is not None:
+                last = max(track.last_commit, track.since)
                 if end - last >= self.settings.window_s and training(worker):
                     measured.append((worker, track, end - last, False))
             track.rows, track.busy, track.batches = 0, 0.0, 0.0

@@ -154,16 +154,32 @@ def test_silent_holder_is_slow_in_the_window() -> None:
     settings = MonitorSettings(window_s=10.0, persistent_windows=2, hang_floor_s=100.0)
     monitor = Monitor(clock, batch_rows=10, settings=settings)
     monitor.update(["a", "b", "stuck"])
+    monitor.observe(CommitEvent("stuck", 0, 0, 10, {}, 0.0))  # one batch, then nothing
     run(monitor, clock, 20, {"a": 10, "b": 10}, holders=["a", "b", "stuck"])
     stuck = monitor.health("stuck")
     assert stuck.state is WorkerState.PERSISTENT and stuck.streak == 2
-    assert stuck.bpt == pytest.approx(20.0)  # evidence: silent since it leased at 0
+    assert stuck.bpt == pytest.approx(20.0)  # evidence: silent since its commit at 0
     idle = Monitor(clock, batch_rows=10, settings=settings)
     idle.observe(CommitEvent("waiting", 0, 0, 10, {}, clock.now))  # then holds no lease
     run(idle, clock, 20, {"a": 10, "b": 10}, holders=["a", "b"])
     waiting = idle.health("waiting")
     assert waiting.state is WorkerState.OK and waiting.bpt is None  # no evidence either way
     assert idle.windows == 2
+
+
+def test_a_holder_before_its_first_commit_is_not_judged_by_its_silence() -> None:
+    """A cold worker's first batch (imports, first kernels, first row group) is slow: no
+    verdict until it commits, but a worker that never commits is hung after its timeout."""
+    clock = Clock()
+    settings = MonitorSettings(window_s=1.0, persistent_windows=2, hang_floor_s=5.0)
+    monitor = Monitor(clock, batch_rows=10, settings=settings)
+    monitor.update(["a", "b", "cold"])
+    run(monitor, clock, 4, {"a": 10, "b": 10}, holders=["a", "b", "cold"])
+    cold = monitor.health("cold")
+    assert cold.state is WorkerState.OK and cold.bpt is None and monitor.flagged() == []
+    run(monitor, clock, 2, {"a": 10, "b": 10}, holders=["a", "b", "cold"])
+    assert monitor.health("cold").state is WorkerState.HUNG  # silent 6 s > the 5 s floor
+    assert [h.worker for h in monitor.flagged()] == ["cold"]
 
 
 def test_forget_drops_the_worker() -> None:
