@@ -8,6 +8,10 @@ ledger and giving every worker a lease, and reported per shard.
 
 RPC: a LocalCluster (in-process workers) with the :class:`~antdt.sharding.service.ShardingService`; a
 client leases and commits batch by batch through the scheduler, one round trip per operation.
+
+Sync groups: the scheduler's other per-batch call, a sync group ask
+(:meth:`~antdt.sync.SyncScheduler.ready`), by the same ``--workers`` in groups of 4, each ask
+from a random worker 1 ms after the one before; every 16th ask is timed on its own.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from distributed import Client, LocalCluster
 
 from antdt.sharding import Claim, Lease, RowGroup, ShardLedger
 from antdt.sharding.service import ShardingService, register_job
+from antdt.sync import SyncScheduler
 from pipeline.bench import emit
 
 SHARDS_PER_GROUP = 10
@@ -89,6 +94,33 @@ def ledger_throughput(groups: list[RowGroup], shard_rows: int, batch_rows: int, 
             "us_per_op_p99": float(np.percentile(micros, 99))}
 
 
+def group_throughput(workers: int, asks: int, seed: int = 0) -> dict[str, float]:
+    """Asks/s and per-ask latency of :meth:`SyncScheduler.ready` with ``workers`` members in
+    groups of up to 4, each ask from a random member that trained 0-100 rows since its last."""
+    rng = np.random.default_rng(seed)
+    names = [f"w{w}" for w in range(workers)]
+    scheduler = SyncScheduler(group_size=4, max_wait_s=0.5)
+    for name in names:
+        scheduler.join(name)
+    progress = dict.fromkeys(names, 0)
+    callers, steps = rng.integers(0, workers, asks), rng.integers(0, 101, asks)
+    samples = []
+    clock = time.perf_counter_ns
+    start = time.perf_counter()
+    for ask in range(asks):
+        name = names[callers[ask]]
+        progress[name] += int(steps[ask])
+        timed = ask % 16 == 0
+        t0 = clock() if timed else 0
+        scheduler.ready(name, progress[name], now=ask * 0.001)
+        if timed:
+            samples.append(clock() - t0)
+    elapsed = time.perf_counter() - start
+    micros = np.asarray(samples) / 1000
+    return {"asks_per_s": asks / elapsed, "us_per_ask_p50": float(np.percentile(micros, 50)),
+            "us_per_ask_p99": float(np.percentile(micros, 99))}
+
+
 def rpc_throughput(ops: int, shard_rows: int, batch_rows: int) -> float:
     """Lease + commit operations per second through a LocalCluster's scheduler."""
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
@@ -123,22 +155,29 @@ def rpc_throughput(ops: int, shard_rows: int, batch_rows: int) -> float:
 @click.option("--ops", type=click.IntRange(min=16), default=1_000_000, show_default=True,
               help="ledger operations (leases + commits) to time")
 @click.option("--rpc-ops", type=click.IntRange(min=1), default=3000, show_default=True)
+@click.option("--group-asks", type=click.IntRange(min=16), default=100_000, show_default=True,
+              help="sync group asks to time")
 @click.option("--shard-rows", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--batch-rows", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def command(workers: int, shards: int, ops: int, rpc_ops: int, shard_rows: int, batch_rows: int,
-            as_json: bool) -> None:
-    """Shard ledger throughput, latency and memory at scale; lease/commit over Dask RPC."""
+def command(workers: int, shards: int, ops: int, rpc_ops: int, group_asks: int, shard_rows: int,
+            batch_rows: int, as_json: bool) -> None:
+    """Shard ledger throughput, latency and memory at scale; lease/commit over Dask RPC; sync
+    group asks at scale."""
     groups = dataset(shards, shard_rows)
     traced, num_shards = ledger_memory(groups, shard_rows, batch_rows, workers)
     start = time.perf_counter()
     speed = ledger_throughput(groups, shard_rows, batch_rows, workers, ops)
     ledger_s = time.perf_counter() - start
     rpc_ops_per_s = rpc_throughput(rpc_ops, shard_rows, batch_rows)
+    groups_speed = group_throughput(workers, group_asks)
     emit({"workers": workers, "shards": num_shards, "ops": int(speed["ops"]),
           "ops_per_s": round(speed["ops_per_s"]),
           "us_per_op_p50": round(speed["us_per_op_p50"], 2),
           "us_per_op_p99": round(speed["us_per_op_p99"], 2),
           "bytes_per_shard": round(traced / num_shards, 1),
           "ledger_seconds": round(ledger_s, 2),
-          "rpc_ops": rpc_ops, "rpc_ops_per_s": round(rpc_ops_per_s)}, as_json)
+          "rpc_ops": rpc_ops, "rpc_ops_per_s": round(rpc_ops_per_s),
+          "group_asks": group_asks, "group_asks_per_s": round(groups_speed["asks_per_s"]),
+          "us_per_group_ask_p50": round(groups_speed["us_per_ask_p50"], 2),
+          "us_per_group_ask_p99": round(groups_speed["us_per_ask_p99"], 2)}, as_json)

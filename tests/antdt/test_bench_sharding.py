@@ -11,14 +11,17 @@ from pipeline.bench.sharding import command
 
 def test_bench_sharding_prints_the_figures() -> None:
     result = CliRunner().invoke(command, ["--workers", "10", "--shards", "1000", "--ops", "2000",
-                                          "--rpc-ops", "40", "--json"])
+                                          "--rpc-ops", "40", "--group-asks", "500", "--json"])
     assert result.exit_code == 0, result.output
     figures = json.loads(result.output.strip().splitlines()[-1])
     assert {"workers", "shards", "ops_per_s", "us_per_op_p50", "us_per_op_p99",
-            "bytes_per_shard", "rpc_ops_per_s"} <= figures.keys()
+            "bytes_per_shard", "rpc_ops_per_s", "group_asks_per_s", "us_per_group_ask_p50",
+            "us_per_group_ask_p99"} <= figures.keys()
     assert figures["workers"] == 10 and figures["shards"] == 1000
     assert figures["ops_per_s"] > 0 and figures["rpc_ops_per_s"] > 0
+    assert figures["group_asks"] == 500 and figures["group_asks_per_s"] > 0
     assert 0 < figures["us_per_op_p50"] <= figures["us_per_op_p99"]
+    assert 0 < figures["us_per_group_ask_p50"] <= figures["us_per_group_ask_p99"]
     assert 0 < figures["bytes_per_shard"] < 300 * 10  # 10 live leases on only 1,000 shards
 
 

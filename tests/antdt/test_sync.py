@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import random
 import threading
-import time
 from collections.abc import Callable
 
 import dask.config
@@ -972,7 +971,9 @@ def test_leave_and_unknown_workers() -> None:
         SyncScheduler(group_size=1)
 
 
-def test_ten_thousand_workers_are_cheap_and_groups_are_disjoint() -> None:
+def test_the_groups_of_ten_thousand_workers_are_disjoint() -> None:
+    """Nobody is in two groups at once, and every group has 2 to 4 members (what an ask costs
+    at this scale is `antdt bench sharding`'s figure)."""
     rng = random.Random(0)
     names = [f"w{i}" for i in range(10_000)]
     s = joined(names, group_size=4, max_wait_s=0.5)
@@ -981,7 +982,6 @@ def test_ten_thousand_workers_are_cheap_and_groups_are_disjoint() -> None:
     seen: set[int] = set()
     sizes: list[int] = []
     now = 0.0
-    started = time.perf_counter()
     for _ in range(50_000):
         now += 0.001
         name = rng.choice(names)
@@ -1000,8 +1000,6 @@ def test_ten_thousand_workers_are_cheap_and_groups_are_disjoint() -> None:
                     assert member not in pending  # nobody is in two groups at once
                     pending[member] = group.round
             sizes.append(len(group.members))
-    elapsed = time.perf_counter() - started
-    assert elapsed < 5.0
     assert sizes and min(sizes) >= 2 and max(sizes) == 4
 
 
