@@ -29,6 +29,11 @@ GATES: dict[str, threading.Event] = {}
 """Named gates a :class:`RangeReader` waits on before each read (workers share this process)."""
 
 
+def wait_for_gate(gate: str) -> bool:
+    """A task that takes its worker's thread until the gate opens."""
+    return GATES[gate].wait(timeout=30)
+
+
 class RangeReader:
     """Reads nothing: the batch is the row range itself. With a gate, each read first waits for
     it (outside the replica lock, so the worker keeps serving its peers meanwhile)."""
@@ -115,6 +120,9 @@ class MakeTrainer:
 CALLS: dict[str, list[tuple[Any, ...]]] = {}
 """Every hook call, per tracking run (the workers share this process)."""
 
+RAN_ON: dict[str, dict[str, set[str]]] = {}
+"""Per tracking run, the workers each hook method ran on."""
+
 
 @dataclass(frozen=True)
 class RecordingHooks:
@@ -134,11 +142,13 @@ class RecordingHooks:
             return {"run_id": run}
         run = uuid.uuid4().hex
         CALLS[run] = [("start", job_id, workers)]
+        _ran("start", run)
         return {"run_id": run}
 
     def metrics(self, run: Mapping[str, Any], steps: Sequence[tuple[int, dict[str, float]]]
                 ) -> None:
         CALLS[run["run_id"]].append(("metrics", list(steps)))
+        _ran("metrics", run["run_id"])
 
     def finish(self, run: Mapping[str, Any], trainer: Any, report: Mapping[str, Any]
                ) -> dict[str, Any]:
@@ -159,6 +169,10 @@ class RecordingHooks:
             raise RuntimeError(f"the test's hooks fail in {method}")
 
 
+def _ran(method: str, run: str) -> None:
+    RAN_ON.setdefault(run, {}).setdefault(method, set()).add(get_worker().address)
+
+
 def spec(epochs: int = 1, gate: str | None = None, hooks: RecordingHooks = RecordingHooks(),
          **plan: Any) -> JobSpec:
     return JobSpec(JobPlan(name="fake", row_groups=list(GROUPS), batch_rows=BATCH_ROWS,
@@ -168,3 +182,7 @@ def spec(epochs: int = 1, gate: str | None = None, hooks: RecordingHooks = Recor
 
 def calls(record: Mapping[str, Any]) -> list[tuple[Any, ...]]:
     return CALLS[record["run"]["run_id"]]
+
+
+def ran_on(record: Mapping[str, Any]) -> dict[str, set[str]]:
+    return RAN_ON[record["run"]["run_id"]]

@@ -153,6 +153,10 @@ class JobRunner:
         self._steps: list[tuple[int, dict[str, float]]] = []
         self._step = 0
         self._pending_metrics: list[Future] = []
+        self._hooks_on: str | None = None
+        """The worker that ran the last hook: the metrics tasks go there while it lives, since
+        a worker opening the tracking code for the first time (importing MLflow takes a second
+        of CPU) takes it from its agent's training, and its sync partners wait for it."""
         self._changed = asyncio.Event()
         self._wake = asyncio.Event()
         self._cancel: str | None = None
@@ -724,7 +728,9 @@ class JobRunner:
             return
         steps, self._steps = self._steps, []
         self._pending_metrics.append(self.client.submit(
-            tasks.hook_task, self.code.hooks, "metrics", self.run, steps, pure=False))
+            tasks.hook_task, self.code.hooks, "metrics", self.run, steps, pure=False,
+            workers=None if self._hooks_on is None else [self._hooks_on],
+            allow_other_workers=True))
 
     def _check_metrics(self) -> None:
         """Release the metrics tasks that ended; log the ones that failed (metrics that do not
@@ -785,7 +791,11 @@ class JobRunner:
     async def _hook_on_any(self, function: Callable[..., Any], *args: Any) -> Any:
         future = self.client.submit(function, *args, pure=False)
         try:
-            return await future
+            result = await future
+            task = self.scheduler.tasks.get(future.key)
+            if task is not None and task.who_has:
+                self._hooks_on = next(iter(task.who_has)).address
+            return result
         except KilledWorker as exc:
             raise JobError(f"the workers running {function.__name__} kept dying: {exc}") from exc
         except AntdtError:

@@ -16,7 +16,7 @@ from distributed import Client, LocalCluster
 
 from antdt.errors import JobError
 from antdt.jobs import JobClient
-from fakes import CALLS, GATES, TOTAL, RecordingHooks, calls, spec
+from fakes import CALLS, GATES, TOTAL, RecordingHooks, calls, ran_on, spec, wait_for_gate
 from waits import bounded
 
 
@@ -59,6 +59,26 @@ def test_a_job_trains_every_row_and_reports_through_its_hooks(jobs: JobClient) -
     assert set(report["first_lease"]) == {a["worker"] for a in report["agents"]}
     messages = [r["message"] for r in jobs.logs(record["job_id"])]
     assert messages[0].startswith("registered: 320 rows") and messages[-1] == "finished"
+
+
+def test_the_metrics_go_to_the_worker_that_opened_the_tracking_run(jobs: JobClient) -> None:
+    """Even when its thread is taken: Dask would send them to the idle worker."""
+    reads, busy = (f"gate-{uuid.uuid4().hex[:6]}" for _ in "12")
+    GATES[reads], GATES[busy] = threading.Event(), threading.Event()
+    job_id = jobs.submit(spec(epochs=3, gate=reads))["job"]["job_id"]
+    bounded.until(lambda: len(jobs.status(job_id)["workers"]) == 2, "both agents started")
+    [opened] = ran_on(jobs.status(job_id))["start"]
+    blocker = jobs.client.submit(wait_for_gate, busy, workers=[opened], pure=False)
+    bounded.until(lambda: blocker.status == "pending" and jobs.client.processing([opened])
+                  [opened], "the blocker runs")
+    GATES[reads].set()
+    bounded.until(lambda: jobs.status(job_id)["rows"]["done"] == 3 * TOTAL, "every row done")
+    GATES[busy].set()
+    record = bounded.call(jobs.follow, job_id)
+
+    assert record["state"] == "finished" and blocker.result() is True
+    assert ran_on(record)["metrics"] == {opened}
+    assert sum(c[0] == "metrics" for c in calls(record)) >= 2
 
 
 def test_a_second_submit_with_the_same_id_attaches(jobs: JobClient) -> None:
