@@ -59,7 +59,7 @@ from distributed.utils import sync
 from tornado.ioloop import PeriodicCallback
 
 from antdt import config
-from antdt.device import pick_device, prepare_process
+from antdt.device import FROZEN_HEAP, pick_device, prepare_process
 from antdt.errors import AntdtError, ConfigError, SyncError
 from antdt.monitor import BATCHES, BUSY
 from antdt.sharding import Claim, Finished, Lease, Revoked, Stop
@@ -440,16 +440,17 @@ class Agent:
         logging.getLogger("antdt").addHandler(forward)
         self._plugin.begin(self.spec.job, self)
         try:
-            try:
-                outcome = self._join_sync()
-                if outcome is None:
-                    outcome = self._train()
-            except BaseException:
-                self._abandon()
-                raise
-            finally:
-                self._plugin.end(self.spec.job, self.worker)
-            self._end(outcome)
+            with FROZEN_HEAP:
+                try:
+                    outcome = self._join_sync()
+                    if outcome is None:
+                        outcome = self._train()
+                except BaseException:
+                    self._abandon()
+                    raise
+                finally:
+                    self._plugin.end(self.spec.job, self.worker)
+                self._end(outcome)
         finally:
             logging.getLogger("antdt").removeHandler(forward)
         self._report(force=True)

@@ -14,7 +14,7 @@ from typing import Iterator, Mapping
 import numpy as np
 from torchrec.datasets.utils import Batch
 
-from antdt.device import prepare_process
+from antdt.device import FROZEN_HEAP, prepare_process
 from antdt.prefetch import Prefetcher
 from data.files import RowGroup, expand, row_groups
 from data.reader import ShardReader
@@ -108,26 +108,27 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
         tracker.artifact_yaml(data.schema.to_dict(), "schema.yaml")
         rows, steps, train_s = 0, 0, 0.0
         window_loss, window_start = 0.0, time.perf_counter()
-        for epoch in range(job.train.epochs):
-            groups = epoch_order(data.train, job.train.seed, epoch)
-            epoch_start = time.perf_counter()
-            with Prefetcher(iterate_batches(reader, groups, job.train.batch_size)) as batches:
-                for batch in batches:
-                    window_loss += step.step(batch)
-                    n = int(batch.labels.shape[0])
-                    rows += n
-                    steps += 1
-                    if progress is not None:
-                        progress.advance(n)
-                    if steps % job.train.log_every == 0:
-                        now = time.perf_counter()
-                        tracker.metrics({"train.loss": window_loss / job.train.log_every,
-                                         "train.samples_per_s":
-                                             job.train.log_every * job.train.batch_size
-                                             / max(now - window_start, 1e-9),
-                                         "train.rows_trained": rows}, step=steps)
-                        window_loss, window_start = 0.0, now
-            train_s += time.perf_counter() - epoch_start
+        with FROZEN_HEAP:
+            for epoch in range(job.train.epochs):
+                groups = epoch_order(data.train, job.train.seed, epoch)
+                epoch_start = time.perf_counter()
+                with Prefetcher(iterate_batches(reader, groups, job.train.batch_size)) as batches:
+                    for batch in batches:
+                        window_loss += step.step(batch)
+                        n = int(batch.labels.shape[0])
+                        rows += n
+                        steps += 1
+                        if progress is not None:
+                            progress.advance(n)
+                        if steps % job.train.log_every == 0:
+                            now = time.perf_counter()
+                            tracker.metrics({"train.loss": window_loss / job.train.log_every,
+                                             "train.samples_per_s":
+                                                 job.train.log_every * job.train.batch_size
+                                                 / max(now - window_start, 1e-9),
+                                             "train.rows_trained": rows}, step=steps)
+                            window_loss, window_start = 0.0, now
+                train_s += time.perf_counter() - epoch_start
         metrics = evaluate(step.predict, iterate_batches(reader, data.validation,
                                                          job.train.batch_size))
         summary = JobSummary(

@@ -42,7 +42,7 @@ import dask.config
 from distributed import get_worker
 
 from antdt.agent import pause_profiler, resume_profiler
-from antdt.device import prepare_process
+from antdt.device import FROZEN_HEAP, prepare_process
 from antdt.sync import SyncPeriod
 from data.reader import ShardReader
 from models.train_step import TrainStep
@@ -75,10 +75,12 @@ class _Trainer:
         """Train every epoch of the share: (rows, wall-clock start, wall-clock end)."""
         began = time.time()
         rows = 0
-        for _ in range(self.job.train.epochs):
-            for batch in iterate_batches(self.reader, self.groups, self.job.train.batch_size):
-                self.step.step(batch)
-                rows += int(batch.labels.shape[0])
+        with FROZEN_HEAP:
+            for _ in range(self.job.train.epochs):
+                for batch in iterate_batches(self.reader, self.groups,
+                                             self.job.train.batch_size):
+                    self.step.step(batch)
+                    rows += int(batch.labels.shape[0])
         return rows, began, time.time()
 
 

@@ -4,6 +4,7 @@ counts the rows it trained."""
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -320,6 +321,20 @@ def test_dask_profiler_pauses_while_an_agent_trains_unless_kept(client: Client,
     GATES[job].set()
     assert bounded.result(future).outcome == "finished"
     bounded.until(lambda: profiling(client, worker), "the profiler runs again")
+
+
+def test_the_heap_is_frozen_while_an_agent_trains(client: Client) -> None:
+    """A full collection would scan the imports and the model every time (the workers share
+    this process, so the test sees their heap)."""
+    assert gc.get_freeze_count() == 0
+    job = new_job(client)
+    GATES[job] = threading.Event()
+    future = start(client, job, workers(client)[0], gate=job)
+    bounded.until(lambda: live_leases(client, job), "the agent holds a lease")
+    frozen = gc.get_freeze_count()
+    GATES[job].set()
+    assert bounded.result(future).outcome == "finished"
+    assert frozen > 100_000 and gc.get_freeze_count() == 0
 
 
 def test_a_setting_that_is_not_a_flag_is_refused(client: Client) -> None:
