@@ -7,7 +7,9 @@ worker count, unless ``--rows`` names its size. Each repeat runs every configura
 to back, and the single-process local mode (one thread) beside them; samples/s and ratios are the
 medians over repeats. The efficiencies below are taken within each repeat (its async and bare runs
 minutes apart, so a machine slowed for a while by its neighbours slows both) and their median
-reported, with each repeat's.
+reported, with each repeat's. ``per_repeat`` keeps every run's own figures (each async job's
+samples/s, start and tail seconds and straggler actions; each bare run's samples/s), to tell a
+repeat the machine slowed from one a job lost time in.
 
 The machine's own ceiling for this workload is measured in the same run: as many bare processes
 as workers, each reading and training its share of the row groups the way an agent does (read,
@@ -178,12 +180,17 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
     without_rounds: list[float] = []
     float32_deltas: list[float] = []
     local: list[float] = []
+    jobs: list[dict[str, dict[str, object]]] = []  # per repeat, per worker count: the job's run
     for repeat in range(repeats):
+        jobs.append({})
         for count in counts:
             echo(f"repeat {repeat + 1}/{repeats}: {count} worker(s)", as_json)
             run = run_async(job, count)
             rates[count].append(run.summary.samples_per_s)
             fixed[count].append(run.overhead()["fixed_s"] or 0.0)
+            jobs[repeat][str(count)] = {
+                "samples_per_s": round(run.summary.samples_per_s), **run.overhead(),
+                "straggler_actions": run.summary.straggler_actions}
         echo(f"repeat {repeat + 1}/{repeats}: {counts[-1]} worker(s), periodic rounds off",
              as_json)
         without_rounds.append(run_async(with_train(job, sync_period=ROUNDS_OFF),
@@ -230,6 +237,12 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
           "efficiency_float32_deltas_per_repeat": [round(e, 3)
                                                    for e in efficiency_float32_deltas],
           "fixed_s": {str(c): round(median_of(f), 2) for c, f in fixed.items()},
+          "per_repeat": [{"jobs": jobs[r],
+                          "machine_samples_per_s": {str(c): round(machine[c][r]) for c in counts},
+                          "dask_samples_per_s": {str(c): round(hosted[c][r]) for c in counts},
+                          "samples_per_s_without_rounds": round(without_rounds[r]),
+                          "samples_per_s_float32_deltas": round(float32_deltas[r]),
+                          "local_samples_per_s": round(local[r])} for r in range(repeats)],
           "workers": counts, **sizing.as_dict(), "repeats": repeats, "threads_per_worker": 1,
           "sync_period": str(job.train.sync_period)},
          as_json)
