@@ -69,8 +69,8 @@ def test_the_metrics_go_to_the_worker_that_opened_the_tracking_run(jobs: JobClie
     bounded.until(lambda: len(jobs.status(job_id)["workers"]) == 2, "both agents started")
     [opened] = ran_on(jobs.status(job_id))["start"]
     blocker = jobs.client.submit(wait_for_gate, busy, workers=[opened], pure=False)
-    bounded.until(lambda: blocker.status == "pending" and jobs.client.processing([opened])
-                  [opened], "the blocker runs")
+    bounded.until(lambda: blocker.key in jobs.client.processing([opened])[opened],
+                  "the blocker runs")
     GATES[reads].set()
     bounded.until(lambda: jobs.status(job_id)["rows"]["done"] == 3 * TOTAL, "every row done")
     GATES[busy].set()
