@@ -153,10 +153,13 @@ class JobRunner:
         self._steps: list[tuple[int, dict[str, float]]] = []
         self._step = 0
         self._pending_metrics: list[Future] = []
+        self._in_flight: list[tuple[int, dict[str, float]]] = []
+        """The steps of the pending metrics task: sent again if its worker leaves first."""
         self._hooks_on: str | None = None
-        """The worker that ran the last hook: the metrics tasks go there while it lives, since
-        a worker using the tracking store for the first time (about 0.45 s of CPU) takes it
-        from its agent's training, and its sync partners wait for it."""
+        """The worker that ran the last hook: the metrics tasks go there and nowhere else
+        while it lives (Dask would run them on, or steal them for, an idle worker), since a
+        worker using the tracking store for the first time (about 0.45 s of CPU) takes it from
+        its agent's training, and its sync partners wait for it."""
         self._changed = asyncio.Event()
         self._wake = asyncio.Event()
         self._cancel: str | None = None
@@ -727,20 +730,32 @@ class JobRunner:
         if not self._steps or self.run is None or self._pending_metrics:
             return
         steps, self._steps = self._steps, []
+        self._in_flight = steps
         self._pending_metrics.append(self.client.submit(
             tasks.hook_task, self.code.hooks, "metrics", self.run, steps, pure=False,
-            workers=None if self._hooks_on is None else [self._hooks_on],
-            allow_other_workers=True))
+            workers=None if self._hooks_on is None else [self._hooks_on]))
 
     def _check_metrics(self) -> None:
         """Release the metrics tasks that ended; log the ones that failed (metrics that do not
-        reach the tracking run are a loss to report, not a reason to stop training)."""
+        reach the tracking run are a loss to report, not a reason to stop training). When the
+        worker they were bound to left, the pending one is dropped and its steps go again,
+        to any worker (those it logged before it died, twice)."""
         for future in [f for f in self._pending_metrics if f.status != "pending"]:
             self._pending_metrics.remove(future)
+            self._in_flight = []
             if future.status == "error":
                 self.log("warning", "metrics did not reach the tracking run (see the worker's "
                                     f"log for task {future.key})")
             future.release()
+        if self._hooks_worker_left():
+            self._hooks_on = None
+            for future in self._pending_metrics:
+                future.release()
+            self._pending_metrics.clear()
+            self._steps, self._in_flight = self._in_flight + self._steps, []
+
+    def _hooks_worker_left(self) -> bool:
+        return self._hooks_on is not None and self._hooks_on not in self.scheduler.workers
 
     async def _flush_metrics(self) -> None:
         """Send the buffered metrics after the one on its way and wait (a minute at most each)
@@ -750,7 +765,8 @@ class JobRunner:
         await self._metrics_arrived()
 
     async def _metrics_arrived(self) -> None:
-        await _until(lambda: all(f.done() for f in self._pending_metrics), 60.0)
+        await _until(lambda: all(f.done() for f in self._pending_metrics)
+                     or self._hooks_worker_left(), 60.0)
         self._check_metrics()
 
     def _report(self) -> dict[str, Any]:

@@ -323,6 +323,31 @@ def test_the_worker_finishing_a_job_dies_and_another_one_finishes_it() -> None:
     assert f"the worker finishing the job ({held}) died; trying another" in messages
 
 
+def test_the_metrics_go_to_another_worker_once_the_runs_worker_left() -> None:
+    gate = f"gate-{uuid.uuid4().hex[:6]}"
+    GATES[gate] = threading.Event()
+    settings = {"antdt.jobs.tick": "100ms", "antdt.jobs.metrics-interval": "100ms",
+                "antdt.agent.report-interval": "50ms", "antdt.sync.max-wait": "50ms"}
+    with dask.config.set(settings), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                         dashboard_address=":0") as cluster, Client(cluster) as client, \
+            JobClient(client) as jobs:
+        cluster.wait_for_workers(2)
+        job_id = jobs.submit(spec(epochs=2, gate=gate))["job"]["job_id"]
+        bounded.until(lambda: len(jobs.status(job_id)["workers"]) == 2, "both agents started")
+        [opened] = ran_on(jobs.status(job_id))["start"]
+        worker = next(w for w in cluster.workers.values() if w.address == opened)
+        client.loop.add_callback(worker.close)
+        bounded.until(lambda: opened not in client.scheduler_info()["workers"], "the worker gone")
+        GATES[gate].set()
+        record = bounded.call(jobs.follow, job_id)
+
+    assert record["state"] == "finished", record["error"]
+    assert ran_on(record)["metrics"] - {opened}
+    steps = [step for c in calls(record) if c[0] == "metrics" for step, _ in c[1]]
+    assert steps and set(steps) == set(range(max(steps) + 1))  # none lost on the way
+
+
 def test_finished_jobs_stay_listed_up_to_the_history_length(jobs: JobClient) -> None:
     with dask.config.set({"antdt.jobs.history": 2}):  # the in-process scheduler reads it
         ids = []
