@@ -139,6 +139,16 @@ class FrozenHeap:
             if not self._training:
                 gc.unfreeze()
 
+    def settle(self) -> None:
+        """Freeze what this process holds now, ahead of its training loop (a worker whose
+        job's imports are done): a full collection due before the loop starts then scans only
+        what came after. Over the whole heap it would stop the worker's event loop for half a
+        second as the agent task arrives, and with it the job's start. The end of the next
+        training loop here unfreezes these objects with its own (none following: they stay
+        frozen, and the garbage among them uncollected)."""
+        with self._lock:
+            gc.freeze()
+
 
 FROZEN_HEAP = FrozenHeap()
 """This process's :class:`FrozenHeap`."""

@@ -5,6 +5,7 @@ recorded calls are shared memory."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import uuid
@@ -107,11 +108,17 @@ class CountingTrainer:
                 "merged_while_training": self.merged_while_training}
 
 
+FROZEN_AT_BUILD: list[int] = []
+"""The objects the garbage collector left out (:func:`gc.get_freeze_count`) each time a
+:class:`MakeTrainer` built a model (the workers share this process)."""
+
+
 @dataclass(frozen=True)
 class MakeTrainer:
     step_s: float = 0.0
 
     def __call__(self, device: torch.device) -> CountingTrainer:
+        FROZEN_AT_BUILD.append(gc.get_freeze_count())
         return CountingTrainer(self.step_s)
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import math
 import posixpath
@@ -291,8 +290,7 @@ class JobRunner:
             raise JobError(f"faults name worker(s) {unknown}, but the job trains on only "
                            f"{len(initial)} worker(s) (indices 0..{len(initial) - 1})")
         period = SyncPeriod.parse(plan.sync_period, where="job plan sync_period")
-        for module in plan.preload:  # seconds per process that are not training, done now
-            await self.client.run(importlib.import_module, module, workers=initial)
+        await self.client.run(tasks.prepare_worker, plan.preload, workers=initial)
         if plan.sharding == "static" and (plan.checkpoint_dir or plan.resume):
             raise JobError("static sharding (the baseline) cannot be checkpointed or resumed; "
                            "drop train.checkpoint_dir or use the antdt sharding")

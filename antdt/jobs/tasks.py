@@ -1,4 +1,5 @@
-"""The tasks AntDT's master runs on workers for a job: the agent and the application's hooks.
+"""The tasks AntDT's master runs on workers for a job: their preparation, the agent and the
+application's hooks.
 
 The application's code arrives as pickles (:class:`~antdt.jobs.spec.JobCode`) and is opened
 here, on the worker, never on the scheduler.
@@ -6,8 +7,9 @@ here, on the worker, never on the scheduler.
 
 from __future__ import annotations
 
+import importlib
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from distributed import get_worker
@@ -15,8 +17,19 @@ from distributed import get_worker
 import torch
 
 from antdt.agent import AgentReport, AgentSpec, Trainer, TrainerFactory, plugin_of, run_agent
+from antdt.device import FROZEN_HEAP
 from antdt.jobs import checkpoints
 from antdt.jobs.spec import load
+
+
+def prepare_worker(modules: Sequence[str]) -> None:
+    """Ready a worker for its agent (the master runs it on each before training starts):
+    import the job's ``modules`` (seconds per process that are not training), then settle the
+    heap (:meth:`~antdt.device.FrozenHeap.settle`) so that no full collection over them holds
+    up the agent's start."""
+    for module in modules:
+        importlib.import_module(module)
+    FROZEN_HEAP.settle()
 
 
 def agent_task(spec: AgentSpec, trainer: bytes, reader: bytes,

@@ -68,8 +68,7 @@ def client_driven(client: Client, spec: JobSpec) -> dict[str, float]:
     job = f"{plan.name}-client-{uuid.uuid4().hex[:8]}"
     asked = time.time()
     workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-    for module in plan.preload:
-        client.run(__import__, module)
+    client.run(tasks.prepare_worker, plan.preload)
     register_job(client, job, plan.row_groups, shard_rows=plan.shard_rows,
                  batch_rows=plan.batch_rows, epochs=plan.epochs, seed=plan.seed,
                  quarantine=plan.quarantine)

@@ -3,6 +3,7 @@ process, with the trivial model of ``fakes`` and test-only hooks that record eve
 
 from __future__ import annotations
 
+import gc
 import inspect
 import threading
 import uuid
@@ -16,7 +17,8 @@ from distributed import Client, LocalCluster
 
 from antdt.errors import JobError
 from antdt.jobs import JobClient
-from fakes import CALLS, GATES, TOTAL, RecordingHooks, calls, ran_on, spec, wait_for_gate
+from fakes import (CALLS, FROZEN_AT_BUILD, GATES, TOTAL, RecordingHooks, calls, ran_on, spec,
+                   wait_for_gate)
 from waits import bounded
 
 
@@ -79,6 +81,18 @@ def test_the_metrics_go_to_the_worker_that_opened_the_tracking_run(jobs: JobClie
     assert record["state"] == "finished" and blocker.result() is True
     assert ran_on(record)["metrics"] == {opened}
     assert sum(c[0] == "metrics" for c in calls(record)) >= 2
+
+
+def test_the_workers_heaps_are_frozen_before_their_agents_start(jobs: JobClient) -> None:
+    """A full collection over a worker's imports as its agent task arrived would hold up the
+    agent (and the job's start) for half a second; the workers share this process, so the test
+    sees their heap."""
+    FROZEN_AT_BUILD.clear()
+    record = bounded.call(jobs.follow, jobs.submit(spec())["job"]["job_id"])
+
+    assert record["state"] == "finished"
+    assert len(FROZEN_AT_BUILD) == 2 and min(FROZEN_AT_BUILD) > 100_000
+    assert gc.get_freeze_count() == 0  # the agents' end unfroze them
 
 
 def test_a_second_submit_with_the_same_id_attaches(jobs: JobClient) -> None:
