@@ -5,7 +5,10 @@ trained over training seconds (first agent started to last agent ended). The job
 time (:mod:`pipeline.bench.sizing`): ``--target-s`` seconds of ideal training with the largest
 worker count, unless ``--rows`` names its size. Each repeat runs every configuration once, back
 to back, and the single-process local mode (one thread) beside them; samples/s and ratios are the
-medians over repeats. The efficiencies below are taken within each repeat (its async and bare runs
+medians over repeats. A repeat runs, for each worker count in turn, its async job and its two
+bare runs (below), then the diagnostics and the local mode; odd repeats run that order backwards.
+So the two runs of every ratio are as far apart in time as the other ratio's they are compared
+with (a machine that slows steadily slows both alike), and no run always follows the same one. The efficiencies below are taken within each repeat (its async and bare runs
 minutes apart, so a machine slowed for a while by its neighbours slows both) and their median
 reported, with each repeat's. ``per_repeat`` keeps every run's own figures (each async job's
 samples/s, start and tail seconds and straggler actions; each bare run's samples/s), to tell a
@@ -34,9 +37,11 @@ what rounding them to bfloat16 (the default) saves.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import time
 import uuid
+from collections.abc import Callable
 from multiprocessing.synchronize import Barrier
 
 import click
@@ -181,31 +186,45 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
     float32_deltas: list[float] = []
     local: list[float] = []
     jobs: list[dict[str, dict[str, object]]] = []  # per repeat, per worker count: the job's run
-    for repeat in range(repeats):
-        jobs.append({})
-        for count in counts:
-            echo(f"repeat {repeat + 1}/{repeats}: {count} worker(s)", as_json)
-            run = run_async(job, count)
-            rates[count].append(run.summary.samples_per_s)
-            fixed[count].append(run.overhead()["fixed_s"] or 0.0)
-            jobs[repeat][str(count)] = {
-                "samples_per_s": round(run.summary.samples_per_s), **run.overhead(),
-                "straggler_actions": run.summary.straggler_actions}
-        echo(f"repeat {repeat + 1}/{repeats}: {counts[-1]} worker(s), periodic rounds off",
-             as_json)
+
+    def async_job(count: int) -> None:
+        run = run_async(job, count)
+        rates[count].append(run.summary.samples_per_s)
+        fixed[count].append(run.overhead()["fixed_s"] or 0.0)
+        jobs[-1][str(count)] = {"samples_per_s": round(run.summary.samples_per_s),
+                                **run.overhead(),
+                                "straggler_actions": run.summary.straggler_actions}
+
+    def bare_processes(count: int) -> None:
+        machine[count].append(machine_samples_per_s(job, count))
+
+    def bare_in_dask(count: int) -> None:
+        hosted[count].append(dask_samples_per_s(job, count))
+
+    def rounds_off() -> None:
         without_rounds.append(run_async(with_train(job, sync_period=ROUNDS_OFF),
                                         counts[-1]).summary.samples_per_s)
-        echo(f"repeat {repeat + 1}/{repeats}: {counts[-1]} worker(s), float32 deltas", as_json)
+
+    def float32() -> None:
         with dask.config.set({"antdt.sync.delta-dtype": "float32"}):  # the workers inherit it
             float32_deltas.append(run_async(job, counts[-1]).summary.samples_per_s)
-        for count in counts:
-            echo(f"repeat {repeat + 1}/{repeats}: {count} bare process(es)", as_json)
-            machine[count].append(machine_samples_per_s(job, count))
-            echo(f"repeat {repeat + 1}/{repeats}: {count} bare trainer(s) on Dask workers",
-                 as_json)
-            hosted[count].append(dask_samples_per_s(job, count))
-        echo(f"repeat {repeat + 1}/{repeats}: local mode", as_json)
+
+    def local_mode() -> None:
         local.append(train_local(with_train(job, mode="local")).samples_per_s)
+
+    steps: list[tuple[str, Callable[[], None]]] = []
+    for count in counts:
+        steps += [(f"{count} worker(s)", functools.partial(async_job, count)),
+                  (f"{count} bare process(es)", functools.partial(bare_processes, count)),
+                  (f"{count} bare trainer(s) on Dask workers",
+                   functools.partial(bare_in_dask, count))]
+    steps += [(f"{counts[-1]} worker(s), periodic rounds off", rounds_off),
+              (f"{counts[-1]} worker(s), float32 deltas", float32), ("local mode", local_mode)]
+    for repeat in range(repeats):
+        jobs.append({})
+        for name, step in steps if repeat % 2 == 0 else reversed(steps):
+            echo(f"repeat {repeat + 1}/{repeats}: {name}", as_json)
+            step()
     medians = {count: median_of(samples) for count, samples in rates.items()}
     bare = {count: median_of(samples) for count, samples in machine.items()}
     in_dask = {count: median_of(samples) for count, samples in hosted.items()}
@@ -237,7 +256,9 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
           "efficiency_float32_deltas_per_repeat": [round(e, 3)
                                                    for e in efficiency_float32_deltas],
           "fixed_s": {str(c): round(median_of(f), 2) for c, f in fixed.items()},
-          "per_repeat": [{"jobs": jobs[r],
+          "per_repeat": [{"order": [name for name, _ in (steps if r % 2 == 0
+                                                           else reversed(steps))],
+                          "jobs": jobs[r],
                           "machine_samples_per_s": {str(c): round(machine[c][r]) for c in counts},
                           "dask_samples_per_s": {str(c): round(hosted[c][r]) for c in counts},
                           "samples_per_s_without_rounds": round(without_rounds[r]),

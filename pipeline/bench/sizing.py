@@ -103,8 +103,10 @@ def sized_job(workers: int, target_s: float, rows: int | None, data_dir: str | N
               overrides: Sequence[str], quiet: bool) -> tuple[JobConfig, Sizing]:
     """The benchmark's async synthetic job: of ``rows`` rows if given, else calibrated for
     ``target_s`` seconds on ``workers`` workers; with how it was sized."""
-    calibration = None if rows is not None else \
-        calibrate(workers, target_s, overrides=overrides, quiet=quiet)
-    size = rows if calibration is None else calibration.rows
+    calibration = None
+    size = rows
+    if size is None:
+        calibration = calibrate(workers, target_s, overrides=overrides, quiet=quiet)
+        size = calibration.rows
     job = with_train(synthetic_job(data_dir, rows=size, overrides=overrides), mode="async")
     return job, Sizing(size, train_rows(job), calibration)
