@@ -8,9 +8,10 @@ to back, and the single-process local mode (one thread) beside them; samples/s a
 medians over repeats. A repeat runs, for each worker count in turn, its async job and its two
 bare runs (below), then the diagnostics and the local mode; odd repeats run that order backwards.
 So the two runs of every ratio are as far apart in time as the other ratio's they are compared
-with (a machine that slows steadily slows both alike), and no run always follows the same one. The efficiencies below are taken within each repeat (its async and bare runs
-minutes apart, so a machine slowed for a while by its neighbours slows both) and their median
-reported, with each repeat's. ``per_repeat`` keeps every run's own figures (each async job's
+with (a machine that slows steadily slows both alike), and no run always follows the same one.
+The efficiencies below are taken within each repeat (its async and bare runs minutes apart, so a
+machine slowed for a while by its neighbours slows both) and their median reported, with each
+repeat's. ``per_repeat`` keeps every run's own figures (each async job's
 samples/s, start and tail seconds and straggler actions; each bare run's samples/s), to tell a
 repeat the machine slowed from one a job lost time in.
 
@@ -220,9 +221,10 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
                    functools.partial(bare_in_dask, count))]
     steps += [(f"{counts[-1]} worker(s), periodic rounds off", rounds_off),
               (f"{counts[-1]} worker(s), float32 deltas", float32), ("local mode", local_mode)]
-    for repeat in range(repeats):
+    orders = [steps if repeat % 2 == 0 else steps[::-1] for repeat in range(repeats)]
+    for repeat, order in enumerate(orders):
         jobs.append({})
-        for name, step in steps if repeat % 2 == 0 else reversed(steps):
+        for name, step in order:
             echo(f"repeat {repeat + 1}/{repeats}: {name}", as_json)
             step()
     medians = {count: median_of(samples) for count, samples in rates.items()}
@@ -256,8 +258,7 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
           "efficiency_float32_deltas_per_repeat": [round(e, 3)
                                                    for e in efficiency_float32_deltas],
           "fixed_s": {str(c): round(median_of(f), 2) for c, f in fixed.items()},
-          "per_repeat": [{"order": [name for name, _ in (steps if r % 2 == 0
-                                                           else reversed(steps))],
+          "per_repeat": [{"order": [name for name, _ in orders[r]],
                           "jobs": jobs[r],
                           "machine_samples_per_s": {str(c): round(machine[c][r]) for c in counts},
                           "dask_samples_per_s": {str(c): round(hosted[c][r]) for c in counts},
