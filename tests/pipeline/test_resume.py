@@ -164,9 +164,6 @@ def test_a_job_resumes_after_its_scheduler_and_every_worker_were_killed(
     with DaskProcesses(first) as old:
         old.add_workers(workers)
         wait_for_workers(old.address, workers)
-        # the first job on fresh workers trains worse (BENCHMARKS.md): compare warm runs
-        antdt("submit", str(medium_job), "--scheduler", old.address, "--set", "train.epochs=1",
-              cwd=tmp_path)
         baseline = json.loads(antdt("submit", str(medium_job), "--scheduler", old.address,
                                     "--json", cwd=tmp_path).stdout.splitlines()[-1])
         job = subprocess.Popen([ANTDT, "submit", str(medium_job), "--scheduler", old.address,
@@ -190,8 +187,6 @@ def test_a_job_resumes_after_its_scheduler_and_every_worker_were_killed(
         assert new.address != old.address
         new.add_workers(workers)
         wait_for_workers(new.address, workers)
-        antdt("submit", str(medium_job), "--scheduler", new.address, "--set", "train.epochs=1",
-              cwd=tmp_path)
         result = antdt("submit", str(medium_job), "--scheduler", new.address, "--resume",
                        "daily", "--json", cwd=tmp_path)
     summary = json.loads(result.stdout.splitlines()[-1])
