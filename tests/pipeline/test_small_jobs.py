@@ -41,12 +41,14 @@ def small_job(folder: Path, *, rows: int, days: int, num_dense: int = 13,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", [
-    {"rows": 50_000, "days": 5},  # the default 13 dense and 26 categorical columns
-    {"rows": 30_000, "days": 3, "num_dense": 3, "num_sparse": 4},
+@pytest.mark.parametrize(("shape", "shown"), [
+    ({"rows": 50_000, "days": 5}, False),  # the default 13 dense and 26 categorical columns
+    ({"rows": 30_000, "days": 3, "num_dense": 3, "num_sparse": 4}, True),
 ], ids=["50k-rows", "30k-rows-few-columns"])
 def test_a_small_job_trains_on_fewer_workers_and_matches_the_local_run(
-        tmp_path: Path, shape: dict[str, int]) -> None:
+        tmp_path: Path, shape: dict[str, int], shown: bool) -> None:
+    """``shown``: also train it once more without ``--json``, where a person reads why it
+    trained on fewer workers (one of the shapes does: the same summary line)."""
     path = small_job(tmp_path, **shape)
     reference = train_local(load_job(path, ["train.mode=local"]))
 
@@ -68,8 +70,8 @@ def test_a_small_job_trains_on_fewer_workers_and_matches_the_local_run(
     assert (run.data.params["train.workers"],
             run.data.params["train.min_batches_per_worker"]) == ("1", "128")
 
-    shown = antdt("train", str(path), cwd=tmp_path).stdout
-    assert f"adapted  {summary['adapted']}" in shown
+    if shown:
+        assert f"adapted  {summary['adapted']}" in antdt("train", str(path), cwd=tmp_path).stdout
 
 
 def test_a_job_with_enough_batches_keeps_its_workers(tmp_path: Path) -> None:
