@@ -64,13 +64,14 @@ class Cluster:
         return str(self.scheduler)
 
     @contextmanager
-    def jobs(self) -> Iterator[Any]:
-        """A :class:`antdt.jobs.JobClient` of the scheduler."""
+    def jobs(self, register: bool = True) -> Iterator[Any]:
+        """A :class:`antdt.jobs.JobClient` of the scheduler; ``register=False`` for a command
+        that only reads or cancels (it starts in about a second: no torch, no MLflow)."""
         from antdt.jobs import JobClient
 
         address = self.address()
         try:
-            client = JobClient(address, security=self.security())
+            client = JobClient(address, security=self.security(), register=register)
         except OSError as exc:
             raise AntdtError(f"cannot reach the scheduler at {address}: {exc}") from exc
         with client:
@@ -108,7 +109,7 @@ def follow_and_report(jobs: Any, job_id: str, address: str | None, as_json: bool
     """Follow ``job_id`` with a progress bar, then print its summary (or ``--json``); a failed
     or cancelled job exits non-zero. On a long-lived cluster (``address``) Ctrl-C detaches and
     says how to re-attach; on a LocalCluster it ends the job with the process."""
-    from pipeline.cluster import follow, outcome
+    from pipeline.following import follow, outcome
 
     try:
         with progress_bar(label, enabled=not as_json) as bar:
@@ -223,7 +224,7 @@ def submit(job_path: str, cluster: Cluster, overrides: tuple[str, ...],
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def follow_command(job_id: str, cluster: Cluster, as_json: bool) -> None:
     """Re-attach to JOB_ID: follow it to its end and print its summary."""
-    with cluster.jobs() as jobs:
+    with cluster.jobs(register=False) as jobs:
         follow_and_report(jobs, job_id, cluster.scheduler, as_json, f"training ({job_id})")
 
 
@@ -233,7 +234,7 @@ def follow_command(job_id: str, cluster: Cluster, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the job records as JSON.")
 def status(job_id: str | None, cluster: Cluster, as_json: bool) -> None:
     """Every job on the cluster (running, finished, failed, cancelled), or JOB_ID in detail."""
-    with cluster.jobs() as jobs:
+    with cluster.jobs(register=False) as jobs:
         found = jobs.status(job_id)
     if as_json:
         click.echo(json.dumps(found, sort_keys=True, default=str))
@@ -252,7 +253,7 @@ def status(job_id: str | None, cluster: Cluster, as_json: bool) -> None:
 @click.option("--follow", "tail", is_flag=True, help="Keep printing until the job ends.")
 def logs(job_id: str, cluster: Cluster, tail: bool) -> None:
     """JOB_ID's events and its agents' warnings and errors, in time order."""
-    with cluster.jobs() as jobs:
+    with cluster.jobs(register=False) as jobs:
         records = jobs.tail(job_id) if tail else iter(jobs.logs(job_id))
         for record in records:
             click.echo(log_line(record))
@@ -265,7 +266,7 @@ def logs(job_id: str, cluster: Cluster, tail: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the job's record as JSON.")
 def cancel(job_id: str, cluster: Cluster, reason: str, as_json: bool) -> None:
     """Stop JOB_ID: its agents stop at their next batch, its MLflow run ends as KILLED."""
-    with cluster.jobs() as jobs:
+    with cluster.jobs(register=False) as jobs:
         reply = jobs.cancel(job_id, reason)
     record = reply["job"]
     if as_json:

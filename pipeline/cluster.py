@@ -31,14 +31,14 @@ from distributed import Client, LocalCluster
 from distributed.security import Security
 
 from antdt import config
-from antdt.errors import (CheckpointError, ConfigError, DataError, JobCancelled, JobError,
-                          JobFailed)
+from antdt.errors import CheckpointError, ConfigError, DataError, JobError
 from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec, checkpoints
 from antdt.jobs.checkpoints import Manifest
 from antdt.sharding import QuarantineSpec
 from data.files import RowGroup, expand, row_groups
 from data.schema import Schema
 from pipeline.config import JobConfig
+from pipeline.following import follow, outcome
 from pipeline.hooks import RankingHooks
 from pipeline.local import PreparedData, prepare_data
 from pipeline.recipes import ReaderRecipe, TrainerRecipe
@@ -209,74 +209,7 @@ def local_cluster_settings() -> dict[str, Any]:
     return dict(settings)
 
 
-# ---- following a job -------------------------------------------------------------------------
-
-
-class Progress:
-    """Feeds a :class:`ProgressSink` (the CLI's bar) from a job's records: rows done or
-    quarantined out of the rows the job expects."""
-
-    def __init__(self, sink: ProgressSink | None) -> None:
-        self.sink = sink
-        self._total = 0
-        self._done = 0
-
-    def __call__(self, record: Mapping[str, Any]) -> None:
-        rows = record.get("rows") or {}
-        if self.sink is None or not rows:
-            return
-        if rows["expected"] != self._total:
-            self._total = rows["expected"]
-            self.sink.total(self._total)
-        done = rows["done"] + rows["quarantined"]
-        if done > self._done:
-            self.sink.advance(done - self._done)
-            self._done = done
-
-
-@dataclass(frozen=True)
-class AgentRecord:
-    """One agent of a finished job as the master recorded it (seconds after training
-    started)."""
-
-    worker: str
-    index: int
-    join: bool
-    started: float
-    ended: float | None
-    rows: int
-    busy_s: float
-    dead: bool
-
-    @classmethod
-    def of(cls, agent: Mapping[str, Any]) -> AgentRecord:
-        return cls(*(agent[name] for name in cls.__dataclass_fields__))
-
-
-def outcome(record: Mapping[str, Any]) -> JobSummary:
-    """The summary of a job that ended; :class:`JobFailed` or :class:`JobCancelled` when it
-    did not finish."""
-    state = record["state"]
-    if state == "failed":
-        raise JobFailed(f"job {record['job_id']} failed: {record['error']}")
-    if state == "cancelled":
-        raise JobCancelled(f"job {record['job_id']} was cancelled: {record['stopped']}")
-    if state != "finished" or record["summary"] is None:
-        raise JobError(f"job {record['job_id']} has not ended: {state}")
-    return JobSummary.from_dict(record["summary"])
-
-
-def follow(jobs: JobClient, job_id: str, progress: ProgressSink | None = None,
-           on_change: Callable[[Mapping[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Follow ``job_id`` to its end, feeding ``progress``; the final record."""
-    bar = Progress(progress)
-
-    def changed(record: dict[str, Any]) -> None:
-        bar(record)
-        if on_change is not None:
-            on_change(record)
-
-    return jobs.follow(job_id, on_change=changed)
+# ---- submit and follow -------------------------------------------------------------------------
 
 
 def run(job: JobConfig, *, workers: int | None = None, scheduler: str | None = None,

@@ -318,7 +318,8 @@ def train(settings: Settings, job_id: str, run_tags: Mapping[str, str] | None = 
     cancelled, the retry starts ``job_id-2`` (then ``-3``...). Returns :func:`trained` of the
     version."""
     from antdt.jobs import JobClient
-    from pipeline.cluster import connect, follow, job_spec, outcome
+    from pipeline.cluster import connect, job_spec
+    from pipeline.following import follow, outcome
     from pipeline.local import prepare_data
 
     days = window(settings)

@@ -332,7 +332,7 @@ class _Runner:
         self.running[trial.index] = (trial, handle)
 
     def _collect(self) -> None:
-        from pipeline.cluster import outcome
+        from pipeline.following import outcome
 
         for index, (trial, handle) in list(self.running.items()):
             if isinstance(handle, str):

@@ -30,7 +30,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import fsspec
-import torch
 
 from antdt.errors import CheckpointError
 from antdt.sharding.checkpoint import read, write_atomic
@@ -146,6 +145,8 @@ def write(path: str, data: bytes) -> dict[str, Any]:
 
 def save_model(path: str, state: Any) -> dict[str, Any]:
     """``torch.save`` of ``state`` to ``path`` (atomic); its size and checksum."""
+    import torch  # here, not above: a job's spec and the job commands run without torch
+
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return write(path, buffer.getvalue())
@@ -153,6 +154,8 @@ def save_model(path: str, state: Any) -> dict[str, Any]:
 
 def load_model(manifest: Manifest) -> Any:
     """The model state of ``manifest``'s version, its checksum verified (tensors on the CPU)."""
+    import torch
+
     data = _read(manifest.model)
     _check(manifest, MODEL, data)
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

@@ -8,7 +8,8 @@ status and logs, cancel it. The ``antdt`` commands and the Airflow DAG are built
 A job is a :class:`~antdt.jobs.spec.JobSpec`; a job's record is the plain dict of
 :meth:`antdt.jobs.runner.JobRunner.record` (``state``, ``rows``, ``workers``, ``actions``,
 ``run``, ``summary``, ``error``...). Connecting registers the antdt plugins on the scheduler and
-its workers (kept if they are there already, so other jobs go on).
+its workers (kept if they are there already, so other jobs go on), unless the client only reads
+or cancels (``register=False``).
 """
 
 from __future__ import annotations
@@ -21,13 +22,9 @@ import dask.config
 from distributed import Client
 from distributed.security import Security
 
-from antdt import agent, rpc
-from antdt.controller import ControllerPlugin
+from antdt import rpc
 from antdt.errors import JobError
-from antdt.jobs.service import JobService
 from antdt.jobs.spec import JobSpec, JobState
-from antdt.sharding.service import ShardingService
-from antdt.sync.service import SyncService
 
 FINAL = {state.value for state in JobState if state.final}
 WAIT_S = 10.0
@@ -38,6 +35,13 @@ def ensure_plugins(client: Client) -> None:
     """The sharding service, the straggler controller, the sync service and the job service on
     the scheduler (kept if already there, so other jobs' state survives) and the agent plugin on
     every worker, present and future."""
+    # here, not above: their modules need torch, which reading or cancelling a job does not
+    from antdt import agent
+    from antdt.controller import ControllerPlugin
+    from antdt.jobs.service import JobService
+    from antdt.sharding.service import ShardingService
+    from antdt.sync.service import SyncService
+
     for plugin in (ShardingService(), ControllerPlugin(), SyncService(), JobService()):
         plugin.idempotent = True
         client.register_plugin(plugin)
@@ -62,10 +66,13 @@ class JobClient:
     ``address`` is a scheduler address or an existing :class:`~distributed.Client` (not closed
     here); ``security`` its TLS credentials (default: Dask's config, ``distributed.comm.tls``);
     ``timeout`` how long to try to connect (default: ``distributed.comm.timeouts.connect``).
+    ``register=False`` leaves the scheduler as it is, for a client that only reads or cancels
+    (no torch imported here): on a cluster that has never run an antdt job it finds no job.
     """
 
     def __init__(self, address: str | Client | None = None, *,
-                 security: Security | None = None, timeout: str | None = None) -> None:
+                 security: Security | None = None, timeout: str | None = None,
+                 register: bool = True) -> None:
         if isinstance(address, Client):
             self.client, self._owned = address, False
         else:
@@ -74,7 +81,11 @@ class JobClient:
                                  timeout=timeout or dask.config.get(
                                      "distributed.comm.timeouts.connect"))
             self._owned = True
-        ensure_plugins(self.client)
+        if register:
+            ensure_plugins(self.client)
+            self._serving = True
+        else:
+            self._serving = bool(self.client.run_on_scheduler(_serves_jobs))
 
     def __enter__(self) -> JobClient:
         return self
@@ -97,6 +108,8 @@ class JobClient:
 
     def status(self, job_id: str | None = None) -> Any:
         """One job's record, or the records of every job the scheduler knows."""
+        if job_id is None and not self._serving:
+            return []
         reply = self._call("antdt_job_status", job_id=job_id)
         return reply["jobs"] if job_id is None else reply["job"]
 
@@ -144,5 +157,13 @@ class JobClient:
         return self._call("antdt_job_cancel", job_id=job_id, reason=reason)
 
     def _call(self, handler: str, **kwargs: Any) -> dict[str, Any]:
+        if not self._serving:
+            raise JobError(f"unknown job {kwargs.get('job_id')!r}: no antdt job has run on "
+                           "this cluster")
         return rpc.ok(self.client.sync(getattr(self.client.scheduler, handler), **kwargs),
                       error=JobError)
+
+
+def _serves_jobs(dask_scheduler: Any) -> bool:
+    """Whether the scheduler has antdt's job service (run on the scheduler)."""
+    return "antdt_job_status" in dask_scheduler.handlers

@@ -40,13 +40,35 @@ its modules. Defaults come from ``antdt.sync`` in dask config.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from antdt.errors import SyncError
-from antdt.sync.dense import average_dense, check_dense, snapshot_dense
-from antdt.sync.embeddings import EmbeddingDeltaLog, LogEntry, RowSpace
 from antdt.sync.groups import Answer, FinalStep, MemberState, SyncGroup, SyncScheduler
 from antdt.sync.period import DEFAULT_PERIOD, Staleness, SyncPeriod
-from antdt.sync.replica import (PEER_FAILURES, ExchangeReport, LeaderRows, PeerFetch,
-                                PeerPayload, ReplicaSnapshot, ReplicaSync)
+
+if TYPE_CHECKING:
+    from antdt.sync.dense import average_dense, check_dense, snapshot_dense
+    from antdt.sync.embeddings import EmbeddingDeltaLog, LogEntry, RowSpace
+    from antdt.sync.replica import (PEER_FAILURES, ExchangeReport, LeaderRows, PeerFetch,
+                                    PeerPayload, ReplicaSnapshot, ReplicaSync)
+
+_TENSOR_MODULES = {
+    **dict.fromkeys(("average_dense", "check_dense", "snapshot_dense"), "antdt.sync.dense"),
+    **dict.fromkeys(("EmbeddingDeltaLog", "LogEntry", "RowSpace"), "antdt.sync.embeddings"),
+    **dict.fromkeys(("PEER_FAILURES", "ExchangeReport", "LeaderRows", "PeerFetch", "PeerPayload",
+                     "ReplicaSnapshot", "ReplicaSync"), "antdt.sync.replica"),
+}
+"""The names whose modules need torch, imported on first use: a job's spec reads
+:mod:`antdt.sync.period`, and the job commands that only read or cancel run without torch."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _TENSOR_MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "DEFAULT_PERIOD", "PEER_FAILURES", "Answer", "EmbeddingDeltaLog", "ExchangeReport",

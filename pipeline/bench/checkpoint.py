@@ -29,8 +29,9 @@ from antdt.jobs import JobClient, checkpoints
 from data.schema import Schema
 from pipeline.bench import emit, median_of
 from pipeline.bench.jobs import SET_HELP, default_job, echo, with_train
-from pipeline.cluster import connect, job_spec, outcome
+from pipeline.cluster import connect, job_spec
 from pipeline.config import JobConfig
+from pipeline.following import outcome
 from pipeline.local import prepare_data
 from pipeline.recipes import TrainerRecipe
 

@@ -23,9 +23,10 @@ from distributed import Client
 
 from data.synth import generate
 from antdt.jobs import JobClient
-from pipeline.cluster import AgentRecord, connect, job_spec, outcome
+from pipeline.cluster import connect, job_spec
 from pipeline.config import (FaultConfig, JobConfig, Sharding, apply_override, job_from_dict,
                              load_job)
+from pipeline.following import AgentRecord, outcome
 from pipeline.report import JobSummary
 
 logger = logging.getLogger(__name__)

@@ -362,6 +362,26 @@ def test_the_metrics_go_to_another_worker_once_the_runs_worker_left() -> None:
     assert steps and set(steps) == set(range(max(steps) + 1))  # none lost on the way
 
 
+def test_a_reading_client_registers_nothing_and_finds_no_job_before_the_first() -> None:
+    """``register=False`` (the commands that only read or cancel): on a cluster that has never
+    run an antdt job it lists none and knows none; once a registering client connected, it
+    reaches the job service like any other."""
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        reading = JobClient(client, register=False)
+        assert reading.status() == []
+        for call in (lambda: reading.status("daily"), lambda: reading.logs("daily"),
+                     lambda: reading.cancel("daily")):
+            with pytest.raises(JobError, match="unknown job 'daily': no antdt job has run"):
+                call()
+        assert "antdt_job_status" not in client.run_on_scheduler(
+            lambda dask_scheduler: list(dask_scheduler.handlers))
+        JobClient(client)
+        assert JobClient(client, register=False).status() == []
+        with pytest.raises(JobError, match="unknown job 'daily'; jobs here"):
+            JobClient(client, register=False).status("daily")
+
+
 def test_finished_jobs_stay_listed_up_to_the_history_length(jobs: JobClient) -> None:
     with dask.config.set({"antdt.jobs.history": 2}):  # the in-process scheduler reads it
         ids = []

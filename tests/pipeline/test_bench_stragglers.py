@@ -11,7 +11,7 @@ from pipeline.bench.jobs import Outcome
 from pipeline.bench.stragglers import (SCENARIOS, ideal_seconds, median_run, others_rate,
                                        scenario_faults)
 from pipeline.config import FaultConfig
-from pipeline.cluster import AgentRecord
+from pipeline.following import AgentRecord
 from pipeline.report import JobSummary
 
 

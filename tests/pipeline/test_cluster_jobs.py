@@ -170,6 +170,43 @@ def test_two_jobs_at_once_one_cancelled_midway(cluster: DaskProcesses, job_file:
     assert followed_logs == logs
 
 
+LIGHT = """
+import runpy, sys
+sys.argv, code = ["antdt", *sys.argv[1:]], None
+try:
+    runpy.run_path({antdt!r}, run_name="__main__")
+except SystemExit as stop:
+    code = stop.code
+print("heavy:", sorted(name for name in ("torch", "mlflow") if name in sys.modules), code)
+"""
+"""Runs an ``antdt`` command in this process's place, then names the heavy modules it imported
+and its exit status."""
+
+
+@pytest.mark.slow
+def test_status_logs_cancel_and_follow_import_neither_torch_nor_mlflow(
+        cluster: DaskProcesses, job_file: Path, tmp_path: Path) -> None:
+    """The commands that only read, follow or cancel a job start in about a second: they
+    import neither torch nor MLflow, on a job that runs, ends and does not exist."""
+    job_id = f"light-{os.getpid()}"
+    antdt("submit", str(job_file), "--scheduler", cluster.address, "--no-wait", "--job-id",
+          job_id, *paused(3, 512, until="never"), cwd=tmp_path)
+    bounded.until(lambda: status(cluster.address, job_id, tmp_path)["rows"].get("trained", 0)
+                  > 0, "the job trains")
+    script = LIGHT.format(antdt=ANTDT)
+    for args, code, shown in (
+            (["status"], 0, job_id), (["status", job_id, "--json"], 0, f'"job_id": "{job_id}"'),
+            (["logs", job_id], 0, "registered"), (["cancel", job_id], 0, "cancelling job"),
+            (["follow", job_id], 1, "was cancelled"),
+            (["status", "no-such-job"], 2, "unknown job 'no-such-job'")):
+        done = subprocess.run([sys.executable, "-c", script, *args, "--scheduler",
+                               cluster.address], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "COLUMNS": "200"})  # the table
+        *_, last = done.stdout.splitlines()
+        assert last == f"heavy: [] {code}", (args, done.stdout, done.stderr)
+        assert shown in done.stdout + done.stderr, (args, done.stdout, done.stderr)
+
+
 @pytest.mark.slow
 def test_a_bad_job_file_is_refused_before_anything_starts(cluster: DaskProcesses,
                                                          job_file: Path, tmp_path: Path) -> None:
