@@ -67,7 +67,7 @@ class JobClient:
     here); ``security`` its TLS credentials (default: Dask's config, ``distributed.comm.tls``);
     ``timeout`` how long to try to connect (default: ``distributed.comm.timeouts.connect``).
     ``register=False`` leaves the scheduler as it is, for a client that only reads or cancels
-    (no torch imported here): on a cluster that has never run an antdt job it finds no job.
+    (no torch imported here): until a job has run on the cluster it finds none.
     """
 
     def __init__(self, address: str | Client | None = None, *,
@@ -83,9 +83,7 @@ class JobClient:
             self._owned = True
         if register:
             ensure_plugins(self.client)
-            self._serving = True
-        else:
-            self._serving = bool(self.client.run_on_scheduler(_serves_jobs))
+        self._serving = register
 
     def __enter__(self) -> JobClient:
         return self
@@ -108,7 +106,7 @@ class JobClient:
 
     def status(self, job_id: str | None = None) -> Any:
         """One job's record, or the records of every job the scheduler knows."""
-        if job_id is None and not self._serving:
+        if job_id is None and not self._serves_jobs():
             return []
         reply = self._call("antdt_job_status", job_id=job_id)
         return reply["jobs"] if job_id is None else reply["job"]
@@ -156,14 +154,21 @@ class JobClient:
         over)."""
         return self._call("antdt_job_cancel", job_id=job_id, reason=reason)
 
-    def _call(self, handler: str, **kwargs: Any) -> dict[str, Any]:
+    def _serves_jobs(self) -> bool:
+        """Whether the scheduler has antdt's job service (asked until it has: a job another
+        client submits meanwhile registers it)."""
         if not self._serving:
+            self._serving = bool(self.client.run_on_scheduler(_has_job_service))
+        return self._serving
+
+    def _call(self, handler: str, **kwargs: Any) -> dict[str, Any]:
+        if not self._serves_jobs():
             raise JobError(f"unknown job {kwargs.get('job_id')!r}: no antdt job has run on "
                            "this cluster")
         return rpc.ok(self.client.sync(getattr(self.client.scheduler, handler), **kwargs),
                       error=JobError)
 
 
-def _serves_jobs(dask_scheduler: Any) -> bool:
+def _has_job_service(dask_scheduler: Any) -> bool:
     """Whether the scheduler has antdt's job service (run on the scheduler)."""
     return "antdt_job_status" in dask_scheduler.handlers
