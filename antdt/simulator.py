@@ -124,9 +124,9 @@ MIXES: dict[str, Mix] = {
 @dataclass(frozen=True)
 class Scenario:
     """A simulated job: ``shards`` shards of ``shard_rows`` rows on ``workers`` workers training
-    ``rate`` rows/s nominally. ``commit_s``, ``claim_intervals`` and ``tick_s`` default to the
-    dask config (``antdt.sharding.commit-interval``, ``claim-intervals``,
-    ``antdt.controller.interval``)."""
+    ``rate`` rows/s nominally. ``commit_s``, ``claim_intervals``, ``tick_s`` and ``guided_end``
+    default to the dask config (``antdt.sharding.commit-interval``, ``claim-intervals``,
+    ``antdt.controller.interval``, ``antdt.sharding.guided-end``)."""
 
     workers: int
     shards: int
@@ -138,6 +138,7 @@ class Scenario:
     commit_s: float | None = None
     claim_intervals: float | None = None
     tick_s: float | None = None
+    guided_end: bool | None = None
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.shards < 1 or self.shard_rows < 1 or self.batch_rows < 1 \
@@ -154,7 +155,9 @@ class Scenario:
             claim_intervals=config.number("antdt.sharding.claim-intervals", low=0.0)
             if self.claim_intervals is None else self.claim_intervals,
             tick_s=config.seconds("antdt.controller.interval")
-            if self.tick_s is None else self.tick_s)
+            if self.tick_s is None else self.tick_s,
+            guided_end=config.flag("antdt.sharding.guided-end")
+            if self.guided_end is None else self.guided_end)
 
     @property
     def total_rows(self) -> int:
@@ -362,7 +365,7 @@ class _Dynamic:
         self.ledger = ShardLedger(row_groups, shard_rows=scenario.shard_rows,
                                   batch_rows=scenario.batch_rows, clock=self.clock,
                                   max_claim_rows=scenario.shard_rows, job="sim",
-                                  seed=scenario.seed)
+                                  seed=scenario.seed, guided_end=bool(scenario.guided_end))
         self.first_group = {path: g for g, (path, number, _) in enumerate(row_groups)
                             if number == 0}
         self.workers = [_Worker(i, 0, profile, 0.0) for i, profile in enumerate(workers)]

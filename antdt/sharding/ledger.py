@@ -50,6 +50,16 @@ commits. Commits are idempotent (the same offsets twice change nothing); an offs
 backwards or beyond the claim, a synced offset beyond the offset, or a wrong token raises
 :class:`~antdt.errors.LedgerError` and changes nothing.
 
+The job's end
+-------------
+Whole shards would leave the job's end to chance: the worker that takes the last shard trains
+it alone while the others wait, up to a shard's time. Once the rows left come to less than two
+shards per leasing worker, a lease takes at most half an even share of them (whole batches, at
+least one; the rest of its piece stays at the queue front), so leases shrink towards one batch
+as the rows run out and the workers finish within about a batch of each other (guided
+self-scheduling). A single worker, a static ledger and one made with ``guided_end=False``
+lease whole pieces to the end.
+
 Paced workers
 -------------
 The controller may **pace** a worker it knows to be slow (:meth:`ShardLedger.pace`): its leases
@@ -189,8 +199,10 @@ class ShardLedger:
     def __init__(self, row_groups: Sequence[RowGroup], *, shard_rows: int, batch_rows: int,
                  clock: Clock, epochs: int = 1, seed: int = 0,
                  quarantine: Sequence[QuarantineSpec] = (), max_claim_rows: int | None = None,
-                 job: str = "job", static: int | None = None) -> None:
+                 job: str = "job", static: int | None = None, guided_end: bool = True) -> None:
         self.job = job
+        self.guided_end = guided_end
+        """Shrink the last leases so the workers finish together (module docstring)."""
         self.static = None if static is None else _check_int("static", static, 1, 1_000_000)
         """Slots of the static baseline, or None: dynamic leasing (module docstring)."""
         self.shard_rows = _check_int("shard_rows", shard_rows, 1, 2**31 - 1)
@@ -284,6 +296,7 @@ class ShardLedger:
         self._slot_of: dict[str, _StaticSlot] = {}
         self._perms: dict[int, np.ndarray] = {}
         self._paces: dict[str, int] = {}
+        self._leasing: dict[str, None] = {}  # workers that leased and were not removed
 
         self.rows_expected = self.total_rows * self.epochs
         self.rows_quarantined = sum(r.rows for r in self._records)
@@ -377,9 +390,12 @@ class ShardLedger:
             return Stop("finished") if self.state is JobState.FINISHED \
                 else Wait(self.rows_unsynced)
         epoch, shard, start, stop = piece
-        if pace is not None and stop - start > pace:
-            self._push_front([(epoch, shard, start + pace, stop)], worker)
-            stop = start + pace
+        self._leasing[worker] = None
+        most = min((rows for rows in (pace, self._tail_rows()) if rows is not None),
+                   default=None)
+        if most is not None and stop - start > most:
+            self._push_front([(epoch, shard, start + most, stop)], worker)
+            stop = start + most
         now = self._clock()
         lease_id = self._next_id
         self._next_id += 1
@@ -516,6 +532,7 @@ class ShardLedger:
         ids = sorted(self._by_worker.get(worker, ()), reverse=True)
         requeued = sum(self._requeue_lease(self._leases[i]) for i in ids)
         self._paces.pop(worker, None)
+        self._leasing.pop(worker, None)
         slot = self._slot_of.pop(worker, None)
         if slot is not None:
             slot.worker = None
@@ -675,6 +692,23 @@ class ShardLedger:
         batches = max(1, -(-claim_rows // self.batch_rows))
         most = min(self.max_claim_rows, self._paces.get(worker, self.max_claim_rows))
         return max(self.batch_rows, min(batches * self.batch_rows, most))
+
+    def _tail_rows(self) -> int | None:
+        """The most rows a new lease may hold as the job's rows run out: half an even share of
+        the rows left among the leasing workers (those not paced to nothing), in whole batches,
+        at least one; None while that is a shard or more, or with fewer than two such workers
+        (and in a static ledger). Leases then shrink towards one batch, so the workers run out
+        of rows within about a batch of each other instead of one shard (guided
+        self-scheduling, in its "factoring" form)."""
+        if self.static is not None or not self.guided_end:
+            return None
+        workers = sum(1 for worker in self._leasing if self._paces.get(worker) != 0)
+        if workers < 2:
+            return None
+        share = -(-self.rows_todo // (2 * workers))
+        if share >= self.shard_rows:
+            return None
+        return max(1, -(-share // self.batch_rows)) * self.batch_rows
 
     def _known(self, lease_id: int) -> _LiveLease:
         if isinstance(lease_id, bool) or not isinstance(lease_id, int):

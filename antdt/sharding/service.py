@@ -159,7 +159,8 @@ class ShardingService(SchedulerPlugin):
                               f" reason), found {type(quarantine).__name__}")
         ledger = ShardLedger(row_groups, shard_rows=shard_rows, batch_rows=batch_rows,
                              clock=time, epochs=epochs, seed=seed, quarantine=quarantine or (),
-                             max_claim_rows=max_claim_rows, job=job, static=static)
+                             max_claim_rows=max_claim_rows, job=job, static=static,
+                             guided_end=config.flag("antdt.sharding.guided-end"))
         self._add(job, ledger)
         logger.info("job %s registered: %d shards, %d rows x %d epochs, %d quarantined", job,
                     ledger.num_shards, ledger.total_rows, ledger.epochs, ledger.rows_quarantined)
@@ -213,6 +214,7 @@ class ShardingService(SchedulerPlugin):
             raise LedgerError(f"job {job!r} is already registered; forget it before restoring")
         ledger = ShardLedger.from_bytes(data, clock=time)
         ledger.job = job
+        ledger.guided_end = config.flag("antdt.sharding.guided-end")
         self._add(job, ledger)
         return ledger
 

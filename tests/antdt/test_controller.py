@@ -36,10 +36,11 @@ class Rig:
     once a second (claiming two seconds ahead); the controller ticks every second."""
 
     def __init__(self, workers: str, policies: list[ControllerPolicy], *, rows: int = 1000,
-                 shard_rows: int = 100, batch_rows: int = 10, min_workers: int = 1) -> None:
+                 shard_rows: int = 100, batch_rows: int = 10, min_workers: int = 1,
+                 guided_end: bool = True) -> None:
         self.clock = Clock()
         self.ledger = ShardLedger([("f.parquet", 0, rows)], shard_rows=shard_rows,
-                                  batch_rows=batch_rows, clock=self.clock)
+                                  batch_rows=batch_rows, clock=self.clock, guided_end=guided_end)
         self.monitor = Monitor(self.clock, batch_rows=batch_rows, settings=SETTINGS)
         self.ledger.subscribe(self.monitor.observe)
         self.workers = set(workers)
@@ -142,17 +143,20 @@ def test_straggler_rows_are_reassigned_with_evidence() -> None:
 
 
 def test_tail_is_split_so_the_job_ends_sooner() -> None:
-    def makespan(policies: list[ControllerPolicy]) -> tuple[float, Rig]:
-        rig = Rig("abcd", policies, rows=400)
+    """A 10x straggler's whole shard holds the job's end; the SplitTail policy cuts it, and so
+    does the ledger's guided end on its own (it never deals the straggler a whole shard)."""
+    def makespan(policies: list[ControllerPolicy], guided_end: bool) -> tuple[float, Rig]:
+        rig = Rig("abcd", policies, rows=400, guided_end=guided_end)
         rig.run(200, {"a": 20, "b": 20, "c": 20, "d": 2})
         assert rig.ledger.state is JobState.FINISHED and rig.ledger.rows_done == 400
         assert set(rig.trained.values()) == {1} and len(rig.trained) == 400
         return rig.clock.now, rig
 
-    plain, _ = makespan([])
-    split, rig = makespan([SplitTail()])
+    plain, _ = makespan([], guided_end=False)
+    guided, _ = makespan([], guided_end=True)
+    split, rig = makespan([SplitTail()], guided_end=False)
     assert plain == 50.0
-    assert split <= 15.0
+    assert split <= 15.0 and guided <= 15.0
     first = rig.applied[0]
     assert first["action"] == "split" and first["worker"] == "d" and first["parts"] == 8
     assert first["time"] == 10.0  # the first window gave the rates
@@ -221,7 +225,8 @@ class Propose(ControllerPolicy):
 
 def test_conflicts_are_resolved_before_anything_is_applied() -> None:
     clock = Clock()
-    ledger = ShardLedger([("f.parquet", 0, 300)], shard_rows=100, batch_rows=10, clock=clock)
+    ledger = ShardLedger([("f.parquet", 0, 300)], shard_rows=100, batch_rows=10, clock=clock,
+                         guided_end=False)  # whole shards: b's lease has 100 rows to split
     held = {w: ledger.lease(w) for w in "abc"}
     status = {w: ledger.lease_status(lease.lease_id) for w, lease in held.items()}
     why = Evidence("test")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import dask
 import pytest
 from distributed import Client, Scheduler, Worker, get_worker
 from distributed.utils import sync
@@ -85,8 +86,9 @@ async def register(c: Client, s: Scheduler, **kwargs: Any) -> ShardingService:
 @gen_cluster(client=True)
 async def test_commits_are_batched_to_about_one_rpc_per_second(c: Client, s: Scheduler,
                                                                a: Worker, b: Worker) -> None:
-    await register(c, s, row_groups=[["f", g, 2000] for g in range(4)], shard_rows=1000,
-                   batch_rows=10, max_claim_rows=1000)
+    with dask.config.set({"antdt.sharding.guided-end": False}):  # a lease per shard to the end
+        await register(c, s, row_groups=[["f", g, 2000] for g in range(4)], shard_rows=1000,
+                       batch_rows=10, max_claim_rows=1000)
     futures = [c.submit(agent, "j", 10, 0.01, workers=[w.address], pure=False)
                for w in (a, b)]
     results = await c.gather(futures)

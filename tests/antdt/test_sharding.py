@@ -115,6 +115,41 @@ def test_claims_grow_by_whole_batches_capped() -> None:
         make(batch_rows=4, max_claim_rows=3)
 
 
+def test_the_last_leases_shrink_so_the_workers_run_out_of_rows_together() -> None:
+    """Two workers at 1 row/s take 100 rows in shards of 20: with whole shards to the end one
+    of them trains the last shard alone (60 s against 40 s); with the guided end (the default)
+    the last leases shrink towards one batch and both are done at 50 s. A lone worker leases
+    whole shards to the end."""
+    def finish_times(guided_end: bool) -> tuple[dict[str, float], list[int]]:
+        ledger = make(row_groups=[("f", 0, 100)], shard_rows=20, batch_rows=2,
+                      guided_end=guided_end)
+        free = {"a": 0.0, "b": 0.0}  # when each worker asks for its next lease
+        done: dict[str, float] = {}
+        rows: Counter = Counter()
+        sizes = []
+        while free:
+            worker = min(free, key=lambda w: (free[w], w))
+            lease = ledger.lease(worker)
+            if not isinstance(lease, Lease):
+                done[worker] = free.pop(worker)
+                continue
+            sizes.append(lease.stop - lease.start)
+            train_lease(ledger, lease, rows)
+            free[worker] += lease.stop - lease.start
+        assert ledger.state is JobState.FINISHED and len(rows) == 100
+        assert set(rows.values()) == {1}
+        ledger.check_invariants()
+        return done, sizes
+
+    assert finish_times(guided_end=False)[0] == {"a": 60.0, "b": 40.0}
+    done, sizes = finish_times(guided_end=True)
+    assert done == {"a": 50.0, "b": 50.0}
+    assert sizes[:2] == [20, 20] and all(size % 2 == 0 for size in sizes) and sizes[-1] == 2
+    lone = make(row_groups=[("f", 0, 100)], shard_rows=20, batch_rows=2)
+    leases = [lone.lease("w") for _ in range(5)]
+    assert [lease.stop - lease.start for lease in leases if isinstance(lease, Lease)] == [20] * 5
+
+
 def test_commit_is_idempotent_and_bad_commits_change_nothing() -> None:
     ledger = make(row_groups=[("f", 0, 22)])
     lease = ledger.lease("w")
@@ -142,7 +177,7 @@ def test_commit_is_idempotent_and_bad_commits_change_nothing() -> None:
 
 
 def test_revoke_moves_only_unclaimed_rows_to_the_front() -> None:
-    ledger = make(row_groups=[("f", 0, 20)], shard_rows=20, batch_rows=2)
+    ledger = make(row_groups=[("f", 0, 20)], shard_rows=20, batch_rows=2, guided_end=False)
     lease = ledger.lease("slow")
     assert isinstance(lease, Lease)
     assert ledger.commit(lease.lease_id, lease.token, 2, 2) == Claim(lease.lease_id, 4)
@@ -158,7 +193,7 @@ def test_revoke_moves_only_unclaimed_rows_to_the_front() -> None:
 
 
 def test_split_keeps_the_first_part_and_queues_the_rest_in_order() -> None:
-    ledger = make(row_groups=[("f", 0, 30)], shard_rows=30, batch_rows=2)
+    ledger = make(row_groups=[("f", 0, 30)], shard_rows=30, batch_rows=2, guided_end=False)
     lease = ledger.lease("w")
     assert isinstance(lease, Lease)
     pieces = ledger.split(lease.lease_id, 3)
@@ -176,7 +211,8 @@ def test_split_keeps_the_first_part_and_queues_the_rest_in_order() -> None:
 
 
 def test_a_paced_worker_leases_at_most_its_pace_and_none_at_zero() -> None:
-    ledger = make(row_groups=[("a", 0, 12)], shard_rows=12, batch_rows=2, max_claim_rows=8)
+    ledger = make(row_groups=[("a", 0, 12)], shard_rows=12, batch_rows=2, max_claim_rows=8,
+                  guided_end=False)
     ledger.pace("slow", 4)
     lease = ledger.lease("slow", claim_rows=8)
     assert isinstance(lease, Lease) and (lease.start, lease.stop, lease.claim_stop) == (0, 4, 4)
