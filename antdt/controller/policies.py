@@ -34,6 +34,8 @@ class Tick:
         self.batch_sizes = batch_sizes
         self.flagged = monitor.flagged()
         self._leases: list[LeaseStatus] | None = None
+        self._capacity: float | None = None
+        self._leased_left: int | None = None
 
     @property
     def tail(self) -> bool:
@@ -55,9 +57,18 @@ class Tick:
         return rate if rate is not None else self.monitor.median_rate
 
     def capacity(self, without: str | None = None) -> float:
-        """The workers' summed rows/s (:meth:`rate`), ``without`` one of them if given."""
-        return sum(rate for w in self.workers
-                   if w != without and (rate := self.rate(w)) is not None)
+        """The workers' summed rows/s (:meth:`rate`), ``without`` one of them if given (the
+        sum is taken once per tick)."""
+        if self._capacity is None:
+            self._capacity = sum(rate for w in self.workers if (rate := self.rate(w)) is not None)
+        rate = self.rate(without) if without is not None and without in self.workers else None
+        return self._capacity - rate if rate is not None else self._capacity
+
+    def leased_left(self) -> int:
+        """Rows of the live leases not trained yet (taken once per tick)."""
+        if self._leased_left is None:
+            self._leased_left = sum(lease.stop - lease.offset for lease in self.leases())
+        return self._leased_left
 
 
 class ControllerPolicy(abc.ABC):
@@ -120,8 +131,8 @@ class RetireHung(ControllerPolicy):
         if capacity <= 0:
             return None
         held = sum(lease.claim_stop - lease.synced for lease in tick.leases(worker))
-        rest = tick.ledger.rows_todo + sum(lease.stop - lease.offset for lease in tick.leases()
-                                           if lease.worker != worker)
+        rest = tick.ledger.rows_todo + tick.leased_left() - sum(
+            lease.stop - lease.offset for lease in tick.leases(worker))
         left_s, held_s = rest / capacity, held / capacity
         if left_s > held_s + self.lead_s:
             return None

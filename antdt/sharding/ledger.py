@@ -23,8 +23,9 @@ Every row of every epoch is in exactly one place::
     QUARANTINED  rows that could not be read (at registration or reported by a lease holder),
                  each with a :class:`QuarantineRecord` naming file, row group and reason
 
-Leasing pops the queue front (a deque) or advances the epoch cursor: O(1). Nothing scans all
-shards or all workers: a commit, revoke or split touches one lease; removing a worker touches its
+Leasing pops the queue front (a deque) or advances the epoch cursor: O(1) (near the job's end
+it also counts the leasing workers among those paced to no rows). Nothing scans all shards or
+all workers: a commit, revoke or split touches one lease; removing a worker touches its
 own leases (a dict per worker). Starting an epoch draws its permutation, O(shards) once per epoch.
 Per-shard state is two int32 numpy arrays plus the current epoch's int32 permutation (12 bytes a
 shard); paths are interned (row groups store a file index).
@@ -297,6 +298,7 @@ class ShardLedger:
         self._perms: dict[int, np.ndarray] = {}
         self._paces: dict[str, int] = {}
         self._leasing: dict[str, None] = {}  # workers that leased and were not removed
+        self._paced_out: set[str] = set()  # workers paced to no rows
 
         self.rows_expected = self.total_rows * self.epochs
         self.rows_quarantined = sum(r.rows for r in self._records)
@@ -519,12 +521,17 @@ class ShardLedger:
         lease, and its leases are revoked at their next commit); None lifts the pace."""
         if rows is None:
             self._paces.pop(worker, None)
+            self._paced_out.discard(worker)
             return
         rows = _check_int(f"pace of {worker}", rows, 0, 2**31 - 1)
         if rows % self.batch_rows:
             raise LedgerError(f"job {self.job!r}: the pace of {worker} must be whole batches of "
                               f"{self.batch_rows} rows, found {rows}")
         self._paces[worker] = rows
+        if rows:
+            self._paced_out.discard(worker)
+        else:
+            self._paced_out.add(worker)
 
     def remove_worker(self, worker: str) -> int:
         """The worker is gone: rows ``[synced, stop)`` of each of its leases go back to the queue
@@ -532,6 +539,7 @@ class ShardLedger:
         ids = sorted(self._by_worker.get(worker, ()), reverse=True)
         requeued = sum(self._requeue_lease(self._leases[i]) for i in ids)
         self._paces.pop(worker, None)
+        self._paced_out.discard(worker)
         self._leasing.pop(worker, None)
         slot = self._slot_of.pop(worker, None)
         if slot is not None:
@@ -700,12 +708,15 @@ class ShardLedger:
         (and in a static ledger). Leases then shrink towards one batch, so the workers run out
         of rows within about a batch of each other instead of one shard (guided
         self-scheduling, in its "factoring" form)."""
-        if self.static is not None or not self.guided_end:
-            return None
-        workers = sum(1 for worker in self._leasing if self._paces.get(worker) != 0)
+        todo = self.rows_todo
+        if self.static is not None or not self.guided_end \
+                or todo >= 2 * len(self._leasing) * self.shard_rows:
+            return None  # O(1) until the end nears: then O(paced workers)
+        workers = len(self._leasing) - sum(1 for worker in self._paced_out
+                                           if worker in self._leasing)
         if workers < 2:
             return None
-        share = -(-self.rows_todo // (2 * workers))
+        share = -(-todo // (2 * workers))
         if share >= self.shard_rows:
             return None
         return max(1, -(-share // self.batch_rows)) * self.batch_rows
