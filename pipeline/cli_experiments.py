@@ -12,11 +12,10 @@ import sys
 from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from pipeline.cli_jobs import Cluster, cluster_options
-from pipeline.terminal import progress_bar
+from pipeline.terminal import print_whole, progress_bar
 
 if TYPE_CHECKING:
     from pipeline.sweep import SweepResult
@@ -45,7 +44,6 @@ def compare(experiment: str | None, run_ids: str | None, last: int | None, metri
     run trained, lost, duplicated or quarantined (a better model that saw less data stands
     out)."""
     import mlflow
-    from rich.measure import Measurement
 
     from pipeline import compare as comparing
     from pipeline.terminal import stderr
@@ -60,13 +58,8 @@ def compare(experiment: str | None, run_ids: str | None, last: int | None, metri
     elif not comparison.runs:
         click.echo(f"no runs in {comparison.title} ({comparison.store})")
     else:
-        console = Console()
-        shown = comparing.table(comparison)
-        if not console.is_terminal:  # a pipe or a file: the whole table, never folded
-            wide = console.options.update_width(10_000)
-            console.width = max(console.width, Measurement.get(console, wide, shown).maximum)
-        console.print(shown)
-        console.print(comparing.legend(comparison), highlight=False, markup=False)
+        print_whole(comparing.table(comparison))
+        click.echo(comparing.legend(comparison))
     if plot_path is not None:
         if not comparison.runs:
             stderr.print(f"no plot: no runs in {comparison.title}", highlight=False)
@@ -164,7 +157,7 @@ def sweep(job_path: str, grid_specs: tuple[str, ...], sample: int | None, seed: 
     if as_json:
         click.echo(json.dumps(result.to_dict(), sort_keys=True))
     else:
-        Console().print(sweep_table(result))
+        print_whole(sweep_table(result))
         for line in sweep_lines(result):
             click.echo(line)
     if result.best is None:

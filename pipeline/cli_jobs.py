@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 import dask.config
-from rich.console import Console
 from rich.table import Table
 
 from antdt.errors import AntdtError
-from pipeline.terminal import progress_bar, stderr
+from pipeline.terminal import print_whole, progress_bar, stderr
 
 if TYPE_CHECKING:
     from antdt.jobs import JobSpec
@@ -239,12 +238,10 @@ def status(job_id: str | None, cluster: Cluster, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(found, sort_keys=True, default=str))
         return
-    console = Console()
     if job_id is None:
-        console.print(jobs_table(found) if found else "no jobs on this cluster")
+        print_whole(jobs_table(found) if found else "no jobs on this cluster")
         return
-    for renderable in job_details(found):
-        console.print(renderable)
+    print_whole(*job_details(found))
 
 
 @click.command()

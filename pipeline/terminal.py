@@ -23,8 +23,9 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.logging import RichHandler
+from rich.measure import Measurement
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 
@@ -92,3 +93,16 @@ def progress_bar(description: str, total: int | None = None, *, enabled: bool = 
                TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=stderr, disable=not enabled) as progress:
         yield _Bar(progress, progress.add_task(description, total=total))
+
+
+def print_whole(*renderables: RenderableType) -> None:
+    """Print ``renderables`` (tables, text) to stdout: on a terminal at its width; to a pipe or a
+    file as wide as the widest of them needs, so that no table row or line is folded (rich
+    would fold them at 80 columns there, and a job id split over two lines defeats ``grep``)."""
+    console = Console()
+    if not console.is_terminal:
+        wide = console.options.update_width(10_000)
+        console.width = max(console.width, *(Measurement.get(console, wide, r).maximum
+                                             for r in renderables))
+    for renderable in renderables:
+        console.print(renderable)

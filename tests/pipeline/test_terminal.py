@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from rich.table import Table
 
 from pipeline.report import JobSummary
-from pipeline.terminal import QUIET_ENVIRONMENT
+from pipeline.terminal import QUIET_ENVIRONMENT, print_whole
 
 ANTDT = str(Path(sys.executable).parent / "antdt")
 BAR = re.compile(r"^training \((async|local)\) .*\d+/\d+ +\d+:\d\d:\d\d +(\d+:\d\d:\d\d|-:--:--)$")
@@ -74,3 +75,24 @@ def test_the_next_steps_name_a_server_run_page_and_hide_a_password() -> None:
     assert summary.lines()[-3:] == [
         "", "next", "  the run   open http://ann:***@mlflow.example:5000/#/experiments/7/runs/r1"]
     assert "tracking_uri" in summary.to_json() and "experiment_id" not in summary.metrics()
+
+
+def test_a_table_printed_to_a_pipe_is_never_folded(capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Piped (``antdt status | grep``), a table is as wide as its longest row needs, not 80
+    columns, so every row stays on one line; the lines of text beside it stay whole too."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    table = Table(title="antdt jobs")
+    for column in ("job", "name", "state", "MLflow run", "submitted"):
+        table.add_column(column)
+    rows = [(f"job-{i}-{'x' * 20}", "ranking-daily", "running", f"{i:032x}",
+             "2026-11-27 14:00:00") for i in range(3)]
+    for row in rows:
+        table.add_row(*row)
+    line = "; ".join(["rows done 1,000/2,000 (epoch 0: 1,000)"] * 4)
+    print_whole(line, table)
+    shown = capsys.readouterr().out.splitlines()
+    assert shown[0] == line
+    for row in rows:
+        assert [text for text in shown if row[0] in text and row[3] in text], (row, shown)
+    assert max(map(len, shown)) > 80
