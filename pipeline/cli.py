@@ -65,13 +65,13 @@ def data_synth(out: str, rows: int, days: int, seed: int, row_group_rows: int,
     with progress_bar("synthesising rows", rows, enabled=not as_json) as bar:
         result = generate(out, rows=rows, days=days, seed=seed, row_group_rows=row_group_rows,
                           files_per_day=files_per_day, progress=bar.advance)
-    summary = {"out": out, "rows": result.rows, "files": len(result.files),
-               "oracle_auc": {d: v["auc"] for d, v in result.oracle["per_day"].items()}}
+    oracle_auc = {d: v["auc"] for d, v in result.oracle["per_day"].items()}
     if as_json:
-        click.echo(json.dumps(summary, sort_keys=True))
+        click.echo(json.dumps({"out": out, "rows": result.rows, "files": len(result.files),
+                               "oracle_auc": oracle_auc}, sort_keys=True))
     else:
         click.echo(f"wrote {result.rows:,} rows in {len(result.files)} files to {out}")
-        for day, auc in summary["oracle_auc"].items():
+        for day, auc in oracle_auc.items():
             click.echo(f"  {day}: oracle AUC {auc:.4f}")
 
 

@@ -19,6 +19,7 @@ import torch
 import yaml
 from mlflow.models import ModelSignature
 from mlflow.models.model import ModelInfo
+from mlflow.pyfunc.model import PythonModel, PythonModelContext
 from mlflow.types.schema import AnyType, ColSpec, DataType, TensorSpec
 from mlflow.types.schema import Schema as MlflowSchema
 
@@ -34,10 +35,10 @@ from pipeline.config import JobConfig
 EXAMPLE_ROWS = 5
 
 
-class RankingModel(mlflow.pyfunc.PythonModel):  # type: ignore[misc]
+class RankingModel(PythonModel):
     """Scores a DataFrame of raw feature columns; returns click probabilities, shape ``(rows,)``."""
 
-    def load_context(self, context: mlflow.pyfunc.PythonModelContext) -> None:
+    def load_context(self, context: PythonModelContext) -> None:
         spec = yaml.safe_load(Path(context.artifacts["spec"]).read_text())
         self.schema = Schema.from_dict(spec["schema"], source="logged model schema")
         model_cfg = ModelConfig.from_dict(spec["model"], where="logged model")
@@ -46,7 +47,7 @@ class RankingModel(mlflow.pyfunc.PythonModel):  # type: ignore[misc]
         weights = torch.load(context.artifacts["weights"], map_location="cpu", weights_only=True)
         self.step.model.load_state_dict(weights)
 
-    def predict(self, context: mlflow.pyfunc.PythonModelContext, model_input: pd.DataFrame,
+    def predict(self, context: PythonModelContext, model_input: pd.DataFrame,
                 params: dict[str, Any] | None = None) -> np.ndarray:
         return score_frame(self.step, self.schema, model_input)
 
@@ -93,7 +94,7 @@ def input_schema(frame: pd.DataFrame) -> MlflowSchema:
     float64, so no single MLflow type accepts every valid input; ``score_frame`` checks those
     columns itself and names the column when a value is not an integer.
     """
-    specs = []
+    specs: list[ColSpec | TensorSpec] = []
     for name, dtype in frame.dtypes.items():
         kind: DataType | AnyType
         if pd.api.types.is_float_dtype(dtype):

@@ -141,16 +141,16 @@ def plan_trials(job_path: str, overrides: Sequence[str], grid: Grid, *,
             except ConfigError as exc:
                 raise ConfigError(f"--grid {key}={value}: {exc}") from exc
     trials = []
-    for index, values in enumerate(grid.trials(sample, seed)):
+    for index, chosen in enumerate(grid.trials(sample, seed)):
         try:
-            job = load_job(job_path, [*overrides, *(f"{k}={v}" for k, v in values.items())])
+            job = load_job(job_path, [*overrides, *(f"{k}={v}" for k, v in chosen.items())])
         except ConfigError as exc:
-            shown = ", ".join(f"{k}={v}" for k, v in values.items())
+            shown = ", ".join(f"{k}={v}" for k, v in chosen.items())
             raise ConfigError(f"--grid {shown}: {exc}") from exc
         # trials never register a model (see the module docstring)
         job = replace(job, mlflow=replace(job.mlflow, registered_model=None))
         width = 1 if job.train.mode == "local" else job.train.workers
-        trials.append(Trial(index, values, job, width))
+        trials.append(Trial(index, chosen, job, width))
     return trials
 
 

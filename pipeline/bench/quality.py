@@ -30,18 +30,19 @@ def async_runs(job: JobConfig, count: int, repeats: int, reference_auc: float, e
     median and worst gap, and whether every run is within ``tolerance`` with every row trained
     once."""
     runs = []
+    gaps = []
     for repeat in range(repeats):
         echo(f"async with {count} workers (run {repeat + 1}/{repeats})", quiet)
         summary = run_async(with_train(job, mode="async"), count).summary
+        gaps.append(round(reference_auc - summary.auc, 4))
         runs.append({
-            "auc": round(summary.auc, 4), "gap": round(reference_auc - summary.auc, 4),
+            "auc": round(summary.auc, 4), "gap": gaps[-1],
             "samples_per_s": round(summary.samples_per_s), "train_s": round(summary.train_s, 1),
             "rows_trained": summary.rows_trained, "rows_lost": summary.rows_lost,
             "rows_duplicated": summary.rows_duplicated, "run_id": summary.run_id,
             "passed": summary.auc >= reference_auc - tolerance
             and summary.rows_trained == expected and summary.rows_lost == 0
             and summary.rows_duplicated == 0})
-    gaps = [run["gap"] for run in runs]
     return {"workers": count, "median_gap": round(statistics.median(gaps), 4),
             "worst_gap": max(gaps), "passed": all(run["passed"] for run in runs),
             "runs": runs}
