@@ -85,7 +85,9 @@ class TrainStep:
             self.model = build_model(schema, model_cfg, optim_cfg, self.device)
         for table in {t.untyped_storage().data_ptr(): t
                       for t in embedding_tables(self.model).values()}.values():
-            huge_pages(table)  # rows are looked up, updated and synced at random
+            # Rows are looked up, updated and synced at random. Marked only: moving them now
+            # would hold up the start; the async mode's sync thread moves them between rounds.
+            huge_pages(table, collapse=False)
         self.dense_optimizer = _dense_optimizer(
             [p for _, p in dense_parameters(self.model)], optim_cfg, self.device)
         self.rows_trained = 0

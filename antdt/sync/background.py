@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 from distributed import Worker, get_worker
@@ -451,9 +451,13 @@ class BackgroundSync:
             self._hurry.set()
 
     def _run(self) -> None:
+        pages = self.replica.page_steps()
         try:
             while True:
-                self._hurry.wait(self.period.seconds)  # None (in batches): until batch_done
+                due = None if self.period.seconds is None else time() + self.period.seconds
+                self._move_pages(pages, due)
+                # in batches (due None): until batch_done wakes it
+                self._hurry.wait(None if due is None else max(0.0, due - time()))
                 self._hurry.clear()
                 if self._stop.is_set():
                     break
@@ -471,6 +475,13 @@ class BackgroundSync:
             logger.error("sync thread of job %s failed", self.job, exc_info=True)
             self._error = exc
             self.staleness.release()
+
+    def _move_pages(self, pages: Iterator[int], due: float | None) -> None:
+        """Take steps of moving the replica onto huge pages until a round is due (woken, or at
+        ``due``) or none are left: a step is a few ms, a round waits for one at most."""
+        while not self._hurry.is_set() and (due is None or time() < due):
+            if next(pages, None) is None:
+                return
 
     def _halt(self) -> None:
         self.replica.drop_cut()

@@ -42,7 +42,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from antdt.device import huge_pages
+from antdt.device import collapse_steps, huge_pages
 from antdt.errors import SyncError
 from antdt.sync import kernels
 
@@ -236,7 +236,7 @@ class EmbeddingDeltaLog:
         if self.delta_dtype != self.space.dtype:
             self._owed = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
         self._base = self.space.concat()
-        huge_pages(self._base)  # a round gathers and scatters its rows at random
+        huge_pages(self._base, collapse=False)  # a round gathers and scatters rows at random
         self._touched = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
         self._touched_tables = self.space.split(self._touched)
         self._changed = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
@@ -251,6 +251,11 @@ class EmbeddingDeltaLog:
         self._dropped_seq = 0
         self._cursors: dict[str, int] = {peer: 0 for peer in peers}
         self._applied: dict[str, int] = {}
+
+    def page_steps(self) -> Iterator[int]:
+        """Move the tables and the base onto huge pages a few MB at a time
+        (:func:`antdt.device.collapse_steps`); the caller takes the steps between rounds."""
+        return collapse_steps([*self.tables.values(), self._base])
 
     # -- own deltas ------------------------------------------------------------------------
     def touch(self, table: str, ids: torch.Tensor) -> None:

@@ -235,6 +235,12 @@ class ReplicaSync:
         """Training progress as last reported by :meth:`touch`."""
         return self._rows_offset
 
+    def page_steps(self) -> Iterator[int]:
+        """Steps that move the tables and the log's base onto huge pages
+        (:meth:`EmbeddingDeltaLog.page_steps`): :class:`BackgroundSync` takes them between
+        rounds, off the training thread and off the job's start."""
+        return self.log.page_steps()
+
     def touch(self, ids: Mapping[str, torch.Tensor], rows_offset: int) -> None:
         """After a training step: rows ``ids[table]`` (``(k,)`` int64) changed; ``rows_offset``
         rows are now trained.

@@ -13,7 +13,8 @@ import distributed  # importing it puts its defaults (distributed.nanny.*) in da
 import pytest
 import torch
 
-from antdt.device import HUGE_PAGE, huge_pages, pick_device
+from antdt.device import HUGE_PAGE, collapse_steps, huge_pages, pick_device
+from pages import huge_bytes_at, kernel_collapses, on_huge_pages
 
 # Run in a fresh interpreter: whether an 8 MB malloc is served by a fresh mmap (glibc counts
 # those in mallinfo2().hblks) before and after tune_allocator().
@@ -60,19 +61,6 @@ def test_tune_allocator_undoes_the_dask_nannys_malloc_trim_threshold() -> None:
     assert out == ["1", "True", "0"], out
 
 
-def huge_bytes_at(address: int) -> int:
-    """Bytes of huge pages in this process's mapping that holds ``address`` (/proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        first = line.split()[0]
-        if "-" in first and ":" not in first:
-            low, high = (int(part, 16) for part in first.split("-"))
-            inside = low <= address < high
-        elif inside and first == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise(2) only")
 def test_huge_pages_back_a_table_where_the_kernel_has_them() -> None:
     table = torch.randn((6 << 20) // 4)  # 6 MB: at least two whole huge pages inside
@@ -83,3 +71,17 @@ def test_huge_pages_back_a_table_where_the_kernel_has_them() -> None:
         assert huge_bytes_at(table.data_ptr() + table.nbytes // 2) >= asked
     assert huge_pages(torch.zeros(1000)) == 0  # under one huge page: nothing to ask
     assert torch.equal(table, values)  # the values survive the move to huge pages
+
+
+def test_marked_memory_moves_onto_huge_pages_a_step_at_a_time() -> None:
+    table = torch.randn((9 << 20) // 4)  # 9 MB: at least four whole huge pages inside
+    values = table.clone()
+    asked = huge_pages(table, collapse=False)
+    steps = collapse_steps([table, table[100:], torch.zeros(1000)], step=HUGE_PAGE)
+    if not kernel_collapses():
+        assert asked == 0 or all(step == HUGE_PAGE for step in steps)
+        return
+    moved = list(steps)
+    assert moved == [HUGE_PAGE] * (asked // HUGE_PAGE)  # one storage once, step by step
+    assert on_huge_pages(table)
+    assert torch.equal(table, values)

@@ -27,8 +27,10 @@ from antdt.sync import (
     SyncScheduler,
     average_dense,
 )
+from antdt.device import HUGE_PAGE, huge_pages
 from antdt.sync import kernels
 from antdt.sync.replica import ReplicaLock, tensor_bytes
+from pages import kernel_collapses, on_huge_pages
 from waits import bounded
 
 ROWS, DIM = 40, 3
@@ -292,6 +294,17 @@ def test_tables_of_one_row_space_share_dim_and_dtype() -> None:
 
 
 # ---- dense averaging -----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not kernel_collapses(), reason="the kernel moves no memory to huge pages")
+def test_a_replica_s_page_steps_move_its_tables_and_its_base() -> None:
+    storage = torch.randn(3 * (3 << 20) // 4)  # 9 MB of float32, as FBGEMM keeps its tables
+    tables = {"a": storage[:(6 << 20) // 4].view(-1, 4), "b": storage[(6 << 20) // 4:].view(-1, 4)}
+    replica = ReplicaSync("w", make_dense(), tables)
+    moved = sum(replica.page_steps())
+    # the tables' storage once (what it holds of whole huge pages), then the base (9 MB: 3+)
+    assert moved >= huge_pages(storage, collapse=False) + 3 * HUGE_PAGE
+    assert all(on_huge_pages(table) for table in replica.tables.values())
 
 
 def test_average_keeps_local_progress_made_during_the_exchange() -> None:

@@ -39,6 +39,7 @@ from antdt.sync import (
 from antdt.sync.background import BackgroundSync, SyncWorkerPlugin
 from antdt.sync.replica import tensor_bytes
 from antdt.sync.service import SyncService, start_job
+from pages import kernel_collapses, on_huge_pages
 from antdt.sync.wire import (PLUGIN_NAME, bits_to_mask, mask_to_bits, msg_to_payload,
                              msg_to_rows, msg_to_snapshot, payload_to_msg, rows_to_msg,
                              snapshot_to_msg)
@@ -314,6 +315,30 @@ async def test_the_final_round_sends_the_rows_trained_not_the_tables(
             assert report.bytes_sent == (2 * 20_000 + 7) // 8  # the mask: one bit a row
     crossed = sum(r.bytes_received + r.bytes_sent for r in reports)
     assert crossed < (len(agents) - 1) * model_bytes / 20
+
+
+@pytest.mark.skipif(not kernel_collapses(), reason="the kernel moves no memory to huge pages")
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
+async def test_the_sync_thread_moves_the_replica_onto_huge_pages_between_rounds(
+        c: Client, s: Scheduler, *workers: Worker) -> None:
+    """A replica's tables are only marked for huge pages when it is made (moving them then held
+    up every job's start); its background thread moves them between rounds while training goes
+    on, and the final round still leaves the replicas bit-identical."""
+    await start_service(c, s, workers, group_size=2, max_wait_s=5.0)
+    # 35 MB tables: above glibc's largest mmap threshold, so in fresh memory of 4 KB pages
+    agents = [Agent(w, seed=i, rows=2_200_000, hot=40) for i, w in enumerate(workers)]
+    assert not any(on_huge_pages(t) for a in agents for t in a.replica.tables.values())
+
+    def moved() -> bool:
+        return all(on_huge_pages(t) for a in agents for t in a.replica.tables.values())
+
+    loop = asyncio.get_running_loop()
+    job = functools.partial(Agent.run, min_merges=2, together=threading.Barrier(2),
+                            until=moved, period=SyncPeriod(seconds=0.05))
+    with ThreadPoolExecutor(len(agents)) as pool:
+        reports = await asyncio.gather(*[loop.run_in_executor(pool, job, a) for a in agents])
+    assert all(r is not None and r.failed == [] for r in reports)
+    assert_bit_identical([a.replica for a in agents])
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
