@@ -31,6 +31,7 @@ from antdt.sync import (
     ExchangeReport,
     LeaderRows,
     LogEntry,
+    MemberState,
     PeerPayload,
     ReplicaSnapshot,
     ReplicaSync,
@@ -339,6 +340,49 @@ async def test_the_sync_thread_moves_the_replica_onto_huge_pages_between_rounds(
         reports = await asyncio.gather(*[loop.run_in_executor(pool, job, a) for a in agents])
     assert all(r is not None and r.failed == [] for r in reports)
     assert_bit_identical([a.replica for a in agents])
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Return once ``condition()`` holds, checking every 10 ms; fail after ``timeout_s``."""
+    deadline = time() + timeout_s
+    while not condition():
+        assert time() < deadline, "the condition never held"
+        await asyncio.sleep(0.01)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
+async def test_a_group_that_forms_once_training_ended_is_left_to_the_final_round(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    """A finishes training while its thread waits at the scheduler for a partner; the group
+    that B's ask then forms is not exchanged by A (the final round, next, subsumes it), while B
+    still pulls from A; the final round leaves both bit-identical."""
+    await c.register_plugin(SyncService(poll_s=3600.0))  # an ask is held until a group forms
+    ok(await c.scheduler.antdt_sync_start(job="job", workers=[a.address, b.address],
+                                          group_size=2, max_wait_s=3600.0))
+    agents = [Agent(w, seed=i) for i, w in enumerate((a, b))]
+    loop = asyncio.get_running_loop()
+    syncs = []
+    for agent in agents:
+        agent.sync = BackgroundSync(agent.replica, "job", worker=agent.worker,
+                                    period=SyncPeriod(seconds=3600.0), rpc_timeout_s=10.0)
+        syncs.append(agent.sync)
+        await loop.run_in_executor(None, agent.sync.start)
+        for _ in range(3):
+            agent.step()
+    first, second = syncs
+    first.hurry()
+    await until(lambda: service(s).jobs["job"].state(a.address) is MemberState.READY)
+    finishing = loop.run_in_executor(None, first.finish, 30.0)
+    await until(first._stop.is_set)  # finish() told the thread, which still waits for a group
+    second.hurry()
+    await until(lambda: second.exchanges == 1)
+    reports = await asyncio.gather(finishing, loop.run_in_executor(None, second.finish, 30.0))
+    assert first.exchanges == 1 and second.exchanges == 2  # A: the final round alone
+    assert all(r.failed == [] for r in reports)
+    assert_bit_identical([agent.replica for agent in agents])
+    expected = expected_tables(agents)
+    for name, table in agents[1].replica.tables.items():
+        torch.testing.assert_close(table.double(), expected[name], rtol=0, atol=1e-5)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
