@@ -50,9 +50,10 @@ import dask.config
 from distributed import get_worker
 
 from antdt.agent import pause_profiler, resume_profiler
-from antdt.device import FROZEN_HEAP, prepare_process
+from antdt.device import FROZEN_HEAP, collapse_steps, prepare_process
 from antdt.sync import SyncPeriod
 from data.reader import ShardReader
+from models.ranking import embedding_tables
 from models.train_step import TrainStep
 from pipeline.bench import emit, median_of
 from pipeline.bench.jobs import SET_HELP, echo, run_async, with_train
@@ -77,6 +78,8 @@ class _Trainer:
         self.data = prepare_data(job)
         self.groups = self.data.train[share::of]
         self.step = TrainStep(self.data.schema, job.model, job.train.optim, seed=job.train.seed)
+        for _ in collapse_steps(embedding_tables(self.step.model).values()):
+            pass  # on huge pages now, as an agent's tables are once its sync thread moved them
         self.reader = ShardReader(self.data.schema)
 
     def train(self) -> tuple[int, float, float]:
