@@ -4,6 +4,8 @@ resort: it ends the whole run."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import sys
 import threading
 import time
@@ -103,3 +105,18 @@ class Bounded:
 
 
 bounded = Bounded()
+
+
+async def until(check: Callable[[], Any], what: str, timeout_s: float = 20.0) -> Any:
+    """In a coroutine (a ``gen_cluster`` test): poll ``check`` (its value, or the value it
+    returns to await) until it is truthy, and return that; fail after ``timeout_s`` naming
+    ``what`` was awaited."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)

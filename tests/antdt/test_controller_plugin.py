@@ -4,8 +4,6 @@ the rows."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from distributed import Client, Event, Scheduler, Worker
@@ -15,6 +13,7 @@ from antdt.controller import PLUGIN_NAME, ControllerPlugin
 from antdt.sharding import Claim
 from antdt.sharding.client import ShardClient
 from antdt.sharding.service import ShardingService
+from waits import until
 
 CONFIG = {"antdt.monitor.hang-floor": "0.3s", "antdt.monitor.hang-factor": 2,
           "antdt.controller.interval": "1h",
@@ -59,15 +58,6 @@ def one_lease_agent(job: str) -> tuple[int, int, int, int]:
     train(shards, lease.start, lease.claim_stop)
     shards.close()
     return lease.row_group, lease.start, lease.stop, shards.trained_rows
-
-
-async def until(check: Callable[[], Awaitable[Any]], what: str, timeout: float = 20.0) -> Any:
-    """Poll ``check`` until it returns something truthy (the hang timeout is wall time)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not (result := await check()):
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-    return result
 
 
 async def setup(c: Client, s: Scheduler, groups: int = 2) -> ControllerPlugin:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import antdt.errors
+from antdt.device import HUGE_PAGE, huge_pages
 from antdt.sync import (
     EmbeddingDeltaLog,
     LeaderRows,
@@ -27,7 +28,6 @@ from antdt.sync import (
     SyncScheduler,
     average_dense,
 )
-from antdt.device import HUGE_PAGE, huge_pages
 from antdt.sync import kernels
 from antdt.sync.replica import ReplicaLock, tensor_bytes
 from pages import kernel_collapses, on_huge_pages
@@ -293,9 +293,6 @@ def test_tables_of_one_row_space_share_dim_and_dtype() -> None:
                            "b": torch.zeros(3, 4)})
 
 
-# ---- dense averaging -----------------------------------------------------------------------
-
-
 @pytest.mark.skipif(not kernel_collapses(), reason="the kernel moves no memory to huge pages")
 def test_a_replica_s_page_steps_move_its_tables_and_its_base() -> None:
     storage = torch.randn(3 * (3 << 20) // 4)  # 9 MB of float32, as FBGEMM keeps its tables
@@ -305,6 +302,9 @@ def test_a_replica_s_page_steps_move_its_tables_and_its_base() -> None:
     # the tables' storage once (what it holds of whole huge pages), then the base (9 MB: 3+)
     assert moved >= huge_pages(storage, collapse=False) + 3 * HUGE_PAGE
     assert all(on_huge_pages(table) for table in replica.tables.values())
+
+
+# ---- dense averaging -----------------------------------------------------------------------
 
 
 def test_average_keeps_local_progress_made_during_the_exchange() -> None:

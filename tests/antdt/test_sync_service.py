@@ -40,10 +40,11 @@ from antdt.sync import (
 from antdt.sync.background import BackgroundSync, SyncWorkerPlugin
 from antdt.sync.replica import tensor_bytes
 from antdt.sync.service import SyncService, start_job
-from pages import kernel_collapses, on_huge_pages
 from antdt.sync.wire import (PLUGIN_NAME, bits_to_mask, mask_to_bits, msg_to_payload,
                              msg_to_rows, msg_to_snapshot, payload_to_msg, rows_to_msg,
                              snapshot_to_msg)
+from pages import kernel_collapses, on_huge_pages
+from waits import until
 
 ROWS, DIM = 30, 4
 DENSE_SHAPES = ((6, 3), (3,))
@@ -342,14 +343,6 @@ async def test_the_sync_thread_moves_the_replica_onto_huge_pages_between_rounds(
     assert_bit_identical([a.replica for a in agents])
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    """Return once ``condition()`` holds, checking every 10 ms; fail after ``timeout_s``."""
-    deadline = time() + timeout_s
-    while not condition():
-        assert time() < deadline, "the condition never held"
-        await asyncio.sleep(0.01)
-
-
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
 async def test_a_group_that_forms_once_training_ended_is_left_to_the_final_round(
         c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
@@ -371,11 +364,13 @@ async def test_a_group_that_forms_once_training_ended_is_left_to_the_final_round
             agent.step()
     first, second = syncs
     first.hurry()
-    await until(lambda: service(s).jobs["job"].state(a.address) is MemberState.READY)
+    await until(lambda: service(s).jobs["job"].state(a.address) is MemberState.READY,
+                "A's thread to wait for a partner")
     finishing = loop.run_in_executor(None, first.finish, 30.0)
-    await until(first._stop.is_set)  # finish() told the thread, which still waits for a group
+    # finish() told the thread, which still waits for a group
+    await until(first._stop.is_set, "A's finish to tell its thread")
     second.hurry()
-    await until(lambda: second.exchanges == 1)
+    await until(lambda: second.exchanges == 1, "B to exchange with A's group")
     reports = await asyncio.gather(finishing, loop.run_in_executor(None, second.finish, 30.0))
     assert first.exchanges == 1 and second.exchanges == 2  # A: the final round alone
     assert all(r.failed == [] for r in reports)
