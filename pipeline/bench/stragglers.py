@@ -28,7 +28,8 @@ seconds; the default 10 s suits jobs of hours).
 (a hang under ``static`` or ``pull``) is stopped after ``--deadline-factor`` x the ``antdt``
 way's time: it reports ``finished: false``, efficiency 0 and the rows it lost.
 With ``--repeats N`` every way runs N times per scenario, interleaved with the other ways; a
-way's figures are those of its median run (by efficiency), ``efficiencies`` lists every run's.
+way's figures are those of its median run (by efficiency); ``efficiencies`` lists every run's
+efficiency and ``fixed_costs`` every run's ``[start_s, tail_s]``.
 """
 
 from __future__ import annotations
@@ -127,10 +128,12 @@ def run_way(job: JobConfig, way: Sharding, workers: int, faults: list[FaultConfi
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run of median efficiency (the lower middle one of an even count), with every run's
-    efficiency under ``efficiencies`` in the order they ran."""
+    efficiency under ``efficiencies`` and its fixed costs under ``fixed_costs`` (start + tail
+    seconds), in the order they ran."""
     efficiencies = [run["efficiency"] for run in runs]
     middle = statistics.median_low(efficiencies)
-    return {**runs[efficiencies.index(middle)], "efficiencies": efficiencies}
+    return {**runs[efficiencies.index(middle)], "efficiencies": efficiencies,
+            "fixed_costs": [[run["start_s"], run["tail_s"]] for run in runs]}
 
 
 def run_scenario(job: JobConfig, name: str, ways: list[Sharding], workers: int,

@@ -66,11 +66,13 @@ def test_every_scenario_faults_worker_zero_only() -> None:
     assert scenario_faults("crash", 1000, 4.0)[0].crash_after_rows == 300
 
 
-def test_a_way_reports_its_median_run_and_every_efficiency() -> None:
-    runs = [{"efficiency": 0.9, "run_id": "a"}, {"efficiency": 0.7, "run_id": "b"},
-            {"efficiency": 0.8, "run_id": "c"}]
-    assert median_run(runs) == {"efficiency": 0.8, "run_id": "c",
-                                "efficiencies": [0.9, 0.7, 0.8]}
+def test_a_way_reports_its_median_run_and_every_run_s_efficiency_and_fixed_costs() -> None:
+    runs = [{"efficiency": 0.9, "run_id": "a", "start_s": 0.3, "tail_s": 0.4},
+            {"efficiency": 0.7, "run_id": "b", "start_s": 0.9, "tail_s": 0.5},
+            {"efficiency": 0.8, "run_id": "c", "start_s": 0.2, "tail_s": 0.6}]
+    assert median_run(runs) == {**runs[2], "efficiencies": [0.9, 0.7, 0.8],
+                                "fixed_costs": [[0.3, 0.4], [0.9, 0.5], [0.2, 0.6]]}
     # an even count takes the lower middle run, a real run rather than an average
     assert median_run(runs[:2])["run_id"] == "b"
-    assert median_run(runs[:1]) == {**runs[0], "efficiencies": [0.9]}
+    assert median_run(runs[:1]) == {**runs[0], "efficiencies": [0.9],
+                                    "fixed_costs": [[0.3, 0.4]]}
