@@ -153,9 +153,9 @@ def _madvise(start: int, length: int, advice: int) -> bool:
 
 class FrozenHeap:
     """``with FROZEN_HEAP:`` while training: the objects alive when a training loop of this
-    process starts (an agent's, the local mode's, a benchmark's bare trainer), its imports and
-    its model, are left out of the garbage collector's scans until the last one ends
-    (:func:`gc.freeze`). A Dask worker holds about 750,000 of them (torch, Dask, MLflow, the
+    process starts (an agent's, the local mode's, a benchmark's bare trainer; on the scheduler,
+    a job's master), its imports and its model, are left out of the garbage collector's scans
+    until the last one ends (:func:`gc.freeze`). A Dask worker holds about 750,000 of them (torch, Dask, MLflow, the
     model); a full collection over them holds the GIL for about half a second, which stops the
     training thread, the worker's event loop and, through the sync rounds, its partners. Only
     cyclic garbage that exists at the start waits for the end to be collected."""

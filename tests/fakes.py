@@ -113,6 +113,11 @@ FROZEN_AT_BUILD: list[int] = []
 :class:`MakeTrainer` built a model (the workers share this process)."""
 
 
+FROZEN_AT_FINISH: list[int] = []
+""":func:`gc.get_freeze_count` each time :class:`RecordingHooks` finished a job: its agents have
+ended by then, the job's master has not."""
+
+
 @dataclass(frozen=True)
 class MakeTrainer:
     step_s: float = 0.0
@@ -164,6 +169,7 @@ class RecordingHooks:
             CALLS[run["run_id"]].append(("held", get_worker().address))
             assert GATES[self.hold].wait(timeout=30), "the test never opened the gate"
             raise RuntimeError("the test closed this worker: a dead worker returns nothing")
+        FROZEN_AT_FINISH.append(gc.get_freeze_count())
         table = None if trainer is None else trainer.table.clone()
         CALLS[run["run_id"]].append(("finish", table, dict(report)))
         return {"rows_trained": report["rows"]["trained"], "with_model": trainer is not None}

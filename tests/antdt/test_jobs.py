@@ -17,8 +17,8 @@ from distributed import Client, LocalCluster
 
 from antdt.errors import JobError
 from antdt.jobs import JobClient
-from fakes import (CALLS, FROZEN_AT_BUILD, GATES, TOTAL, RecordingHooks, calls, ran_on, spec,
-                   wait_for_gate)
+from fakes import (CALLS, FROZEN_AT_BUILD, FROZEN_AT_FINISH, GATES, TOTAL, RecordingHooks, calls,
+                   ran_on, spec, wait_for_gate)
 from waits import bounded
 
 
@@ -83,16 +83,21 @@ def test_the_metrics_go_to_the_worker_that_opened_the_tracking_run(jobs: JobClie
     assert sum(c[0] == "metrics" for c in calls(record)) >= 2
 
 
-def test_the_workers_heaps_are_frozen_before_their_agents_start(jobs: JobClient) -> None:
+def test_the_heaps_are_frozen_from_before_the_agents_start_until_the_job_ends(
+        jobs: JobClient) -> None:
     """A full collection over a worker's imports as its agent task arrived would hold up the
-    agent (and the job's start) for half a second; the workers share this process, so the test
-    sees their heap."""
+    agent (and the job's start) for half a second, one over the scheduler's every lease and
+    sync group; the workers and the scheduler share this process, so the test sees their heap:
+    frozen as the models are built, still frozen once the agents ended (the master's job is not
+    over), thawed after."""
     FROZEN_AT_BUILD.clear()
+    FROZEN_AT_FINISH.clear()
     record = bounded.call(jobs.follow, jobs.submit(spec())["job"]["job_id"])
 
     assert record["state"] == "finished"
     assert len(FROZEN_AT_BUILD) == 2 and min(FROZEN_AT_BUILD) > 100_000
-    assert gc.get_freeze_count() == 0  # the agents' end unfroze them
+    assert len(FROZEN_AT_FINISH) == 1 and FROZEN_AT_FINISH[0] > 100_000
+    assert gc.get_freeze_count() == 0  # the job's end unfroze them
 
 
 def test_a_second_submit_with_the_same_id_attaches(jobs: JobClient) -> None:
