@@ -498,6 +498,12 @@ class EmbeddingDeltaLog:
         row holds the initial tables' bits. The caller holds the replica lock."""
         return self._changed.clone()
 
+    def covers(self, changed: torch.Tensor) -> bool:
+        """Whether every row in ``changed`` (``(rows,)`` bool) is one this replica changed:
+        then :meth:`rows_for` gives the same answer for it as for our own :meth:`changed`."""
+        self._check_mask("covers", changed)
+        return not bool((changed.to(self.space.device) & ~self._changed).any())
+
     def rows_for(self, changed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows in which this replica and one whose changed rows are ``changed``
         (``(rows,)`` bool) may differ: their ids (``(k,)`` int64, increasing: the rows either

@@ -224,6 +224,8 @@ class ReplicaSync:
         self._cut: list[torch.Tensor] | None = None  # taken by cut(), for the next prepare
         self._ended = False  # training ended: publish exactly (rounding errors included)
         self._prepare_lock = threading.Lock()
+        self._merges = 0  # merges and adoptions so far (under the lock)
+        self._served: tuple[int, LeaderRows] | None = None  # see serve_rows
 
     @property
     def tables(self) -> dict[str, torch.Tensor]:
@@ -318,6 +320,7 @@ class ReplicaSync:
             raise SyncError(f"adopt: {self.worker!r} cannot adopt its own snapshot")
         check_dense(self.dense, snapshot.dense)
         with self.lock:
+            self._merges += 1
             self.log.publish(self._rows_offset, exact=True)
             self.log.restore(snapshot.tables,
                              {s: seq for s, seq in snapshot.applied.items() if s != self.worker},
@@ -339,14 +342,25 @@ class ReplicaSync:
     def serve_rows(self, changed: torch.Tensor) -> LeaderRows:
         """As the final leader: what a member whose changed rows are ``changed`` (``(rows,)``
         bool) needs to end equal to this replica (see :class:`LeaderRows`), under the lock.
-        Costs O(rows) for the mask plus O(k dim) for the rows either side changed."""
+        Costs O(rows) for the mask plus O(k dim) for the rows either side changed.
+
+        Once training ended, a leader that gathered every member's entries changed every row
+        any of them did, so it answers every member the same: its own changed rows. That
+        answer is taken once and served again while nothing merges into this replica."""
         with self.lock:
-            self.log.publish(self._rows_offset, exact=True)
+            if self.log.publish(self._rows_offset, exact=True) is not None:
+                self._served = None
+            covered = self._ended and self.log.covers(changed)
+            if covered and self._served is not None and self._served[0] == self._merges:
+                return self._served[1]
             ids, rows = self.log.rows_for(changed)
             dense = snapshot_dense(self.dense)
             applied = self.log.applied_seqs()
             applied[self.worker] = self.log.last_seq
-        return LeaderRows(self.worker, ids, rows, dense, applied)
+            answer = LeaderRows(self.worker, ids, rows, dense, applied)
+            if covered:
+                self._served = (self._merges, answer)
+        return answer
 
     def adopt_rows(self, leader: LeaderRows) -> int:
         """Write the final leader's rows and dense parameters in place: this replica is then
@@ -357,6 +371,7 @@ class ReplicaSync:
             raise SyncError(f"adopt_rows: {self.worker!r} cannot adopt its own rows")
         check_dense(self.dense, leader.dense)
         with self.lock:
+            self._merges += 1
             copied = self.log.adopt_rows(
                 leader.source, leader.ids, leader.rows,
                 {s: seq for s, seq in leader.applied.items() if s != self.worker},
@@ -383,6 +398,7 @@ class ReplicaSync:
         report = ExchangeReport(round, bytes_received=sum(p.nbytes for p in payloads))
         snapshots: list[list[torch.Tensor]] = []
         with self.lock:
+            self._merges += 1
             for payload in payloads:
                 try:
                     if payload.layout != self.log.space.layout:

@@ -551,6 +551,38 @@ def test_the_final_round_copies_the_changed_rows_not_the_tables() -> None:
         assert rows.nbytes + (space.rows + 7) // 8 < model_bytes / 10  # the mask sent: 1 bit a row
 
 
+def test_once_training_ended_the_leader_takes_its_answer_once_for_every_member() -> None:
+    """After the gather the leader changed every row any member did: each member gets the same
+    answer (taken once, not once per member), and each still ends bit-identical. A merge into
+    the leader, or a member with a row the leader never changed, gets a fresh answer."""
+    cluster = Cluster(3, delta_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(12)
+    for round in range(1, 10):
+        cluster.train(cluster.rng.choice(cluster.names), gen)
+        run_round(cluster, round, cluster.rng.sample(cluster.names, 2), gen, train_between=True)
+    for replica in cluster.replicas.values():
+        replica.drop_cut()  # training ended
+    leader, sent = end_job(cluster, cluster.names, 100)
+    first, second = sent.values()
+    assert first is second
+    for replica in cluster.replicas.values():
+        assert_bit_identical(cluster.replicas[leader], replica)
+
+    served = cluster.replicas[leader]
+    member = next(r for name, r in cluster.replicas.items() if name != leader)
+    run_round(cluster, 101, cluster.names, gen, train_between=False)  # a merge, nothing new
+    again = served.serve_rows(member.changed_rows())
+    assert again is not first and again.ids.tolist() == first.ids.tolist()
+    assert served.serve_rows(member.changed_rows()) is again
+    unchanged = int((~served.changed_rows()).nonzero()[0])
+    wider = member.changed_rows()
+    wider[unchanged] = True
+    extra = served.serve_rows(wider)
+    assert extra is not again and unchanged in extra.ids.tolist()
+    assert extra.ids.numel() == again.ids.numel() + 1
+    assert served.serve_rows(member.changed_rows()) is again
+
+
 def test_own_entries_the_leader_never_applied_are_dropped_with_a_warning(
         caplog: pytest.LogCaptureFixture) -> None:
     cluster = Cluster(2)
