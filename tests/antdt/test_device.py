@@ -13,7 +13,7 @@ import distributed  # importing it puts its defaults (distributed.nanny.*) in da
 import pytest
 import torch
 
-from antdt.device import HUGE_PAGE, collapse_steps, huge_pages, pick_device
+from antdt.device import GIL_SWITCH_S, HUGE_PAGE, collapse_steps, huge_pages, pick_device
 from pages import huge_bytes_at, kernel_collapses, on_huge_pages
 
 # Run in a fresh interpreter: whether an 8 MB malloc is served by a fresh mmap (glibc counts
@@ -47,6 +47,16 @@ def test_pick_device_honours_a_choice_and_refuses_a_missing_gpu() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="no CUDA device"):
             pick_device("cuda")
+
+
+def test_a_training_process_hands_the_gil_over_sooner() -> None:
+    # a fresh interpreter: this one's agents (in-process workers) may have prepared it already
+    probe = ("import sys; from antdt.device import prepare_process; "
+             "before = sys.getswitchinterval(); prepare_process(1); "
+             "print(before, sys.getswitchinterval())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert [float(x) for x in out] == [0.005, GIL_SWITCH_S] and GIL_SWITCH_S < 0.005
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator only")
