@@ -59,9 +59,9 @@ GIL_SWITCH_S = 0.0005
 """The interpreter's switch interval in a training process (:func:`sys.setswitchinterval`;
 Python's default is 5 ms). A Dask worker's event loop and sync threads take the GIL for short
 bursts between the training thread's steps; at the default, a thread that wants it back waits
-up to 5 ms for the holder to be asked to let go, a few times per sync round. With 2 workers on
-2 cores a 2-worker job trained 1.5-2.3% faster at 0.5 ms (3 interleaved pairs; a lone worker,
-whose event loop has the idle core, the same within noise)."""
+up to 5 ms for the holder to be asked to let go, a few times per sync round. On 2 cores a
+2-worker job trained 1.5-2.3% faster at 0.5 ms (3 interleaved pairs; a lone worker, whose event
+loop has the idle core, the same within noise)."""
 
 
 def prepare_process(threads: int) -> None:
@@ -166,10 +166,11 @@ class FrozenHeap:
     """``with FROZEN_HEAP:`` while training: the objects alive when a training loop of this
     process starts (an agent's, the local mode's, a benchmark's bare trainer; on the scheduler,
     a job's master), its imports and its model, are left out of the garbage collector's scans
-    until the last one ends (:func:`gc.freeze`). A Dask worker holds about 750,000 of them (torch, Dask, MLflow, the
-    model); a full collection over them holds the GIL for about half a second, which stops the
-    training thread, the worker's event loop and, through the sync rounds, its partners. Only
-    cyclic garbage that exists at the start waits for the end to be collected."""
+    until the last one ends (:func:`gc.freeze`). A Dask worker holds about 750,000 of them
+    (torch, Dask, MLflow, the model); a full collection over them holds the GIL for about half
+    a second, which stops the training thread, the worker's event loop and, through the sync
+    rounds, its partners. Only cyclic garbage that exists at the start waits for the end to be
+    collected."""
 
     def __init__(self) -> None:
         self._training = 0
