@@ -231,7 +231,9 @@ class AgentReport:
 
     ``rows``/``batches``: trained by this agent (rows later re-queued after its death are not its
     rows any more, but a returned agent did not die). ``seconds``: the whole task; ``busy_s``:
-    reading and training (injected slowdown included). ``loss``: mean batch loss (nan: no batch).
+    reading and training (injected slowdown included); ``cpu_s``: the CPU time the training
+    thread spent in them (against ``busy_s``, the share of a core it got: on a loaded machine
+    the threads beside it take the rest). ``loss``: mean batch loss (nan: no batch).
     ``joined_from``: the member whose model a joiner copied. ``sync_wait_s``: seconds training
     waited for sync rounds (the replica was too far ahead; part of ``busy_s``).
     """
@@ -248,6 +250,7 @@ class AgentReport:
     device: str
     joined_from: str | None = None
     sync_wait_s: float = 0.0
+    cpu_s: float = 0.0
 
 
 def event_topic(job: str) -> str:
@@ -426,6 +429,7 @@ class Agent:
                                   synced_rows=None if self.sync is None else self._synced_rows)
         self.rows = self.batches = self.leases = 0
         self.busy_s = 0.0
+        self.cpu_s = 0.0
         self._loss_sum = 0.0
         self._report_every = config.seconds("antdt.agent.report-interval")
         self._paused = False
@@ -460,7 +464,7 @@ class Agent:
             loss=self._loss_sum / self.batches if self.batches else math.nan,
             exchanges=self.sync.exchanges if self.sync is not None else 0,
             device=str(self.device), joined_from=self.joined_from,
-            sync_wait_s=self.sync.waited_s if self.sync is not None else 0.0)
+            sync_wait_s=self.sync.waited_s if self.sync is not None else 0.0, cpu_s=self.cpu_s)
         logger.info("agent of job %s on %s %s: %d rows in %d batches, %.1fs", self.spec.job,
                     self.worker.address, outcome, report.rows, report.batches, report.seconds)
         return report
@@ -525,7 +529,7 @@ class Agent:
             if self.cancelled.is_set():
                 return "cancelled", revoked
             end = min(offset + self.spec.batch_rows, limit)
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             batch = self.reader.read(lease.path, lease.row_group, offset, end)
             loss = self._step(batch, end - offset)
             self._slow_down(time.perf_counter() - started)
@@ -533,6 +537,7 @@ class Agent:
             self.rows += end - offset
             self.batches += 1
             self.busy_s += busy
+            self.cpu_s += time.thread_time() - cpu_started
             self._loss_sum += loss
             self._window.add(end - offset, loss)
             reply = self.shards.commit(end, stats={BUSY: busy, BATCHES: 1.0})
@@ -693,7 +698,7 @@ class Agent:
             elapsed = max(now - window.start, 1e-9)
             self._event({
                 "kind": "progress", "rows": self.rows, "batches": self.batches,
-                "busy_s": self.busy_s, "window_rows": window.rows,
+                "busy_s": self.busy_s, "cpu_s": self.cpu_s, "window_rows": window.rows,
                 "loss": window.loss / window.batches if window.batches else None,
                 "samples_per_s": window.rows / elapsed})
         self._window = _Window(now)

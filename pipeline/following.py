@@ -40,7 +40,7 @@ class Progress:
 @dataclass(frozen=True)
 class AgentRecord:
     """One agent of a finished job as the master recorded it (seconds after training
-    started)."""
+    started; ``cpu_s``: its training thread's CPU seconds within ``busy_s``)."""
 
     worker: str
     index: int
@@ -50,6 +50,7 @@ class AgentRecord:
     rows: int
     busy_s: float
     dead: bool
+    cpu_s: float = 0.0
 
     @classmethod
     def of(cls, agent: Mapping[str, Any]) -> AgentRecord:

@@ -149,9 +149,9 @@ def checkpoint_metrics(checkpoints: Mapping[str, Any]) -> dict[str, float]:
 
 
 def agent_metrics(agents: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """Final per-agent figures (rows, batches, busy seconds, sync exchanges and the seconds
-    training waited for them, mean loss) and the agents' fates (dead, started on a worker that
-    joined mid-job)."""
+    """Final per-agent figures (rows, batches, busy seconds and the training thread's CPU
+    seconds in them, sync exchanges and the seconds training waited for them, mean loss) and
+    the agents' fates (dead, started on a worker that joined mid-job)."""
     out: dict[str, float] = {"agents_dead": sum(bool(a["dead"]) for a in agents),
                              "agents_joined": sum(bool(a["join"]) for a in agents)}
     for agent in agents:
@@ -161,6 +161,7 @@ def agent_metrics(agents: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         out[f"{name}.rows"] = agent["rows"]
         out[f"{name}.batches"] = agent["batches"]
         out[f"{name}.busy_s"] = agent["busy_s"]
+        out[f"{name}.cpu_s"] = agent["cpu_s"]
         out[f"{name}.sync_exchanges"] = agent["exchanges"]
         if agent.get("sync_wait_s") is not None:
             out[f"{name}.sync_wait_s"] = agent["sync_wait_s"]

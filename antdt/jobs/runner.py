@@ -71,8 +71,9 @@ class Cancelled(AntdtError):
 @dataclass
 class Slot:
     """One agent of the job: its worker, number (faults refer to it), when it started and
-    ended (seconds after training started; None: still running), its rows and busy seconds
-    (from its report, or its latest progress event if it died), its latest samples/s."""
+    ended (seconds after training started; None: still running), its rows, busy seconds and
+    the training thread's CPU seconds in them (from its report, or its latest progress event if
+    it died), its latest samples/s."""
 
     worker: str
     index: int
@@ -82,6 +83,7 @@ class Slot:
     ended: float | None = None
     rows: int = 0
     busy_s: float = 0.0
+    cpu_s: float = 0.0
     rate: float = 0.0
     report: AgentReport | None = None
     dead: bool = False
@@ -98,7 +100,8 @@ class Slot:
         report = self.report
         return {"worker": self.worker, "index": self.index, "label": self.label,
                 "join": self.join, "started": self.started, "ended": self.ended,
-                "rows": self.rows, "busy_s": self.busy_s, "samples_per_s": self.rate,
+                "rows": self.rows, "busy_s": self.busy_s, "cpu_s": self.cpu_s,
+                "samples_per_s": self.rate,
                 "dead": self.dead, "outcome": report.outcome if report else
                 ("dead" if self.dead else "running"),
                 "batches": report.batches if report else None,
@@ -536,8 +539,8 @@ class JobRunner:
         spec = AgentSpec(job=self.job_id, batch_rows=self.plan.batch_rows, sync_period=period,
                          join=join, threads=self.plan.threads, faults=faults)
         future = self.client.submit(tasks.agent_task, spec, self.code.trainer, self.code.reader,
-                                    restore, workers=[worker], allow_other_workers=False, pure=False,
-                                    key=f"antdt-agent-{self.job_id}-{index}")
+                                    restore, workers=[worker], allow_other_workers=False,
+                                    pure=False, key=f"antdt-agent-{self.job_id}-{index}")
         self.slots.append(Slot(worker, index, future, join, started=self._elapsed()))
         self.log("info", f"agent {index} started on {worker}" + " (joining)" * join
                  + f" with faults {faults}" * faults.active)
@@ -558,7 +561,8 @@ class JobRunner:
         if status == "finished":
             slot.report = await slot.future
             slot.ended = self._elapsed()
-            slot.rows, slot.busy_s = slot.report.rows, slot.report.busy_s
+            slot.rows, slot.busy_s, slot.cpu_s = (slot.report.rows, slot.report.busy_s,
+                                                  slot.report.cpu_s)
             if slot.report.outcome == "declined":
                 self.log("info", f"agent {slot.index} on {slot.worker} declined: the job's sync "
                                  "was over")
@@ -633,6 +637,7 @@ class JobRunner:
                 slot = by_worker.get(worker)
                 if slot is not None and slot.report is None:
                     slot.rows, slot.busy_s = int(msg["rows"]), float(msg["busy_s"])
+                    slot.cpu_s = float(msg["cpu_s"])
             elif kind == "fault":
                 self.log("warning", f"injected {msg.get('fault')} after {msg.get('rows')} rows",
                          source=worker, at=at)

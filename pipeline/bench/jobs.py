@@ -96,6 +96,16 @@ class Outcome:
     last_row: float | None
     stopped: str | None
 
+    def training_cpu(self) -> dict[str, float]:
+        """Where the agents' training threads spent their busy seconds: ``cpu_share``, the CPU
+        seconds over the busy seconds (what of a core they got), and ``cpu_us_per_row``, the
+        CPU microseconds a trained row cost them (what each row took on it)."""
+        rows = sum(slot.rows for slot in self.slots)
+        busy = sum(slot.busy_s for slot in self.slots)
+        cpu = sum(slot.cpu_s for slot in self.slots)
+        return {"cpu_share": round(cpu / busy, 3) if busy else 0.0,
+                "cpu_us_per_row": round(cpu / rows * 1e6, 3) if rows else 0.0}
+
     def overhead(self) -> dict[str, float | None]:
         """The job's fixed costs inside its training seconds: ``start_s`` until every agent
         of the start has its first lease (models built, readers open), ``tail_s`` from the last

@@ -34,6 +34,13 @@ difference to ``efficiency`` what the model sync costs. (A diagnosis, not a way 
 replicas drift apart until the end.) And the most workers with the embedding deltas sent exact
 (``antdt.sync.delta-dtype: float32``): ``efficiency_float32_deltas`` against ``efficiency`` is
 what rounding them to bfloat16 (the default) saves.
+
+What a job's training threads did with their busy seconds is reported beside it, per worker
+count and for the rounds-off job (medians over repeats): ``training_cpu_share``, their CPU
+seconds over their busy seconds (the share of a core they got; the threads beside them, the
+event loop's and the sync thread's, and the other processes take the rest), and
+``training_cpu_us_per_row``, the CPU time a row cost them. Together they split a job's loss
+into time its training threads did not run and time they ran slower.
 """
 
 from __future__ import annotations
@@ -65,6 +72,9 @@ from pipeline.local import iterate_batches, prepare_data, train_local
 
 ROUNDS_OFF = SyncPeriod(batches=10**9)
 """A sync period no job reaches: no periodic round, only those of the job's end."""
+
+ROUNDS_OFF_KEY = "rounds_off"
+"""The rounds-off job's key beside the worker counts in the training threads' figures."""
 
 
 class _Trainer:
@@ -187,6 +197,8 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
     fixed: dict[int, list[float]] = {count: [] for count in counts}
     hosted: dict[int, list[float]] = {count: [] for count in counts}
     without_rounds: list[float] = []
+    training: dict[str, list[dict[str, float]]] = {
+        key: [] for key in [*(str(c) for c in counts), ROUNDS_OFF_KEY]}
     float32_deltas: list[float] = []
     local: list[float] = []
     jobs: list[dict[str, dict[str, object]]] = []  # per repeat, per worker count: the job's run
@@ -195,8 +207,9 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
         run = run_async(job, count)
         rates[count].append(run.summary.samples_per_s)
         fixed[count].append(run.overhead()["fixed_s"] or 0.0)
+        training[str(count)].append(run.training_cpu())
         jobs[-1][str(count)] = {"samples_per_s": round(run.summary.samples_per_s),
-                                **run.overhead(),
+                                **run.overhead(), **run.training_cpu(),
                                 "straggler_actions": run.summary.straggler_actions}
 
     def bare_processes(count: int) -> None:
@@ -206,8 +219,11 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
         hosted[count].append(dask_samples_per_s(job, count))
 
     def rounds_off() -> None:
-        without_rounds.append(run_async(with_train(job, sync_period=ROUNDS_OFF),
-                                        counts[-1]).summary.samples_per_s)
+        run = run_async(with_train(job, sync_period=ROUNDS_OFF), counts[-1])
+        without_rounds.append(run.summary.samples_per_s)
+        training[ROUNDS_OFF_KEY].append(run.training_cpu())
+        jobs[-1][ROUNDS_OFF_KEY] = {"samples_per_s": round(run.summary.samples_per_s),
+                                    **run.training_cpu()}
 
     def float32() -> None:
         with dask.config.set({"antdt.sync.delta-dtype": "float32"}):  # the workers inherit it
@@ -261,6 +277,9 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
           "efficiency_float32_deltas_per_repeat": [round(e, 3)
                                                    for e in efficiency_float32_deltas],
           "fixed_s": {str(c): round(median_of(f), 2) for c, f in fixed.items()},
+          **{f"training_{name}": {key: median_of([run[name] for run in runs])
+                                  for key, runs in training.items()}
+             for name in ("cpu_share", "cpu_us_per_row")},
           "per_repeat": [{"order": [name for name, _ in orders[r]],
                           "jobs": jobs[r],
                           "machine_samples_per_s": {str(c): round(machine[c][r]) for c in counts},

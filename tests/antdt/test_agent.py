@@ -92,7 +92,7 @@ def test_agents_train_every_row_once_per_epoch_and_count_exactly(client: Client)
     assert sum(r.rows for r in reports) == 2 * TOTAL
     shards = sum(-(-rows // SHARD_ROWS) for _, _, rows in GROUPS)
     assert sum(r.batches for r in reports) == 2 * shards * -(-SHARD_ROWS // BATCH_ROWS)
-    assert all(r.seconds >= r.busy_s > 0 for r in reports)
+    assert all(r.seconds >= r.busy_s >= r.cpu_s > 0 for r in reports)
     for report in reports:  # the mean of the losses the trainer returned, batch by batch
         losses = trained(client, job, report.worker)["losses"]
         assert len(losses) == report.batches and len(set(losses)) > 1
@@ -220,6 +220,7 @@ def test_slowdown_sleeps_in_proportion_to_each_batch(client: Client) -> None:
 
     assert report.rows == TOTAL and report.outcome == "finished"
     assert report.busy_s >= report.batches * 3 * step_s  # each batch: compute, then 2x asleep
+    assert 0 < report.cpu_s < report.busy_s / 3  # asleep is busy, but not on the CPU
     health = [m for _, m in client.get_events(agent.event_topic(job)) if m["kind"] == "progress"]
     assert all(m["samples_per_s"] < BATCH_ROWS / (3 * step_s) for m in health if m["batches"])
 

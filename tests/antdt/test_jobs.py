@@ -57,6 +57,7 @@ def test_a_job_trains_every_row_and_reports_through_its_hooks(jobs: JobClient) -
     assert torch.equal(table, torch.full((TOTAL, 1), 2.0))  # the consensus model
     assert sum(a["rows"] for a in report["agents"]) == 2 * TOTAL
     assert {a["outcome"] for a in report["agents"]} == {"finished"}
+    assert all(a["busy_s"] >= a["cpu_s"] > 0 for a in report["agents"])
     assert sum(s["rows"] for s in report["spans"]) == 2 * TOTAL
     assert set(report["first_lease"]) == {a["worker"] for a in report["agents"]}
     messages = [r["message"] for r in jobs.logs(record["job_id"])]

@@ -64,6 +64,12 @@ def test_a_calibrated_job_trains_for_about_its_target(tmp_path: Path,
     assert overhead["start_s"] is not None and overhead["tail_s"] is not None
     assert 0 < overhead["start_s"] < run.summary.train_s and overhead["tail_s"] >= 0
     assert run.last_row is not None and run.last_row <= run.summary.train_s
+    # the training threads' CPU: within their busy seconds, and what a row cost them
+    assert all(0 < slot.cpu_s <= slot.busy_s for slot in run.slots)
+    training = run.training_cpu()
+    assert 0 < training["cpu_share"] <= 1
+    cpu_s = sum(slot.cpu_s for slot in run.slots)
+    assert training["cpu_us_per_row"] == pytest.approx(cpu_s / sizing.train_rows * 1e6, rel=1e-3)
 
 
 def test_rows_for_a_target_round_to_two_digits() -> None:
