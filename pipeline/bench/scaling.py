@@ -207,9 +207,10 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
         run = run_async(job, count)
         rates[count].append(run.summary.samples_per_s)
         fixed[count].append(run.overhead()["fixed_s"] or 0.0)
-        training[str(count)].append(run.training_cpu())
+        cpu = run.training_cpu()
+        training[str(count)].append(cpu)
         jobs[-1][str(count)] = {"samples_per_s": round(run.summary.samples_per_s),
-                                **run.overhead(), **run.training_cpu(),
+                                **run.overhead(), **cpu,
                                 "straggler_actions": run.summary.straggler_actions}
 
     def bare_processes(count: int) -> None:
@@ -221,9 +222,9 @@ def command(target_s: float, rows: int | None, data_dir: str | None, workers: st
     def rounds_off() -> None:
         run = run_async(with_train(job, sync_period=ROUNDS_OFF), counts[-1])
         without_rounds.append(run.summary.samples_per_s)
-        training[ROUNDS_OFF_KEY].append(run.training_cpu())
-        jobs[-1][ROUNDS_OFF_KEY] = {"samples_per_s": round(run.summary.samples_per_s),
-                                    **run.training_cpu()}
+        cpu = run.training_cpu()
+        training[ROUNDS_OFF_KEY].append(cpu)
+        jobs[-1][ROUNDS_OFF_KEY] = {"samples_per_s": round(run.summary.samples_per_s), **cpu}
 
     def float32() -> None:
         with dask.config.set({"antdt.sync.delta-dtype": "float32"}):  # the workers inherit it
