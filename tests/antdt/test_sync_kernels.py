@@ -116,3 +116,43 @@ def test_the_kernels_serve_float32_host_tables_with_float32_or_bfloat16_deltas(
     if host is not None and flat is not None:
         host[1, 2] = 5.0
         assert flat[1, 2] == 5.0  # the same memory
+
+
+@pytest.mark.parametrize("count", [0, 1, kernels.PREFETCH_ROWS - 1, kernels.PREFETCH_ROWS,
+                                   kernels.PREFETCH_ROWS + 1])
+def test_the_kernels_asking_rows_ahead_stop_at_the_last_id(count: int) -> None:
+    """Around the prefetch distance: every row is cut and merged, and rows past the ids (the
+    tables' last, which no id names) stay untouched."""
+    tables = torch.arange(ROWS * DIM, dtype=torch.float32).view(ROWS, DIM)
+    base = torch.zeros(ROWS, DIM)
+    ids = torch.arange(count, dtype=torch.int64) * 3
+    changed, owed = torch.zeros(ROWS, dtype=torch.bool), torch.zeros(ROWS, dtype=torch.bool)
+    deltas = torch.empty(count, DIM, dtype=torch.bfloat16)
+    kernels.cut_bfloat16(tables.numpy(), base.numpy(), changed.numpy(), owed.numpy(),
+                         ids.numpy(), kernels.bits(deltas))
+    assert torch.equal(deltas, tables[ids].to(torch.bfloat16))
+    assert torch.equal(base[ids], deltas.to(torch.float32))
+    assert int(changed.sum()) == int(owed.sum()) == count
+
+    exact = torch.empty(count, DIM)
+    kernels.cut(tables.numpy(), base.numpy(), changed.numpy(), ids.numpy(), exact.numpy())
+    assert torch.equal(base[ids], tables[ids])
+    expected = tables.clone().index_add_(0, ids, exact).index_add_(0, ids,
+                                                                    deltas.to(torch.float32))
+    kernels.add(tables.numpy(), base.numpy(), changed.numpy(), ids.numpy(), exact.numpy())
+    kernels.add_bfloat16(tables.numpy(), base.numpy(), changed.numpy(), ids.numpy(),
+                         kernels.bits(deltas))
+    assert torch.equal(tables, expected)  # the rows past the ids included
+    assert not bool(base[ids.max() + 1 if count else 0:].any())
+
+
+@pytest.mark.parametrize("rows", [0, 5, 8, 4099])
+@pytest.mark.parametrize("share", [0.0, 0.02, 0.5, 1.0])
+def test_true_rows_are_numpy_s_flatnonzero(rows: int, share: float) -> None:
+    """Whole words and a tail, sparse to full masks; a view off a word boundary and a strided
+    one take numpy's path and agree too."""
+    mask = np.random.default_rng(rows).random(rows + 9) < share
+    for view in (mask[:rows], mask[1:rows + 1], mask[: rows + 9: 2]):
+        found = kernels.true_rows(view)
+        assert found.dtype == np.int64
+        assert np.array_equal(found, np.flatnonzero(view))
