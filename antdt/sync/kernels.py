@@ -26,7 +26,9 @@ the CPU runs only a few rows ahead on its own: the loop waited for one row's lin
 Each kernel therefore asks for the lines of the row :data:`PREFETCH_ROWS` ahead while it works on
 the current one, so that they arrive meanwhile. On 35,800 rows of 16 floats in 40 MB tables that
 halves both kernels (a cut 1.1-1.4 against 2.0-2.4 ms, a merge 1.0 against 1.9 ms); the whole
-cut and merge of a round, as ``antdt bench sync`` times them, take a fifth less.
+cut and merge of a round, as ``antdt bench sync`` times them, take a fifth less. The four lines
+that ask are written out in each kernel: moved into a helper function (which numba did not
+inline, even with ``inline="always"``) they made the kernels slower than asking for nothing.
 """
 
 from __future__ import annotations
