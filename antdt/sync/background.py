@@ -107,12 +107,13 @@ class SyncWorkerPlugin(WorkerPlugin):
                            since_seq: object) -> Reply:
         """A peer's request: this replica's entries after ``since_seq`` and its snapshot of
         ``round`` (a :class:`PullMsg`). Preparing takes the replica lock, so it runs in a
-        thread, not on the loop."""
+        thread, not on the loop, and so does making the message of it."""
         name = rpc.name("requester", requester, error=SyncError)
         wanted = rpc.integer("round", round, error=SyncError)
         since = rpc.integer("since_seq", since_seq, error=SyncError)
-        payload = await asyncio.to_thread(self._replica(job).serve, name, wanted, since)
-        return {"status": "OK", **payload_to_msg(payload)}
+        replica = self._replica(job)
+        msg = await asyncio.to_thread(lambda: payload_to_msg(replica.serve(name, wanted, since)))
+        return {"status": "OK", **msg}
 
     @rpc.handler
     async def snapshot_handler(self, job: object, requester: object) -> Reply:

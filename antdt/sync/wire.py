@@ -1,10 +1,14 @@
 """What the async mode's sync sends over Dask comms: the handlers' replies as TypedDicts, and
-tensors as numpy arrays (each its own serialized frame), never through the scheduler. A mask of
-rows travels as bits (:func:`mask_to_bits`): 1/8 byte a row; row ids as int32 when they fit (half
-the bytes of int64); a dtype numpy lacks (bfloat16 deltas) as integers of its width, named."""
+tensors as numpy arrays (each its own serialized frame), never through the scheduler. A list of
+dense parameters travels packed into one frame (:class:`Packed`): every frame costs both ends of
+a pull time on their event loops, and a DLRM's dense snapshot is 12 tensors. A mask of rows
+travels as bits (:func:`mask_to_bits`): 1/8 byte a row; row ids as int32 when they fit (half the
+bytes of int64); a dtype numpy lacks (bfloat16 deltas) as integers of its width, named."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any, Literal, TypedDict
 
 import numpy as np
@@ -70,21 +74,30 @@ class EntryMsg(TypedDict):
     dtype: str
 
 
+class Packed(TypedDict):
+    """A list of tensors in one frame: ``data`` their bytes (a uint8 numpy array, wrapped in
+    ``to_serialize`` on the way out), each tensor's starting at a multiple of
+    :data:`PACK_ALIGN`; ``tensors`` each one's dtype name and shape, in order."""
+
+    data: Any
+    tensors: list[tuple[str, list[int]]]
+
+
 class PullMsg(TypedDict):
     """Reply of a worker's ``antdt_sync_pull``: a :class:`~antdt.sync.PeerPayload`."""
 
     source: str
     entries: list[EntryMsg]
-    dense: list[Any] | None
+    dense: Packed | None
     layout: str
 
 
 class SnapshotMsg(TypedDict):
     """Reply of a worker's ``antdt_sync_snapshot``: a :class:`~antdt.sync.ReplicaSnapshot`, the
-    tensors as numpy arrays, the changed rows as bits."""
+    tables as numpy arrays, the changed rows as bits."""
 
     source: str
-    dense: list[Any]
+    dense: Packed
     tables: dict[str, Any]
     applied: dict[str, int]
     changed: Any
@@ -97,7 +110,7 @@ class RowsMsg(TypedDict):
     source: str
     ids: Any
     rows: Any
-    dense: list[Any]
+    dense: Packed
     applied: dict[str, int]
 
 
@@ -122,12 +135,19 @@ def _typed_array(tensor: torch.Tensor) -> tuple[Any, str]:
     return _array(sent), str(tensor.dtype).removeprefix("torch.")
 
 
+def _torch_dtype(name: str, what: str) -> torch.dtype:
+    """The torch dtype called ``name``; :class:`SyncError` (naming ``what`` was sent) if none
+    is."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise SyncError(f"{what}: {name!r} is not a torch dtype")
+    return dtype
+
+
 def _typed_tensor(value: Any, dtype: str) -> torch.Tensor:
     """Inverse of :func:`_typed_array`; :class:`SyncError` when ``dtype`` is not a torch dtype
     or not what the array holds."""
-    wanted = getattr(torch, dtype, None)
-    if not isinstance(wanted, torch.dtype):
-        raise SyncError(f"deltas: {dtype!r} is not a torch dtype")
+    wanted = _torch_dtype(dtype, "deltas")
     tensor = _tensor(value)
     if tensor.dtype == wanted:
         return tensor
@@ -135,6 +155,55 @@ def _typed_tensor(value: Any, dtype: str) -> torch.Tensor:
         raise SyncError(f"deltas: {dtype} sent as {tensor.dtype}, expected "
                         f"{_AS_INTEGERS.get(wanted, wanted)}")
     return tensor.view(wanted)
+
+
+PACK_ALIGN = 8
+"""In a :class:`Packed` frame each tensor's bytes start at a multiple of this (the widest
+element size), so each one is a view of the received frame, not a copy."""
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // PACK_ALIGN) * PACK_ALIGN
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> Packed:
+    """``tensors`` (any dtypes, shapes and devices) as one frame (see :class:`Packed`); the
+    padding between them is zeros."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    data = torch.zeros(sum(_padded(n) for n in sizes), dtype=torch.uint8)
+    offset = 0
+    for tensor, size in zip(tensors, sizes):
+        data[offset:offset + size] = tensor.detach().reshape(-1).view(torch.uint8).cpu()
+        offset += _padded(size)
+    return {"data": to_serialize(data.numpy()),
+            "tensors": [(str(t.dtype).removeprefix("torch."), list(t.shape)) for t in tensors]}
+
+
+def unpack(packed: Packed, what: str) -> list[torch.Tensor]:
+    """Inverse of :func:`pack`: views of the received frame (copied only when it is read-only).
+    :class:`SyncError`, naming ``what`` was sent, when a dtype is not torch's or the bytes do not
+    hold exactly the tensors listed."""
+    data = _tensor(packed["data"])
+    if data.dtype != torch.uint8 or data.dim() != 1:
+        raise SyncError(f"{what}: packed tensors must be bytes (uint8, 1-D), found {data.dtype} "
+                        f"{tuple(data.shape)}")
+    tensors: list[torch.Tensor] = []
+    offset = 0
+    for name, shape in packed["tensors"]:
+        dtype = _torch_dtype(name, what)
+        if not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise SyncError(f"{what}: {list(shape)} is not a shape (sizes >= 0)")
+        size = math.prod(shape) * dtype.itemsize
+        if offset + size > data.numel():
+            raise SyncError(f"{what}: {len(packed['tensors'])} tensors of shapes "
+                            f"{[list(s) for _, s in packed['tensors']]} need more than the "
+                            f"{data.numel()} bytes sent")
+        tensors.append(data[offset:offset + size].view(dtype).reshape(shape))
+        offset += _padded(size)
+    if offset != data.numel():
+        raise SyncError(f"{what}: {data.numel()} bytes sent for {len(tensors)} tensors of "
+                        f"{offset} bytes")
+    return tensors
 
 
 _INT32_ROWS = 2**31
@@ -177,7 +246,7 @@ def payload_to_msg(payload: PeerPayload) -> PullMsg:
         deltas, dtype = _typed_array(e.deltas)
         entries.append({"seq": e.seq, "rows_offset": e.rows_offset, "ids": _ids_array(e.ids),
                         "deltas": deltas, "dtype": dtype})
-    dense = None if payload.dense is None else [_array(t) for t in payload.dense]
+    dense = None if payload.dense is None else pack(payload.dense)
     return {"source": payload.source, "entries": entries, "dense": dense,
             "layout": payload.layout}
 
@@ -187,14 +256,14 @@ def msg_to_payload(msg: PullMsg) -> PeerPayload:
     entries = [LogEntry(int(e["seq"]), _ids_tensor(e["ids"]),
                         _typed_tensor(e["deltas"], e["dtype"]), int(e["rows_offset"]))
                for e in msg["entries"]]
-    dense = None if msg["dense"] is None else [_tensor(t) for t in msg["dense"]]
+    dense = None if msg["dense"] is None else unpack(msg["dense"], "dense snapshot")
     return PeerPayload(msg["source"], entries, dense, msg["layout"])
 
 
 def snapshot_to_msg(snapshot: ReplicaSnapshot) -> SnapshotMsg:
     """Tensors become numpy arrays, each sent as its own serialized frame."""
     return {"source": snapshot.source,
-            "dense": [_array(t) for t in snapshot.dense],
+            "dense": pack(snapshot.dense),
             "tables": {name: _array(t) for name, t in snapshot.tables.items()},
             "applied": dict(snapshot.applied),
             "changed": to_serialize(mask_to_bits(snapshot.changed))}
@@ -204,7 +273,7 @@ def msg_to_snapshot(msg: SnapshotMsg) -> ReplicaSnapshot:
     """Inverse of :func:`snapshot_to_msg` on the receiving side."""
     tables = {name: _tensor(t) for name, t in msg["tables"].items()}
     rows = sum(t.shape[0] for t in tables.values())
-    return ReplicaSnapshot(msg["source"], [_tensor(t) for t in msg["dense"]], tables,
+    return ReplicaSnapshot(msg["source"], unpack(msg["dense"], "dense parameters"), tables,
                            {source: int(seq) for source, seq in msg["applied"].items()},
                            bits_to_mask(msg["changed"], rows))
 
@@ -212,13 +281,13 @@ def msg_to_snapshot(msg: SnapshotMsg) -> ReplicaSnapshot:
 def rows_to_msg(rows: LeaderRows) -> RowsMsg:
     """Tensors become numpy arrays, each sent as its own serialized frame."""
     return {"source": rows.source, "ids": _ids_array(rows.ids), "rows": _array(rows.rows),
-            "dense": [_array(t) for t in rows.dense], "applied": dict(rows.applied)}
+            "dense": pack(rows.dense), "applied": dict(rows.applied)}
 
 
 def msg_to_rows(msg: RowsMsg) -> LeaderRows:
     """Inverse of :func:`rows_to_msg` on the receiving side."""
     return LeaderRows(msg["source"], _ids_tensor(msg["ids"]), _tensor(msg["rows"]),
-                      [_tensor(t) for t in msg["dense"]],
+                      unpack(msg["dense"], "dense parameters"),
                       {source: int(seq) for source, seq in msg["applied"].items()})
 
 

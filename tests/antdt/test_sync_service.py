@@ -256,6 +256,42 @@ def test_payload_roundtrip_through_messages() -> None:
         bits_to_mask(np.zeros(4, dtype=np.uint8), 21)
 
 
+def test_a_dense_snapshot_travels_as_one_frame() -> None:
+    """Dense tensors of any dtypes and shapes arrive as sent, as views of one frame: the frames
+    of a pull do not grow with the number of dense parameters. A packing whose bytes do not hold
+    the tensors it lists is refused, naming what was sent."""
+    gen = torch.Generator().manual_seed(0)
+    dense = [torch.randn(3, 5, generator=gen), torch.randn(7, generator=gen).to(torch.bfloat16),
+             torch.tensor(2.5, dtype=torch.float64), torch.zeros(0, 4),
+             torch.tensor([True, False, True]), torch.randn(4, 3, generator=gen).t()]
+    frames = {}
+    for count in (1, len(dense)):
+        frames[count] = dumps(payload_to_msg(PeerPayload("w", [], dense[:count], "")))
+        back = msg_to_payload(loads(frames[count])).dense
+        assert back is not None and len(back) == count
+        for got, sent in zip(back, dense):
+            assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent)
+    assert len(frames[1]) == len(frames[len(dense)])
+    rows = LeaderRows("w", torch.tensor([0]), torch.ones(1, 2), dense, {"w": 1})
+    assert all(torch.equal(a, b) for a, b in
+               zip(msg_to_rows(loads(dumps(rows_to_msg(rows)))).dense, dense))
+    msg = payload_to_msg(PeerPayload("w", [], dense[:2], ""))
+    assert msg["dense"] is not None
+    msg["dense"]["tensors"][1] = ("bfloat16", [9])
+    with pytest.raises(SyncError, match=r"dense snapshot: 2 tensors of shapes \[\[3, 5\], \[9\]\] "
+                                        "need more than the 80 bytes sent"):
+        msg_to_payload(loads(dumps(msg)))
+    msg["dense"]["tensors"][1] = ("bfloat16", [3])
+    with pytest.raises(SyncError, match="dense snapshot: 80 bytes sent for 2 tensors of 72"):
+        msg_to_payload(loads(dumps(msg)))
+    msg["dense"]["tensors"][1] = ("bfloat16", [7, -1])
+    with pytest.raises(SyncError, match=r"dense snapshot: \[7, -1\] is not a shape"):
+        msg_to_payload(loads(dumps(msg)))
+    msg["dense"]["tensors"][1] = ("no_such_dtype", [7])
+    with pytest.raises(SyncError, match="dense snapshot: 'no_such_dtype' is not a torch dtype"):
+        msg_to_payload(loads(dumps(msg)))
+
+
 async def start_service(c: Client, s: Scheduler, workers: tuple[Worker, ...],
                         **kwargs: object) -> None:
     await c.register_plugin(SyncService(poll_s=1.0))
