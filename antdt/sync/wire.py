@@ -1,9 +1,9 @@
 """What the async mode's sync sends over Dask comms: the handlers' replies as TypedDicts, and
 tensors as numpy arrays (each its own serialized frame), never through the scheduler. A list of
 dense parameters travels packed into one frame (:class:`Packed`): every frame costs both ends of
-a pull time on their event loops, and a DLRM's dense snapshot is 12 tensors. A mask of rows
-travels as bits (:func:`mask_to_bits`): 1/8 byte a row; row ids as int32 when they fit (half the
-bytes of int64); a dtype numpy lacks (bfloat16 deltas) as integers of its width, named."""
+a pull time on their event loops, and the default DLRM's dense snapshot is 10 tensors. A mask of
+rows travels as bits (:func:`mask_to_bits`): 1/8 byte a row; row ids as int32 when they fit (half
+the bytes of int64); a dtype numpy lacks (bfloat16 deltas) as integers of its width, named."""
 
 from __future__ import annotations
 
@@ -240,7 +240,8 @@ def bits_to_mask(bits: Any, rows: int) -> torch.Tensor:
 
 
 def payload_to_msg(payload: PeerPayload) -> PullMsg:
-    """Tensors become numpy arrays, each sent as its own serialized frame."""
+    """Entries' tensors become numpy arrays, each sent as its own serialized frame; the dense
+    snapshot is packed into one."""
     entries: list[EntryMsg] = []
     for e in payload.entries:
         deltas, dtype = _typed_array(e.deltas)
@@ -261,7 +262,8 @@ def msg_to_payload(msg: PullMsg) -> PeerPayload:
 
 
 def snapshot_to_msg(snapshot: ReplicaSnapshot) -> SnapshotMsg:
-    """Tensors become numpy arrays, each sent as its own serialized frame."""
+    """Tables become numpy arrays, each sent as its own serialized frame; the dense parameters
+    are packed into one."""
     return {"source": snapshot.source,
             "dense": pack(snapshot.dense),
             "tables": {name: _array(t) for name, t in snapshot.tables.items()},
@@ -279,7 +281,8 @@ def msg_to_snapshot(msg: SnapshotMsg) -> ReplicaSnapshot:
 
 
 def rows_to_msg(rows: LeaderRows) -> RowsMsg:
-    """Tensors become numpy arrays, each sent as its own serialized frame."""
+    """Ids and rows become numpy arrays, each sent as its own serialized frame; the dense
+    parameters are packed into one."""
     return {"source": rows.source, "ids": _ids_array(rows.ids), "rows": _array(rows.rows),
             "dense": pack(rows.dense), "applied": dict(rows.applied)}
 
