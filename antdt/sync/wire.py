@@ -132,7 +132,12 @@ def _typed_array(tensor: torch.Tensor) -> tuple[Any, str]:
     """``tensor`` as a numpy array, whatever its dtype, and the name of that dtype."""
     as_integers = _AS_INTEGERS.get(tensor.dtype)
     sent = tensor if as_integers is None else tensor.view(as_integers)
-    return _array(sent), str(tensor.dtype).removeprefix("torch.")
+    return _array(sent), _dtype_name(tensor.dtype)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """What ``dtype`` is called on the wire (its name in ``torch``; see :func:`_torch_dtype`)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _torch_dtype(name: str, what: str) -> torch.dtype:
@@ -176,7 +181,7 @@ def pack(tensors: Sequence[torch.Tensor]) -> Packed:
         data[offset:offset + size] = tensor.detach().reshape(-1).view(torch.uint8).cpu()
         offset += _padded(size)
     return {"data": to_serialize(data.numpy()),
-            "tensors": [(str(t.dtype).removeprefix("torch."), list(t.shape)) for t in tensors]}
+            "tensors": [(_dtype_name(t.dtype), list(t.shape)) for t in tensors]}
 
 
 def unpack(packed: Packed, what: str) -> list[torch.Tensor]:
