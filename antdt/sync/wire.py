@@ -173,14 +173,16 @@ def _padded(nbytes: int) -> int:
 
 def pack(tensors: Sequence[torch.Tensor]) -> Packed:
     """``tensors`` (any dtypes, shapes and devices) as one frame (see :class:`Packed`); the
-    padding between them is zeros."""
+    padding between them is zeros. The frame is assembled on the first tensor's device and
+    crosses to host memory once (a GPU's dense snapshot in one copy, not one per tensor)."""
     sizes = [t.numel() * t.element_size() for t in tensors]
-    data = torch.zeros(sum(_padded(n) for n in sizes), dtype=torch.uint8)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    data = torch.zeros(sum(_padded(n) for n in sizes), dtype=torch.uint8, device=device)
     offset = 0
     for tensor, size in zip(tensors, sizes):
-        data[offset:offset + size] = tensor.detach().reshape(-1).view(torch.uint8).cpu()
+        data[offset:offset + size] = tensor.detach().reshape(-1).view(torch.uint8)
         offset += _padded(size)
-    return {"data": to_serialize(data.numpy()),
+    return {"data": to_serialize(data.cpu().numpy()),
             "tensors": [(_dtype_name(t.dtype), list(t.shape)) for t in tensors]}
 
 
