@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from distributed import Client, Future
+from distributed.client import FutureCancelledError
 from distributed.metrics import time
 from distributed.scheduler import KilledWorker
 
@@ -830,13 +831,19 @@ class JobRunner:
             future.release()
 
     async def _result_on(self, future: Future, worker: str, what: str) -> Any:
-        """``future``'s result, or None if its (pinned) worker leaves the cluster first."""
+        """``future``'s result, or None if its (pinned) worker leaves the cluster before the
+        result is fetched: a finished task's result lives on its worker, and once that worker
+        is gone Dask would run the task again there, which never comes back (a wait for the
+        result would never end)."""
+        fetch = asyncio.ensure_future(_fetch(future))
         try:
-            await _until(lambda: future.done() or worker not in self.scheduler.workers,
-                         math.inf)
-            if not future.done():
+            await _until(lambda: fetch.done() or worker not in self.scheduler.workers, math.inf)
+            if not fetch.done():
+                await self.client.cancel([future])  # ends the fetch
+                with contextlib.suppress(FutureCancelledError):
+                    await fetch
                 return None
-            return await future
+            return fetch.result()
         except KilledWorker:
             return None
         except AntdtError:
@@ -906,6 +913,10 @@ class JobRunner:
 def _health(state: str) -> str:
     """A monitor verdict as ``status`` names it."""
     return {"ok": "normal", "hung": "hung"}.get(state, "straggler")
+
+
+async def _fetch(future: Future) -> Any:
+    return await future
 
 
 async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
