@@ -42,13 +42,12 @@ log (``antdt logs`` shows them). The per-batch timings reach the monitor through
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -120,10 +119,11 @@ class Trainer(Protocol[B_contra]):
     parameters (updated by the step's optimiser) and the embedding tables ``(num_rows, dim)``
     (views of the storage the step updates). ``touched(batch)`` names, per table, the row ids
     ``(k,)`` int64 the step on ``batch`` changes. ``state()`` is what the driver fetches at the
-    end (e.g. the model's weights on the CPU). ``checkpoint_state()`` is everything a resumed
-    job needs to go on exactly (weights and every optimiser's state, tensors copied: training
-    goes on while it is written) and ``restore_state(state)`` puts it back in place (before the
-    replica is built on the tables).
+    end (e.g. the model's weights on the CPU). ``checkpoint_state(tables)`` is everything a
+    resumed job needs to go on exactly (weights and every optimiser's state, tensors copied:
+    training goes on while it is written), with ``tables`` (same names and shapes as
+    :meth:`tables`) in place of the live tables when given, and ``restore_state(state)`` puts it
+    back in place (before the replica is built on the tables).
     """
 
     def step(self, batch: B_contra) -> float: ...
@@ -136,7 +136,7 @@ class Trainer(Protocol[B_contra]):
 
     def state(self) -> Any: ...
 
-    def checkpoint_state(self) -> Any: ...
+    def checkpoint_state(self, tables: Mapping[str, torch.Tensor] | None = None) -> Any: ...
 
     def restore_state(self, state: Any) -> None: ...
 
@@ -320,16 +320,24 @@ class AgentPlugin(WorkerPlugin):
     def state(self, job: str) -> Any:
         return self.trainer(job).state()
 
-    def checkpoint_state(self, job: str) -> Any:
-        """The :meth:`Trainer.checkpoint_state` of ``job``'s agent training here, taken between
-        two steps (under the replica lock in the async mode: its tables and dense part are not
-        half-merged)."""
+    def checkpoint_state(self, job: str, copy_ledger: Callable[[], Mapping[str, Any]]
+                         ) -> tuple[Mapping[str, Any], Any]:
+        """A checkpoint of ``job``'s agent training here: ``copy_ledger()`` (the job's ledger,
+        with every worker's synced rows under ``synced``) and the agent's
+        :meth:`Trainer.checkpoint_state`, taken between two steps. In the async mode both under
+        the replica lock, the ledger copied after it was taken, so the tables written are
+        exactly the rows that copy counts done (:meth:`ReplicaSync.committed_tables`); the
+        dense part and the optimisers' state are this replica's as they are."""
         agent = self._running.get(job)
         if agent is None:
             raise AntdtError(f"no agent of job {job!r} is training on this worker; training "
                              f"here: {sorted(self._running)}")
-        with agent.replica.lock if agent.replica is not None else contextlib.nullcontext():
-            return agent.trainer.checkpoint_state()
+        if agent.replica is None:
+            return copy_ledger(), agent.trainer.checkpoint_state()
+        with agent.replica.lock:
+            ledger = copy_ledger()
+            tables = agent.replica.committed_tables(ledger["synced"])
+            return ledger, agent.trainer.checkpoint_state(tables)
 
     def forget(self, job: str) -> None:
         self._cancel.pop(job, None)
@@ -426,7 +434,8 @@ class Agent:
         self._lease_reads: int | None = None
         """While leasing: how often the ShardClient read the synced rows (None: not leasing)."""
         self.shards = ShardClient(spec.job, worker=self.worker,
-                                  synced_rows=None if self.sync is None else self._synced_rows)
+                                  synced_rows=None if self.sync is None else self._synced_rows,
+                                  confirmed=None if self.replica is None else self.replica.confirm)
         self.rows = self.batches = self.leases = 0
         self.busy_s = 0.0
         self.cpu_s = 0.0
@@ -557,8 +566,9 @@ class Agent:
     def _step(self, batch: Any, rows: int) -> float:
         """One training step; in the async mode once the replica is not too far ahead of its
         sync rounds and under the replica lock (waits for either count as busy time, as the
-        monitor judges a worker by its pace), then mark the touched rows with the worker's
-        stream offset after this batch (what the ledger will hold)."""
+        monitor judges a worker by its pace), marking the touched rows with the worker's stream
+        offset after this batch (what the ledger will hold) before the lock is released: a
+        round's entry then holds whole batches, each counted in its offset."""
         if self.replica is None:
             return self.trainer.step(batch)
         touched = self.trainer.touched(batch)
@@ -566,31 +576,30 @@ class Agent:
         self.sync.before_step()  # the replica may not run too far ahead of its sync rounds
         with self.replica.lock.training():
             loss = self.trainer.step(batch)
-        self.replica.touch(touched, self.shards.trained_rows + rows)
+            self.replica.touch(touched, self.shards.trained_rows + rows)
         self.sync.batch_done()
         return loss
 
     def _synced_rows(self) -> int:
-        """The ShardClient's synced-rows source in the async mode.
+        """The ShardClient's synced-rows source in the async mode, read before each report
+        (:meth:`ReplicaSync.ledger_offset`: a worker without live peers publishes first).
 
         While waiting for a lease (the ledger said "wait" at least once: every trained row is in
         the ledger) the agent publishes its newest deltas itself, instead of only in group
-        exchanges: a worker without live peers (the others died) is never grouped, yet its rows
-        are synced as soon as they are published, and without this its last leases would never
-        complete. It also hurries the background sync (:meth:`BackgroundSync.hurry`): the job
-        may be waiting only for these rows, and the next periodic round can be a second away.
-        The first read of a lease call does neither: leasing the next shard must not wait for a
+        exchanges, and hurries the background sync (:meth:`BackgroundSync.hurry`): the job may
+        be waiting only for these rows, and the next periodic round can be a second away. The
+        first read of a lease call does neither: leasing the next shard must not wait for a
         copy of the touched rows.
         """
         assert self.sync is not None and self.replica is not None
         self.sync.raise_if_failed()  # a dead sync thread would leave the leases draining forever
+        publish = bool(self._lease_reads)
         if self._lease_reads is not None:
-            if self._lease_reads:
-                with self.replica.lock:
-                    self.replica.log.publish(self.replica.rows_offset)
-                self.sync.hurry()
             self._lease_reads += 1
-        return self.sync.synced_offset
+        synced = self.replica.ledger_offset(publish=publish)
+        if publish:
+            self.sync.hurry()
+        return synced
 
     # ---- faults -------------------------------------------------------------------------------
 
@@ -656,8 +665,9 @@ class Agent:
 
     def _end(self, outcome: Outcome) -> None:
         """Finished: take part in the final sync round (every replica ends identical) and keep
-        the trainer for the driver. Otherwise stop syncing and give the leases back (their
-        unsynced rows are queued again)."""
+        the trainer for the driver. Otherwise stop syncing, make the last report and give the
+        leases back (their unsynced rows are queued again), then leave the sync: its peers take
+        this replica's entries past the last report out again."""
         if outcome == "finished":
             if self.sync is not None:
                 self.sync.finish()
@@ -667,14 +677,20 @@ class Agent:
         if self.sync is not None and outcome != "declined":
             self.sync.stop()
         self.shards.close()
+        if self.sync is not None and outcome != "declined":
+            self.sync.leave()
+            self.sync.raise_if_failed()
 
     def _abandon(self) -> None:
-        """The loop raised: stop syncing and give the leases back if the service still answers
-        (the error that got us here is what propagates; these are only logged)."""
+        """The loop raised: stop syncing, give the leases back and leave the sync if the
+        services still answer (the error that got us here is what propagates; these are only
+        logged)."""
         try:
             if self.sync is not None:
                 self.sync.stop()
             self.shards.close()
+            if self.sync is not None:
+                self.sync.leave()
         except (AntdtError, OSError) as exc:
             logger.warning("agent of job %s on %s: clean-up after a failure failed too: %r",
                            self.spec.job, self.worker.address, exc)

@@ -47,7 +47,7 @@ Accounting
 ----------
 For ``pull`` and ``antdt`` every commit adds its rows to a per-shard tally kept by the simulator
 (independently of the ledger). At the end every shard's tally must equal its rows, the ledger
-must report every row done, none lost, ``rows_trained == rows_done + rows_duplicated``, and
+must report every row done, none lost, ``rows_trained == rows_done + rows_retrained``, and
 :meth:`ShardLedger.check_invariants` must pass; :class:`AccountingError` is raised otherwise.
 """
 
@@ -568,7 +568,7 @@ class _Dynamic:
         tally = np.asarray(self.tally, dtype=np.int64)
         wrong = np.flatnonzero(tally != self.s.shard_rows)
         if len(wrong) or ledger.rows_done != self.s.total_rows or ledger.rows_lost \
-                or ledger.rows_trained != ledger.rows_done + ledger.rows_duplicated:
+                or ledger.rows_trained != ledger.rows_done + ledger.rows_retrained:
             raise AccountingError(
                 f"rows lost or trained twice: {len(wrong)} shards off (first {wrong[:5]} "
                 f"tallied {tally[wrong[:5]]}), ledger {ledger.summary()}")

@@ -171,3 +171,12 @@ def embedding_tables(model: nn.Module) -> dict[str, torch.Tensor]:
     ebc = fused_embeddings(model)
     return {cfg.feature_names[0]: ebc.embedding_bags[cfg.name].weight.detach()
             for cfg in ebc.embedding_bag_configs()}
+
+
+def embedding_keys(model: nn.Module) -> dict[str, str]:
+    """Per sparse feature, the ``model.state_dict()`` key of its table (the tables of
+    :func:`embedding_tables`, named alike)."""
+    ebc = fused_embeddings(model)
+    prefix = next(name for name, module in model.named_modules() if module is ebc)
+    return {cfg.feature_names[0]: f"{prefix}.embedding_bags.{cfg.name}.weight"
+            for cfg in ebc.embedding_bag_configs()}

@@ -34,8 +34,8 @@ from torchrec.datasets.utils import Batch
 from antdt.device import huge_pages, pick_device
 from data.schema import Schema
 from models.config import ModelConfig, OptimConfig
-from models.ranking import (build_model, dense_parameters, embedding_tables, fused_embeddings,
-                            sparse_optimizer)
+from models.ranking import (build_model, dense_parameters, embedding_keys, embedding_tables,
+                            fused_embeddings, sparse_optimizer)
 
 logger = logging.getLogger(__name__)
 
@@ -122,19 +122,33 @@ class TrainStep:
             self.model.eval()
         return torch.sigmoid(self.model(batch.dense_features, batch.sparse_features))
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, tables: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
         """A snapshot (cloned tensors) to resume from exactly: model weights, the dense optimiser's
         state, the fused sparse optimiser's state (e.g. row-wise Adagrad momentum per row) and
-        ``rows_trained``."""
-        tables = fused_embeddings(self.model)
-        return _clone({
-            "model": self.model.state_dict(),
+        ``rows_trained``. With ``tables`` (per feature, shaped as :func:`embedding_tables`'s),
+        they are the snapshot's embedding weights instead of the live ones (taken as they are,
+        not cloned: the caller's copies)."""
+        weights = self.model.state_dict()
+        keys = embedding_keys(self.model)
+        if tables is not None:
+            shapes = {feature: tuple(weights[key].shape) for feature, key in keys.items()}
+            found = {feature: tuple(table.shape) for feature, table in tables.items()}
+            if found != shapes:
+                raise ValueError(f"tables must be {shapes} (feature: shape), found {found}")
+            for key in keys.values():
+                del weights[key]
+        fused = fused_embeddings(self.model)
+        state = _clone({
+            "model": weights,
             "dense_optimizer": self.dense_optimizer.state_dict(),
             "sparse_optimizer": sparse_optimizer(self.model).state_dict(),
             # FBGEMM's step counter (Adam's bias correction); not part of the keyed state.
-            "sparse_iter": [m._emb_module.iter for m in tables._emb_modules],
+            "sparse_iter": [m._emb_module.iter for m in fused._emb_modules],
             "rows_trained": self.rows_trained,
         })
+        if tables is not None:
+            state["model"].update({keys[feature]: table for feature, table in tables.items()})
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` snapshot in place (the tables' storage does not move)."""

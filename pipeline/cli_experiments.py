@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 def compare(experiment: str | None, run_ids: str | None, last: int | None, metric: str,
             plot_path: str | None, as_json: bool, tracking_uri: str | None) -> None:
     """Compare MLflow runs side by side: the params that differ, the metrics, and the rows each
-    run trained, lost, duplicated or quarantined (a better model that saw less data stands
+    run trained, lost, retrained or quarantined (a better model that saw less data stands
     out)."""
     import mlflow
 

@@ -320,7 +320,7 @@ def job_details(r: Mapping[str, Any]) -> list[Any]:
         per_epoch = ", ".join(f"epoch {e}: {done:,}" for e, done in
                               enumerate(rows["done_by_epoch"]))
         lines.append(f"rows done {_rows(r)} ({per_epoch}); trained {rows['trained']:,}, "
-                     f"lost {rows['lost']:,}, duplicated {rows['duplicated']:,}, "
+                     f"lost {rows['lost']:,}, retrained {rows['retrained']:,}, "
                      f"quarantined {rows['quarantined']:,}")
     run = r.get("run") or {}
     if run:

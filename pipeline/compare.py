@@ -27,8 +27,8 @@ which a local run ignores: the mode and workers columns show what ran).
 Highlights (:class:`Comparison`): the best value of AUC, logloss, wall time, samples/s and the
 chosen metric (:func:`higher_is_better` says which way is better), when at least two runs have
 it and not all alike (ties are all best); and the data side: a run that trained fewer distinct
-rows (``rows_trained - rows_duplicated``) than the most any shown run trained, or that lost,
-duplicated or quarantined rows. In plain text (a pipe, a log) the highlights are the markers
+rows (``rows_trained - rows_retrained``) than the most any shown run trained, or that lost,
+retrained or quarantined rows. In plain text (a pipe, a log) the highlights are the markers
 ``*`` and ``!``, explained in the line under the table.
 
 MLflow (and matplotlib, for ``--plot``) are imported here: :mod:`pipeline.cli_experiments`
@@ -73,13 +73,13 @@ IGNORED_PARAMS = frozenset({"mlflow.tracking_uri", "train.mode", "train.workers"
 
 RANKED = ("auc", "logloss", "wall_s", "samples_per_s")
 """The metrics whose best value is highlighted, besides the chosen one."""
-ROWS = ("rows_trained", "rows_lost", "rows_duplicated", "rows_quarantined", "rows_replayed")
+ROWS = ("rows_trained", "rows_lost", "rows_retrained", "rows_quarantined", "rows_replayed")
 METRICS = ("auc", "logloss", "oracle_auc", "wall_s", "train_s", "samples_per_s",
            "straggler_actions")
 """The summary metrics a run shows (``--json``: under ``metrics``; the rows under ``rows``)."""
 
 ISSUES = {"fewer_rows_trained": "fewer rows trained", "rows_lost": "rows lost",
-          "rows_duplicated": "rows duplicated", "rows_quarantined": "rows quarantined"}
+          "rows_retrained": "rows retrained", "rows_quarantined": "rows quarantined"}
 """The data issues a run can have (:meth:`Comparison.issues`), and how a person reads them."""
 
 
@@ -153,7 +153,7 @@ class Comparison:
     """For each ranked metric, the ids of the runs best at it (absent: no best, see the module
     docstring)."""
     most_rows: float | None
-    """The most distinct rows (trained, not counting duplicates) any shown run trained."""
+    """The most distinct rows (trained, not counting rows trained again) any shown run trained."""
 
     @property
     def store(self) -> str:
@@ -324,7 +324,7 @@ def _best_of(runs: Iterable[RunView], metric: str) -> frozenset[str]:
 
 def _distinct_rows(run: RunView) -> float | None:
     trained = run.value("rows_trained")
-    return None if trained is None else trained - (run.value("rows_duplicated") or 0)
+    return None if trained is None else trained - (run.value("rows_retrained") or 0)
 
 
 def _differing(runs: Sequence[RunView]) -> tuple[str, ...]:
@@ -346,7 +346,7 @@ def _integer(value: float | None) -> int | None:
 _COLUMNS = {"auc": "AUC", "logloss": "logloss", "wall_s": "wall s", "samples_per_s": "samples/s",
             "straggler_actions": "straggler\nactions"}
 _ROW_COLUMNS = {"rows_trained": "rows\ntrained", "rows_lost": "rows\nlost",
-                "rows_duplicated": "rows\nduplicated", "rows_quarantined": "rows\nquarantined"}
+                "rows_retrained": "rows\nretrained", "rows_quarantined": "rows\nquarantined"}
 _STATUS_STYLE = {"FINISHED": "green", "FAILED": "bold red", "KILLED": "red",
                  "RUNNING": "yellow"}
 
@@ -391,7 +391,7 @@ def legend(comparison: Comparison) -> str:
     """The line under the table: what ``*`` and ``!`` mean."""
     most = "" if comparison.most_rows is None else f" ({comparison.most_rows:,.0f})"
     return (f"* best of these runs   ! data differs: fewer rows trained than the most here{most}"
-            ", or rows lost, duplicated or quarantined; its metrics are not like for like")
+            ", or rows lost, retrained or quarantined; its metrics are not like for like")
 
 
 def _shown(metric: str, value: float | None) -> str:
@@ -520,7 +520,7 @@ def _draw_bars(ax: Axes, comparison: Comparison, colours: Sequence[Any]) -> tupl
     if any(comparison.issues(run) for run in comparison.runs):
         keys.append(Patch(facecolor="white", edgecolor="0.3", hatch="///",
                           label="data differs (fewer rows trained, or rows lost, "
-                                "duplicated or quarantined)"))
+                                "retrained or quarantined)"))
     if keys:  # below the axes: it never covers a bar
         ax.legend(handles=keys, loc="upper center", bbox_to_anchor=(0.5, -0.16),
                   ncols=len(keys), fontsize=8, frameon=False)

@@ -99,7 +99,7 @@ class RankingHooks:
             run_id=tracker.run_id, mode="async", workers=len(agents), auc=auc, logloss=logloss,
             oracle_auc=oracle_auc(self.job.data.schema, [g.path for g in self.validation]),
             rows_trained=rows["trained"], rows_lost=rows["lost"],
-            rows_duplicated=rows["duplicated"], rows_quarantined=rows["quarantined"],
+            rows_retrained=rows["retrained"], rows_quarantined=rows["quarantined"],
             wall_s=float(report["wall_s"]), train_s=train_s,
             samples_per_s=report["rows_trained_here"] / max(train_s, 1e-9),
             straggler_actions=len(report["actions"]), tracking_uri=tracker.tracking_uri,

@@ -49,9 +49,11 @@ class RankingTrainer:
         """The model's weights on the CPU (no optimiser state: what serving needs)."""
         return {k: v.detach().cpu().clone() for k, v in self.train_step.model.state_dict().items()}
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Weights and both optimisers' state (:meth:`TrainStep.state_dict`, copied)."""
-        return self.train_step.state_dict()
+    def checkpoint_state(self, tables: Mapping[str, torch.Tensor] | None = None
+                         ) -> dict[str, Any]:
+        """Weights and both optimisers' state (:meth:`TrainStep.state_dict`, copied), with
+        ``tables`` as the embedding weights when given."""
+        return self.train_step.state_dict(tables)
 
     def restore_state(self, state: Mapping[str, Any]) -> None:
         self.train_step.load_state_dict(state)

@@ -7,7 +7,7 @@ carries the run's figures and its data window as tags::
 
     antdt.job, antdt.mode, antdt.workers        what ran
     antdt.auc, antdt.logloss, antdt.oracle_auc  the run's evaluation on its validation data
-    antdt.rows_trained, antdt.rows_lost, antdt.rows_duplicated, antdt.rows_quarantined,
+    antdt.rows_trained, antdt.rows_lost, antdt.rows_retrained, antdt.rows_quarantined,
     antdt.rows_replayed, antdt.samples_per_s, antdt.wall_s, antdt.train_s,
     antdt.straggler_actions                     the run's counters
     antdt.data.train, antdt.data.validation     the job's data paths (JSON lists, local paths

@@ -17,7 +17,7 @@ _DATE = re.compile(r"date=(\d{4}-\d{2}-\d{2})")
 
 
 LOWER_IS_BETTER = frozenset({
-    "logloss", "wall_s", "train_s", "straggler_actions", "rows_lost", "rows_duplicated",
+    "logloss", "wall_s", "train_s", "straggler_actions", "rows_lost", "rows_retrained",
     "rows_quarantined", "rows_replayed", "agents_dead", "checkpoints.write_s_median"})
 """Summary metrics that improve downwards (with every name ending in ``loss``)."""
 
@@ -52,7 +52,7 @@ class JobSummary:
     oracle_auc: float | None
     rows_trained: int
     rows_lost: int
-    rows_duplicated: int
+    rows_retrained: int
     rows_quarantined: int
     wall_s: float
     samples_per_s: float
@@ -97,7 +97,7 @@ class JobSummary:
             f"AUC      {self.auc:.4f}{best}",
             f"logloss  {self.logloss:.4f}",
             f"rows     trained {self.rows_trained:,}  lost {self.rows_lost:,}  "
-            f"duplicated {self.rows_duplicated:,}  quarantined {self.rows_quarantined:,}"
+            f"retrained {self.rows_retrained:,}  quarantined {self.rows_quarantined:,}"
             + (f"  replayed {self.rows_replayed:,}" if self.rows_replayed else ""),
             f"speed    {self.samples_per_s:,.0f} samples/s, {self.wall_s:.1f} s wall",
             f"control  {self.straggler_actions:,} straggler action(s)",

@@ -389,7 +389,7 @@ def registered_version(tracking_uri: str, model: str, key: str) -> dict[str, Any
     return trained(tracking_uri, model, str(first.version))
 
 
-FIGURES = ("auc", "logloss", "oracle_auc", "rows_trained", "rows_lost", "rows_duplicated",
+FIGURES = ("auc", "logloss", "oracle_auc", "rows_trained", "rows_lost", "rows_retrained",
            "rows_quarantined", "samples_per_s", "wall_s")
 """The figures of a version's run that a retraining reports (from the version's tags)."""
 

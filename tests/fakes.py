@@ -95,8 +95,10 @@ class CountingTrainer:
     def tables(self) -> dict[str, torch.Tensor]:
         return {"t": self.table}
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        return {"table": self.table.clone(), "bias": self.bias.clone()}
+    def checkpoint_state(self, tables: Mapping[str, torch.Tensor] | None = None
+                         ) -> dict[str, Any]:
+        table = self.table.clone() if tables is None else tables["t"]
+        return {"table": table, "bias": self.bias.clone()}
 
     def restore_state(self, state: dict[str, Any]) -> None:
         self.table.copy_(state["table"])

@@ -9,7 +9,8 @@ the workers and the submitting client all reach)::
         v000001/ v000002/ ...  one folder per checkpoint (the newest ``keep`` good ones stay)
             model.pt           model and optimiser state, ``torch.save`` of the trainer's
                                ``checkpoint_state()`` (written by a worker)
-            ledger.bin         the shard ledger (:mod:`antdt.sharding.checkpoint` format)
+            ledger.bin         the shard ledger (:mod:`antdt.sharding.checkpoint` format),
+                               copied with the model and written by the same worker
             MANIFEST.json      written last: each file's size and sha256, the rows it covers,
                                the tracking run, the job's fingerprint
 
@@ -72,10 +73,20 @@ class Every:
         return f"{self.rows}" if self.rows is not None else f"{self.seconds:g}s"
 
 
+ROWS = ("rows_done", "rows_trained", "rows_retrained", "rows_expected", "rows_quarantined",
+        "epoch")
+"""The ledger's counters a manifest keeps (as ``rows``, without the ``rows_`` prefix)."""
+
+
+def ledger_rows(summary: Mapping[str, Any]) -> dict[str, int]:
+    """A manifest's ``rows`` from a ledger's summary (:meth:`ShardLedger.summary`)."""
+    return {key.removeprefix("rows_"): int(summary[key]) for key in ROWS}
+
+
 @dataclass(frozen=True)
 class Manifest:
     """What a checkpoint version holds (``MANIFEST.json``). ``rows``: the ledger's counters at
-    the checkpoint (``done``, ``trained``, ``duplicated``, ``expected``, ``epoch``); ``step``:
+    the checkpoint (``done``, ``trained``, ``retrained``, ``expected``, ``epoch``); ``step``:
     the tracking run's next metrics step; ``fingerprint``: what a resumed job must not change
     (``{key: value}``, keys as in the job file)."""
 

@@ -4,17 +4,20 @@ loop on the scheduler.
 A checkpoint is taken when one is due (see :meth:`Checkpointer.due`: one completes every
 ``checkpoint_every`` rows trained or seconds) and no other is being written::
 
-    the ledger's state, now (on the scheduler's loop: the rows it counts done are synced, so
-    every live replica holds their updates)
-      ─► a worker's task copies its running agent's model and optimiser state between two steps
-         (a moment later: the copy holds at least those rows) and writes model.pt
-      ─► ledger.bin, then MANIFEST.json last (sizes, sha256), then older versions pruned
+    a worker's task takes its running agent's replica lock between two steps
+      ─► asks the scheduler for the ledger's state, now (``antdt_ledger_copy``: the ledger and
+         every worker's synced rows)
+      ─► copies the model's tables holding exactly the rows that ledger counts done (its base
+         less the entries past each worker's synced rows, :mod:`antdt.sync.embeddings`), the
+         dense parameters and optimiser state as they are; lets go of the lock
+      ─► writes ledger.bin and model.pt
+      ─► the master writes MANIFEST.json last (sizes, sha256), then prunes older versions
 
-The model therefore covers every row the ledger counts done, plus the rows that worker trained
-or merged after the ledger's copy; a resumed job trains those again (``rows_replayed``).
-Besides the checkpoints, the master notes the job's rows in ``progress.json`` every tick, so a
-job resumed after its scheduler died knows how many rows the lost job had trained past its
-checkpoint.
+The model's embedding tables therefore hold each row the ledger counts done once, and no row it
+does not; a resumed job trains every other row again, the rows trained past the checkpoint
+before the loss among them (``rows_replayed``). Besides the checkpoints, the master notes the
+job's rows in ``progress.json`` every tick, so a job resumed after its scheduler died knows how
+many rows the lost job had trained past its checkpoint.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from antdt.jobs.checkpoints import Every, Manifest
 from antdt.jobs.spec import JobPlan
 
 WriteModel = Callable[[str, str], Awaitable[dict[str, Any] | None]]
-"""``write_model(worker, version_path)``: the checkpoint task's reply on ``worker`` (None when
-the worker left the cluster first)."""
+"""``write_model(worker, version_path)``: the checkpoint task's reply on ``worker`` (each file's
+size and checksum under ``files``, the ledger's counters under ``rows``; None when the worker
+left the cluster first)."""
 
 Log = Callable[[str, str], None]
 """``log(level, message)``: the job's log."""
@@ -41,8 +45,9 @@ Log = Callable[[str, str], None]
 
 class Checkpointer:
     """The checkpoints of one job (see the module docstring); ``enabled`` only with a
-    ``checkpoint_dir``; ``written()`` is called when a checkpoint ended (the master looks again). ``last`` is the newest good checkpoint (written here, or resumed from);
-    ``written``, ``bytes`` and ``seconds`` describe the ones this master wrote."""
+    ``checkpoint_dir``; ``written()`` is called when a checkpoint ended (the master looks
+    again). ``last`` is the newest good checkpoint (written here, or resumed from); ``written``,
+    ``bytes`` and ``seconds`` describe the ones this master wrote."""
 
     def __init__(self, job_id: str, plan: JobPlan, write_model: WriteModel, log: Log,
                  written: Callable[[], None] = lambda: None) -> None:
@@ -93,29 +98,28 @@ class Checkpointer:
         assert self.every.seconds is not None
         return time() - since + lead_s >= self.every.seconds
 
-    def take(self, worker: str, ledger: bytes, rows: Mapping[str, int], step: int,
-             run: Mapping[str, Any] | None, extra: Mapping[str, Any]) -> None:
-        """Start writing a checkpoint: ``ledger`` (the ledger's bytes, taken now) and the model
-        of ``worker``'s agent; the interval restarts now, whether it succeeds or not."""
+    def take(self, worker: str, rows_trained: int, step: int, run: Mapping[str, Any] | None,
+             extra: Mapping[str, Any]) -> None:
+        """Start writing a checkpoint of ``worker``'s agent's model and the ledger (copied
+        together on the worker); the interval restarts now (at ``rows_trained``), whether it
+        succeeds or not."""
         assert self.folder is not None
-        self.restart_interval(int(rows["trained"]))
+        self.restart_interval(rows_trained)
         self._version += 1
         path = checkpoints.version_path(self.folder, self._version)
-        self._taking = asyncio.ensure_future(self._take(path, worker, ledger, dict(rows), step,
-                                                        dict(run or {}), dict(extra)))
+        self._taking = asyncio.ensure_future(self._take(path, worker, step, dict(run or {}),
+                                                        dict(extra)))
 
-    async def _take(self, path: str, worker: str, ledger: bytes, rows: dict[str, int],
-                    step: int, run: dict[str, Any], extra: dict[str, Any]) -> None:
+    async def _take(self, path: str, worker: str, step: int, run: dict[str, Any],
+                    extra: dict[str, Any]) -> None:
         started = time()
         try:
-            model = await self._write_model(worker, path)
-            if model is None:
+            written = await self._write_model(worker, path)
+            if written is None:
                 self._log("warning", f"checkpoint {path} not taken: {worker} left the cluster "
                                      "while writing it")
                 return
-            files = {checkpoints.MODEL: model["model"],
-                     checkpoints.LEDGER: await asyncio.to_thread(
-                         checkpoints.write, checkpoints.join(path, checkpoints.LEDGER), ledger)}
+            files, rows = written["files"], written["rows"]
             manifest = Manifest(job_id=self.job_id, version=self._version, path=path,
                                 created=time(), files=files, rows=rows, step=step,
                                 run=run or None, fingerprint=self.fingerprint, worker=worker,

@@ -651,7 +651,7 @@ class JobRunner:
         rows = self._rows
         metrics: dict[str, float] = {
             f"{SERIES}rows_done": rows["done"], f"{SERIES}rows_trained": rows["trained"],
-            f"{SERIES}rows_duplicated": rows["duplicated"],
+            f"{SERIES}rows_retrained": rows["retrained"],
             f"{SERIES}samples_per_s": sum(s.rate for s in live),
             f"{SERIES}workers": len(live)}
         metrics.update({f"{SERIES}samples_per_s.{by_worker[w].label}": r
@@ -688,19 +688,15 @@ class JobRunner:
                        and s.worker in self.scheduler.workers), None)
         if writer is None:
             return
-        self.checkpoints.take(
-            writer, ledger.to_bytes(),
-            {key.removeprefix("rows_"): int(rows[key]) for key in (
-                "rows_done", "rows_trained", "rows_duplicated", "rows_expected",
-                "rows_quarantined", "epoch")},
-            self._step, self.run, {"rows_replayed": self.rows_replayed, "resumes": self.resumes})
+        self.checkpoints.take(writer, int(rows["rows_trained"]), self._step, self.run,
+                              {"rows_replayed": self.rows_replayed, "resumes": self.resumes})
 
     def _progress(self, state: JobState | None = None) -> dict[str, Any]:
         """What ``progress.json`` says of the job (see :mod:`antdt.jobs.keeper`)."""
         return {"job_id": self.job_id, "state": (state or self.state).value, "time": time(),
                 "step": self._step, "error": self.error, "run": self.run,
                 "checkpoint": self._last_checkpoint(),
-                "rows": {k: self._rows.get(k) for k in ("done", "trained", "duplicated",
+                "rows": {k: self._rows.get(k) for k in ("done", "trained", "retrained",
                                                         "expected")}}
 
     def _checkpoints(self) -> dict[str, Any]:
@@ -727,7 +723,7 @@ class JobRunner:
         summary = ledger.summary()
         self._rows = {key.removeprefix("rows_"): summary[key] for key in (
             "rows_expected", "rows_done", "rows_trained", "rows_todo", "rows_leased",
-            "rows_lost", "rows_duplicated", "rows_quarantined")}
+            "rows_lost", "rows_retrained", "rows_quarantined")}
         self._rows.update(epoch=summary["epoch"], epochs=summary["epochs"],
                           done_by_epoch=summary["rows_done_by_epoch"])
 

@@ -13,11 +13,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from distributed import get_worker
+from distributed.utils import sync
 
 import torch
 
+from antdt import rpc
 from antdt.agent import AgentReport, AgentSpec, Trainer, TrainerFactory, plugin_of, run_agent
 from antdt.device import FROZEN_HEAP
+from antdt.errors import CheckpointError
 from antdt.jobs import checkpoints
 from antdt.jobs.spec import load
 
@@ -43,15 +46,26 @@ def agent_task(spec: AgentSpec, trainer: bytes, reader: bytes,
 
 
 def checkpoint_task(job: str, path: str) -> dict[str, Any]:
-    """Write the model of ``job``'s agent running here into the checkpoint version folder
-    ``path``: its file's size and checksum, the worker and the seconds it took."""
+    """Write a checkpoint of ``job`` into the version folder ``path``: the model of its agent
+    running here and the job's ledger, copied together (:meth:`AgentPlugin.checkpoint_state`:
+    the model holds exactly the rows the ledger counts done). Returns each file's size and
+    checksum, the ledger's counters (a manifest's ``rows``), the worker and the seconds it
+    took."""
     worker = get_worker()
     started = time.perf_counter()
-    state = plugin_of(worker).checkpoint_state(job)
+
+    def copy_ledger() -> Mapping[str, Any]:
+        return rpc.ok(sync(worker.loop, worker.scheduler.antdt_ledger_copy, job=job),
+                      error=CheckpointError)
+
+    ledger, state = plugin_of(worker).checkpoint_state(job, copy_ledger)
     taken = time.perf_counter()
-    model = checkpoints.save_model(checkpoints.join(path, checkpoints.MODEL), state)
-    return {"model": model, "worker": worker.address, "copy_s": taken - started,
-            "write_s": time.perf_counter() - taken}
+    files = {checkpoints.LEDGER: checkpoints.write(checkpoints.join(path, checkpoints.LEDGER),
+                                                   ledger["ledger"]),
+             checkpoints.MODEL: checkpoints.save_model(checkpoints.join(path, checkpoints.MODEL),
+                                                       state)}
+    return {"files": files, "rows": checkpoints.ledger_rows(ledger), "worker": worker.address,
+            "copy_s": taken - started, "write_s": time.perf_counter() - taken}
 
 
 def hook_task(hooks: bytes, method: str, *args: Any) -> Any:

@@ -3,7 +3,7 @@ atomic write to any fsspec path.
 
 A checkpoint is the ledger as it would be if every worker were removed at that moment: live
 leases are written as queue-front pieces from their synced offset (the workers are gone when it
-is restored) and their trained-but-unsynced rows count as duplicated. Shards and the epoch
+is restored) and their trained-but-unsynced rows count as retrained. Shards and the epoch
 permutation are not stored; they are recomputed from the row groups and the seed.
 
 Checkpoint format (version 2)
@@ -29,6 +29,10 @@ from antdt.sharding.leases import QuarantineRecord
 
 FORMAT_VERSION = 2
 MAGIC = b"ANTDTLG\x00"
+
+
+RENAMED = {"rows_duplicated": "rows_retrained"}
+"""Counters as checkpoints of earlier versions name them."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,8 @@ def decode(data: bytes) -> LedgerState:
         paths=header["paths"], rg_file=arrays["rg_file"], rg_group=arrays["rg_group"],
         rg_rows=arrays["rg_rows"], epoch=int(header["epoch"]), pos=int(header["pos"]),
         next_lease_id=int(header["next_lease_id"]), stopped=header["stopped"],
-        counters={name: int(value) for name, value in header["counters"].items()},
+        counters={RENAMED.get(name, name): int(value)
+                  for name, value in header["counters"].items()},
         done_by_epoch=[int(rows) for rows in header["done_by_epoch"]],
         quarantine=[QuarantineRecord(*record) for record in header["quarantine"]],
         front=arrays["front"])

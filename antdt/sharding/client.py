@@ -31,7 +31,11 @@ in order; :attr:`ShardClient.trained_rows`), how many are already in the shared 
 ``rows_offset`` of :mod:`antdt.sync`. The client maps it back to each lease's synced offset, and
 keeps reporting for leases that are fully trained but not yet synced ("draining"). ``None`` means
 "everything trained is synced" (local and synchronous modes), unless the client was given a
-``synced_rows`` source to read. While ``lease`` waits for rows it re-reads that source (at least
+``synced_rows`` source to read. The source is read right before each RPC (reading it may publish
+the worker's deltas), and each RPC also carries the stream's synced rows whole
+(:meth:`~antdt.sharding.ShardLedger.report_synced`); once the ledger accepted them,
+``confirmed`` is called with them (:attr:`ShardClient.confirmed_rows`): the model sync keeps its
+entries past them provisional. While ``lease`` waits for rows it re-reads the source (at least
 every ``antdt.sharding.drain-wait`` while this worker's or any other worker's rows await sync), so
 draining leases (which keep the job from finishing) complete as the sync advances: a row is
 synced only once every peer applied it, so an idle worker's rounds matter as much as its
@@ -79,9 +83,10 @@ class ShardClient:
 
     ``worker`` defaults to the worker running the calling task; with ``client`` the calls go
     through that client instead (a driver or a benchmark acting for ``worker_address``).
-    ``synced_rows``, if given, returns the worker's current synced row count (e.g. the background
-    sync's ``synced_offset``); it is read whenever a call does not pass one, in particular while
-    ``lease`` waits, so that leases this worker is still draining can complete. ``clock`` is
+    ``synced_rows``, if given, returns the worker's current synced row count (e.g. the model
+    sync's ``ledger_offset``); it is read before every RPC whose call does not pass one, in
+    particular while ``lease`` waits, so that leases this worker is still draining can complete.
+    ``confirmed(rows)`` is called once the ledger accepted ``rows`` synced rows. ``clock`` is
     monotonic seconds, injectable for tests.
     """
 
@@ -90,9 +95,11 @@ class ShardClient:
                  claim_intervals: float | None = None, lease_wait_s: float | None = None,
                  drain_wait_s: float | None = None,
                  synced_rows: Callable[[], int] | None = None,
+                 confirmed: Callable[[int], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.job = job
         self._synced_source = synced_rows
+        self._confirmed = confirmed
         if client is not None:
             if worker_address is None:
                 raise LedgerError("ShardClient with a client needs the worker_address it acts for")
@@ -122,6 +129,8 @@ class ShardClient:
         self.trained_rows = 0
         """Rows trained by this worker so far, over all leases (pass to the model sync)."""
         self.synced_rows = 0
+        self.confirmed_rows = 0
+        """The synced rows the ledger last accepted from this worker."""
         self.rpcs = 0
         """RPCs sent so far."""
 
@@ -140,7 +149,8 @@ class ShardClient:
         while True:
             self._sync_to(None)
             reply = self._rpc("antdt_lease", worker=self.address, commits=self._pending(),
-                              claim_rows=self._claim_rows(), wait_s=wait_s)
+                              claim_rows=self._claim_rows(), wait_s=wait_s,
+                              synced_rows=self.synced_rows)
             msg = reply["lease"]
             wait_s = self.drain_wait_s if self.draining or msg.get("unsynced") else \
                 self.lease_wait_s
@@ -170,7 +180,8 @@ class ShardClient:
         self.trained_rows += offset - held.offset
         self._rows_since_rpc += offset - held.offset
         held.offset = offset
-        self._sync_to(synced_rows)
+        if synced_rows is not None:
+            self._sync_to(synced_rows)
         for key, value in (stats or {}).items():
             self._stats[key] = self._stats.get(key, 0.0) + value
         if offset == held.stop:
@@ -178,7 +189,9 @@ class ShardClient:
             return Finished(held.lease.lease_id, held.stop, held.synced == held.stop)
         if offset < held.claim_stop and self._clock() - self._last_rpc < self.interval:
             return Claim(held.lease.lease_id, held.claim_stop)
-        self._rpc("antdt_commit", commits=self._pending())
+        if synced_rows is None:
+            self._sync_to(None)
+        self._commit(self._pending())
         if self._stopped is not None:
             return self._stopped
         return self._answer_for(held)
@@ -188,7 +201,7 @@ class ShardClient:
         self._sync_to(synced_rows)
         pending = self._pending()
         if pending:
-            self._rpc("antdt_commit", commits=pending)
+            self._commit(pending)
 
     def close(self, synced_rows: int | None = None) -> None:
         """Flush, then give back the leases still held (their unsynced rows are queued again)."""
@@ -247,6 +260,10 @@ class ShardClient:
             self._stats = {}
         return pending
 
+    def _commit(self, pending: list[dict[str, Any]]) -> None:
+        self._rpc("antdt_commit", commits=pending, worker=self.address,
+                  synced_rows=self.synced_rows)
+
     def _claim_rows(self) -> int | None:
         if self._rate <= 0:
             return None
@@ -268,6 +285,11 @@ class ShardClient:
         self._rows_since_rpc = 0
         for item, answer in zip(commits, reply.get("replies", [])):
             self._apply(item, answer)
+        synced = kwargs.get("synced_rows")
+        if synced is not None and synced > self.confirmed_rows:
+            self.confirmed_rows = synced
+            if self._confirmed is not None:
+                self._confirmed(synced)
         return reply
 
     def _apply(self, item: Mapping[str, Any], answer: Mapping[str, Any]) -> None:

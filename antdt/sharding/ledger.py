@@ -82,19 +82,22 @@ exactly once (checked by the hypothesis state machine in ``tests/antdt/test_shar
 Counters
 --------
 * ``rows_trained``: rows committed as trained (offset advances), repeats included.
-* ``rows_duplicated``: rows trained whose effect was discarded: ``[synced, offset)`` of a lease
+* ``rows_retrained``: rows trained whose effect was discarded: ``[synced, offset)`` of a lease
   when its worker is removed, it is released, the ledger is restored from a checkpoint, or the
-  job is stopped. They are trained again (unless the job was stopped), hence "duplicated".
+  job is stopped. They are trained again (unless the job was stopped): a cost, not an error.
+  The model sync takes the discarded effect out of every replica that received it (the
+  entries past the worker's :meth:`ShardLedger.synced_rows`), so the model holds each such row
+  once, from its second training.
 * ``rows_quarantined``: rows QUARANTINED (registration quarantine counts once per epoch).
 * ``rows_lost``: rows neither DONE nor QUARANTINED when the job was stopped early; 0 otherwise.
 * ``rows_unsynced``: rows of live leases trained but not synced yet (``offset - synced``). A
   :class:`Wait` carries it: while it is above 0 the job may be waiting for any worker's sync
   round (a row is synced once every peer applied it), so an idle worker should keep syncing.
 
-At every moment ``rows_trained == rows_done + rows_duplicated + rows_unsynced`` and
+At every moment ``rows_trained == rows_done + rows_retrained + rows_unsynced`` and
 ``rows_todo + rows_leased + rows_done + rows_quarantined + rows_lost == total_rows * epochs``;
 so when the job ends ``rows_trained == total_rows * epochs - rows_quarantined - rows_lost +
-rows_duplicated`` with ``rows_lost == 0`` unless it was stopped.
+rows_retrained`` with ``rows_lost == 0`` unless it was stopped.
 
 Static assignment (the baseline)
 --------------------------------
@@ -135,6 +138,10 @@ from antdt.sharding.leases import (Claim, Clock, CommitEvent, CommitReply, Finis
                                    QuarantineSpec, Revoked, RowGroup, RowState, Stop, Wait)
 
 logger = logging.getLogger(__name__)
+
+
+COUNTERS = ("rows_trained", "rows_done", "rows_retrained", "rows_lost", "rows_quarantined")
+"""The counters a checkpoint holds (:meth:`ShardLedger.to_state`)."""
 
 
 @dataclass(slots=True)
@@ -299,13 +306,14 @@ class ShardLedger:
         self._paces: dict[str, int] = {}
         self._leasing: dict[str, None] = {}  # workers that leased and were not removed
         self._paced_out: set[str] = set()  # workers paced to no rows
+        self._synced_rows: dict[str, int] = {}  # worker -> its stream's rows counted synced
 
         self.rows_expected = self.total_rows * self.epochs
         self.rows_quarantined = sum(r.rows for r in self._records)
         self.rows_trained = 0
         self.rows_done = 0
         self._done_by_epoch = [0] * self.epochs
-        self.rows_duplicated = 0
+        self.rows_retrained = 0
         self.rows_lost = 0
         self.rows_leased = 0
         self.rows_unsynced = 0
@@ -347,7 +355,7 @@ class ShardLedger:
             "rows_expected": self.rows_expected, "rows_todo": self.rows_todo,
             "rows_leased": self.rows_leased, "rows_done": self.rows_done,
             "rows_done_by_epoch": list(self._done_by_epoch),
-            "rows_trained": self.rows_trained, "rows_duplicated": self.rows_duplicated,
+            "rows_trained": self.rows_trained, "rows_retrained": self.rows_retrained,
             "rows_lost": self.rows_lost, "rows_quarantined": self.rows_quarantined,
             "leases": len(self._leases), "workers": len(self._by_worker),
             "static": self.static, "stopped_reason": self._stopped,
@@ -535,7 +543,7 @@ class ShardLedger:
 
     def remove_worker(self, worker: str) -> int:
         """The worker is gone: rows ``[synced, stop)`` of each of its leases go back to the queue
-        front (trained-but-unsynced rows count as duplicated). Returns the rows requeued."""
+        front (trained-but-unsynced rows count as retrained). Returns the rows requeued."""
         ids = sorted(self._by_worker.get(worker, ()), reverse=True)
         requeued = sum(self._requeue_lease(self._leases[i]) for i in ids)
         self._paces.pop(worker, None)
@@ -555,12 +563,35 @@ class ShardLedger:
         """Workers holding live leases."""
         return list(self._by_worker)
 
+    def report_synced(self, worker: str, rows: int) -> None:
+        """``worker`` reported, with the commits just applied, that the first ``rows`` rows of
+        its stream (every row it trained in this job, in order, over all its leases) are
+        synced: the rows its commits counted done. The model sync takes the entries of a worker
+        that leaves past its last such report out of every replica (the ledger trains those
+        rows again), and a checkpoint's tables hold each worker's rows up to it
+        (:mod:`antdt.sync.embeddings`). Never decreases."""
+        rows = _check_int(f"synced rows of {worker}", rows, 0)
+        previous = self._synced_rows.get(worker, 0)
+        if rows < previous:
+            raise LedgerError(f"job {self.job!r}: synced rows of {worker} go backwards ({rows} "
+                              f"after {previous})")
+        self._synced_rows[worker] = rows
+
+    def synced_rows(self, worker: str) -> int:
+        """The rows of ``worker``'s stream it last reported synced (0: none); kept after it
+        leaves."""
+        return self._synced_rows.get(worker, 0)
+
+    def synced_points(self) -> dict[str, int]:
+        """Every worker's :meth:`synced_rows` (a copy)."""
+        return dict(self._synced_rows)
+
     def stop(self, reason: str) -> int:
-        """Stop the job early: live leases are dropped (their unsynced rows count as duplicated),
+        """Stop the job early: live leases are dropped (their unsynced rows count as retrained),
         every row not DONE or QUARANTINED counts as lost. Returns ``rows_lost``."""
         if self._stopped is not None:
             return self.rows_lost
-        self.rows_duplicated += self.rows_unsynced
+        self.rows_retrained += self.rows_unsynced
         self.rows_unsynced = 0
         self._leases.clear()
         self._by_worker.clear()
@@ -597,7 +628,7 @@ class ShardLedger:
             next_lease_id=self._next_id, stopped=self._stopped,
             done_by_epoch=list(self._done_by_epoch),
             counters={"rows_trained": self.rows_trained, "rows_done": self.rows_done,
-                      "rows_duplicated": self.rows_duplicated + unsynced,
+                      "rows_retrained": self.rows_retrained + unsynced,
                       "rows_lost": self.rows_lost, "rows_quarantined": self.rows_quarantined},
             quarantine=list(self._records),
             front=np.asarray(pieces, dtype=np.int64).reshape(-1, 4))
@@ -614,6 +645,10 @@ class ShardLedger:
                      clock=clock, epochs=state.epochs, seed=state.seed, quarantine=registration,
                      max_claim_rows=state.max_claim_rows, job=state.job)
         ledger._records = list(state.quarantine)
+        unknown = sorted(set(state.counters) - set(COUNTERS))
+        if unknown:
+            raise LedgerError(f"job {state.job!r}: the checkpoint counts {unknown}, expected "
+                              f"counters among {list(COUNTERS)}")
         for name, value in state.counters.items():
             setattr(ledger, name, int(value))
         ledger._done_by_epoch = list(state.done_by_epoch)
@@ -661,7 +696,7 @@ class ShardLedger:
         assert leased == self.rows_leased, (leased, self.rows_leased)
         unsynced = sum(lease.offset - lease.synced for lease in self._leases.values())
         assert unsynced == self.rows_unsynced, (unsynced, self.rows_unsynced)
-        assert self.rows_trained == self.rows_done + self.rows_duplicated + unsynced
+        assert self.rows_trained == self.rows_done + self.rows_retrained + unsynced
         assert sum(self._done_by_epoch) == self.rows_done
         for lease in self._leases.values():
             assert lease.start <= lease.synced <= lease.offset <= lease.claim_stop <= lease.stop
@@ -833,7 +868,7 @@ class ShardLedger:
     def _requeue_lease(self, lease: _LiveLease) -> int:
         rows = lease.stop - lease.synced
         self._push_front([(lease.epoch, lease.shard, lease.synced, lease.stop)], lease.worker)
-        self.rows_duplicated += lease.offset - lease.synced
+        self.rows_retrained += lease.offset - lease.synced
         self.rows_leased -= rows
         self._forget(lease)
         return rows

@@ -4,6 +4,7 @@ reached through named RPC handlers.
 ```
  driver:  antdt_register_job / antdt_job_state / antdt_checkpoint / antdt_restore / antdt_stop_job
  agents:  antdt_lease (+ piggybacked commits) / antdt_commit / antdt_release / antdt_quarantine
+          antdt_ledger_copy (a checkpoint's ledger, copied while its model copy waits)
  control: antdt_revoke / antdt_split
                  │
                  ▼
@@ -128,6 +129,7 @@ class ShardingService(SchedulerPlugin):
             "antdt_split": self.split,
             "antdt_job_state": self.job_state,
             "antdt_checkpoint": self.checkpoint,
+            "antdt_ledger_copy": self.ledger_copy,
             "antdt_restore": self.restore,
             "antdt_stop_job": self.stop_job,
             "antdt_forget_job": self.forget_job,
@@ -189,6 +191,16 @@ class ShardingService(SchedulerPlugin):
         return {"status": "OK", "bytes": len(data), "path": path}
 
     @rpc.handler
+    async def ledger_copy(self, job: str) -> Reply:
+        """``job``'s ledger now, in the checkpoint format (``ledger``), with every worker's
+        synced rows (``synced``, :meth:`~antdt.sharding.ShardLedger.synced_points`) and its
+        counters. A checkpoint's model copy asks for it while it holds its replica, so the model
+        holds exactly the rows this copy counts done (:mod:`antdt.jobs.keeper`)."""
+        ledger = self._ledger(job)
+        return {"status": "OK", "ledger": ledger.to_bytes(), "synced": ledger.synced_points(),
+                **ledger.summary()}
+
+    @rpc.handler
     async def restore(self, job: str, path: str) -> Reply:
         """Create ``job`` from a checkpoint; leases live at the checkpoint are queued again."""
         job = rpc.name("job", job)
@@ -245,17 +257,20 @@ class ShardingService(SchedulerPlugin):
     @rpc.handler
     async def lease(self, job: str, worker: str, claim_rows: int | None = None,
                     commits: Sequence[Mapping[str, Any]] | None = None,
-                    wait_s: float | None = None) -> Reply:
-        """Apply ``commits`` (see :meth:`commit`), then lease the next rows for ``worker``."""
+                    wait_s: float | None = None, synced_rows: int | None = None) -> Reply:
+        """Apply ``commits`` and ``synced_rows`` (see :meth:`commit`), then lease the next rows
+        for ``worker``."""
         ledger = self._ledger(job)
         worker = rpc.name("worker", worker)
         claim_rows = rpc.integer("claim_rows", claim_rows, optional=True)
+        synced_rows = rpc.integer("synced_rows", synced_rows, optional=True)
         wait = config.seconds("antdt.sharding.lease-wait") if wait_s is None else \
             rpc.seconds("wait_s", wait_s, 300.0)
         assert self.scheduler is not None
         if worker not in self.scheduler.workers:
             raise LedgerError(f"job {job!r}: {worker!r} is not a worker of this cluster")
         replies = self._commits(ledger, commits)
+        self._report_synced(ledger, worker, synced_rows)
         deadline = time() + wait
         awaited: int | None = None  # rows awaiting sync when the request began to wait
         while True:
@@ -284,11 +299,20 @@ class ShardingService(SchedulerPlugin):
         return {"status": "OK", "replies": replies, "lease": lease_msg(reply)}
 
     @rpc.handler
-    async def commit(self, job: str, commits: Sequence[Mapping[str, Any]]) -> Reply:
+    async def commit(self, job: str, commits: Sequence[Mapping[str, Any]],
+                     worker: str | None = None, synced_rows: int | None = None) -> Reply:
         """Apply each commit ``{"lease_id", "token", "offset", "synced_offset", "stats"?,
         "claim_rows"?}``; ``replies[i]`` answers ``commits[i]`` (an error for one commit changes
-        nothing for that lease and does not stop the others)."""
-        return {"status": "OK", "replies": self._commits(self._ledger(job), commits)}
+        nothing for that lease and does not stop the others). Then record ``synced_rows``, the
+        rows of ``worker``'s stream its commits count synced
+        (:meth:`~antdt.sharding.ShardLedger.report_synced`), unless the worker left the
+        cluster: its leases are gone, and the model sync has taken its last report."""
+        ledger = self._ledger(job)
+        worker = None if worker is None else rpc.name("worker", worker)
+        synced_rows = rpc.integer("synced_rows", synced_rows, optional=True)
+        replies = self._commits(ledger, commits)
+        self._report_synced(ledger, worker, synced_rows)
+        return {"status": "OK", "replies": replies}
 
     @rpc.handler
     async def release(self, job: str, lease_id: int, token: str) -> Reply:
@@ -342,6 +366,12 @@ class ShardingService(SchedulerPlugin):
             self.notify(job)
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _report_synced(self, ledger: ShardLedger, worker: str | None,
+                       synced_rows: int | None) -> None:
+        assert self.scheduler is not None
+        if worker is not None and synced_rows is not None and worker in self.scheduler.workers:
+            ledger.report_synced(worker, synced_rows)
 
     def _add(self, job: str, ledger: ShardLedger) -> None:
         for listener in self._listeners:

@@ -152,13 +152,14 @@ class BackgroundSync:
 
     The agent builds the :class:`~antdt.sync.ReplicaSync`, calls :meth:`start` (``join=True``
     on a worker that joins a running job; see the module docstring) before its first training
-    step, trains while holding ``replica.lock`` per step and calls ``replica.touch``; it reads
-    :attr:`synced_offset` for its commits. Before each step it calls :meth:`before_step`,
-    which waits while the replica is more than ``max_staleness`` (batches, or peer batches)
-    past the period ahead of its newest finished round (:class:`~antdt.sync.Staleness`). At the
-    end it calls :meth:`finish` (the final all-member round), or :meth:`stop` to abandon the
-    job. An error in the thread that is not a peer's or the scheduler's failure is re-raised
-    there.
+    step, trains while holding ``replica.lock`` per step and calls ``replica.touch`` under it;
+    it reports ``replica.ledger_offset()`` to the ledger and passes what the ledger accepted to
+    ``replica.confirm``. Before each step it calls :meth:`before_step`, which waits while the
+    replica is more than ``max_staleness`` (batches, or peer batches) past the period ahead of
+    its newest finished round (:class:`~antdt.sync.Staleness`). At the end it calls
+    :meth:`finish` (the final all-member round), or, to abandon the job, :meth:`stop`, then its
+    last report to the ledger, then :meth:`leave`. An error in the thread that is not a peer's
+    or the scheduler's failure is re-raised there.
 
     ``worker`` defaults to the worker running the calling task; ``period``,
     ``rpc_timeout_s`` and ``max_staleness`` to ``antdt.sync.period``,
@@ -231,23 +232,26 @@ class BackgroundSync:
                 config.seconds("antdt.sync.join-timeout") if timeout_s is None else timeout_s)
         else:
             msg: MembersMsg = self._ask("antdt_sync_members", job=self.job)
-            self._set_members(msg["members"], msg["members_version"])
+            self._set_members(msg)
         self._plugin.attach(self.job, self.replica)
         self._thread.start()
         return self.bootstrapped_from
 
     def stop(self) -> None:
-        """Stop exchanging and serving without a final round, and leave the job's sync (so the
-        others' final round does not wait for this worker); re-raise a thread error."""
+        """Stop exchanging and serving without a final round. Then make the last report to the
+        ledger, give the leases back, :meth:`leave` and :meth:`raise_if_failed`."""
         self._halt()
         self._plugin.detach(self.job)
+
+    def leave(self) -> None:
+        """Leave the job's sync after :meth:`stop` and the worker's last report to the ledger:
+        the others' final round no longer waits for this worker, and they take its entries
+        past the rows the ledger counts synced out again (it trains those again)."""
         try:
-            self._ask("antdt_sync_leave", job=self.job,
-                       worker=self.worker.address)
+            self._ask("antdt_sync_leave", job=self.job, worker=self.worker.address)
         except (OSError, TimeoutError) as exc:  # the scheduler drops us when we go anyway
             logger.warning("sync job %s: could not leave (scheduler unreachable): %r", self.job,
                            exc)
-        self.raise_if_failed()
 
     def finish(self, timeout_s: float | None = None) -> ExchangeReport:
         """Stop the periodic exchanges and take part in the final all-member round (see the
@@ -283,7 +287,7 @@ class BackgroundSync:
                                     f"acknowledge {self.worker.address} within {timeout_s}s")
                 msg = self._ask("antdt_sync_join", job=self.job,
                                  worker=self.worker.address)
-            self._set_members(msg["members"], msg["members_version"])
+            self._set_members(msg)
             if not msg["bootstrap"]:
                 return None
             peers = [m for m in msg["members"] if m != self.worker.address]
@@ -295,6 +299,8 @@ class BackgroundSync:
                     logger.warning("sync job %s: no snapshot from %s: %r", self.job, peer, exc)
                     continue
                 self.replica.adopt(snapshot)
+                # the snapshot's provisional entries of members that left: out again
+                self._set_members(self._ask("antdt_sync_members", job=self.job))
                 self._ask("antdt_sync_started", job=self.job, worker=self.worker.address)
                 logger.info("sync job %s: %s joined from %s's snapshot", self.job,
                             self.worker.address, peer)
@@ -363,8 +369,7 @@ class BackgroundSync:
         payloads: dict[str, PeerPayload] = {}
         failed: list[str] = []
         while True:
-            members: MembersMsg = self._ask("antdt_sync_members", job=self.job)
-            self._set_members(members["members"], members["members_version"])
+            self._set_members(self._ask("antdt_sync_members", job=self.job))
             since = {peer: self.replica.log.applied_seq(peer) for peer in self._members
                      if peer != self.worker.address and peer not in payloads}
             results = self._call(self._fetch_all, report.round, since)
@@ -521,27 +526,18 @@ class BackgroundSync:
         self._record(self._exchange(msg["round"], msg["members"]))
 
     def _ask_group(self, final: bool) -> GroupMsg | None:
-        """The scheduler's answer to ``antdt_sync_group`` (None when it is unreachable); with
-        ``final``, tell it how many entries of departed members this replica applied (the one
-        with the most leads the final round)."""
-        departed = 0
-        if final:
-            members = set(self._members)
-            departed = sum(seq for source, seq in self.replica.log.applied_seqs().items()
-                           if source not in members)
+        """The scheduler's answer to ``antdt_sync_group`` (None when it is unreachable); a new
+        member list is applied before the group is exchanged with."""
         try:
             msg: GroupMsg = self._ask("antdt_sync_group", job=self.job,
                                        worker=self.worker.address,
                                        progress=self.replica.rows_offset, final=final,
-                                       members_version=self._members_version, departed=departed)
+                                       members_version=self._members_version)
         except (OSError, TimeoutError) as exc:
             logger.warning("sync job %s: scheduler unreachable, retrying: %r", self.job, exc)
             return None
         if msg["members_version"] != self._members_version:
-            members_msg: MembersMsg = self._ask("antdt_sync_members", job=self.job)
-            self._set_members(members_msg["members"], members_msg["members_version"])
-        if msg["kind"] == "alone" and self._members == [self.worker.address]:
-            self._publish_alone()
+            self._set_members(self._ask("antdt_sync_members", job=self.job))
         return msg
 
     def _record(self, report: ExchangeReport) -> None:
@@ -602,12 +598,14 @@ class BackgroundSync:
             out[peer] = result
         return out
 
-    def _set_members(self, members: Sequence[str], members_version: int) -> None:
-        """Apply a member list (and a period in peer batches to its size); the next group call
-        acknowledges ``members_version``."""
-        self.replica.set_peers(members)
+    def _set_members(self, msg: MembersMsg | JoinMsg) -> None:
+        """Apply a member list (and a period in peer batches to its size) and the departures
+        (their entries past the rows the ledger counts synced go out of the replica); the next
+        group call acknowledges its version."""
+        members = msg["members"]
+        self.replica.set_peers(members, msg["departed"])
         self._members = list(members)
-        self._members_version = members_version
+        self._members_version = msg["members_version"]
         every = self.period.batches_for(len(members))
         if every != self._every:
             logger.info("sync job %s: %s starts a round every %s batch(es) with %d member(s) "
@@ -615,14 +613,6 @@ class BackgroundSync:
                         self.period)
         self._every = every
         self.staleness.follow(every, len(members))
-
-    def _publish_alone(self) -> None:
-        """The only member counts its rows as synced without an exchange: with nobody to pull
-        its deltas (a job down to one worker, or started with one) it gets its rows done as it
-        trains, not only when its leases run out. Its log cuts no entry then, nor makes a pass
-        over the touched rows (see :meth:`~antdt.sync.EmbeddingDeltaLog.publish`)."""
-        with self.replica.lock:
-            self.replica.log.publish(self.replica.rows_offset)
 
     def _ask(self, handler: str, **kwargs: Any) -> Any:
         """The scheduler's reply to ``handler`` (a :class:`SyncError` when it refused)."""

@@ -7,13 +7,28 @@ addressed in the :class:`RowSpace` of all tables end to end. Peers pull the entr
 applied yet and add them in place (to ``current`` *and* ``base``, so a peer's update is never
 re-published as one's own). Addition commutes, so every replica converges to ``initial + sum of
 all deltas`` whatever the grouping or order: a row learned by one worker is not diluted, nothing
-is counted twice. A log without live peers cuts no entries (nobody would pull them): its touched
-rows wait for the first publish after a peer appears.
+is counted twice.
 
 The ledger contract: a worker's :meth:`~EmbeddingDeltaLog.synced_offset` is the last trained row
-whose deltas every live peer has pulled and applied (acknowledged); if the worker dies, rows after
-it are trained again, so its entries that reached only some peers count as duplicates, never as
-losses.
+whose deltas every live peer has pulled and applied (acknowledged); the worker reports it to the
+shard ledger, which then counts the rows up to it done. If the worker dies or leaves, the ledger
+trains the rows after the offset it holds again, so their first effect must leave every replica.
+
+Provisional entries: the ledger learns of a synced offset only when the worker next reports
+(about once a second), and a peer may apply an entry long before that. Until the ledger has
+*confirmed* an entry's ``rows_offset`` (the worker's report was accepted), the entry is
+provisional: every log keeps its own published entries and the peers' entries it applied until
+their source's confirmed offset passes them (:meth:`EmbeddingDeltaLog.confirm`; a pull carries the
+source's), hands them to a joiner with its snapshot, and when a source departs
+(:meth:`EmbeddingDeltaLog.depart`, with the offset the ledger holds for it) subtracts the ones past
+that offset and refuses the source's entries from then on. So every live replica holds a departed
+worker's rows exactly up to what the ledger counts done, and a checkpoint's tables
+(:meth:`EmbeddingDeltaLog.committed`: the base less every entry past the offsets of the ledger
+copied with it) hold exactly the rows that ledger counts done. A confirmed offset never passes the
+ledger's (the worker learns it from the ledger's reply), so nothing a departure or a checkpoint
+must take out was dropped before. A worker without live peers publishes all the same (its
+entries are dropped at once, and kept until confirmed): a joiner's snapshot and a checkpoint copy
+the base, and a row counted synced must be in it.
 
 Rounded deltas: a log may publish its deltas in a narrower dtype than its tables (bfloat16 for
 float32 tables: half the bytes on the wire and in the log). Its ``base`` then advances by the
@@ -36,6 +51,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
@@ -64,6 +80,20 @@ class LogEntry(NamedTuple):
     ids: torch.Tensor
     deltas: torch.Tensor
     rows_offset: int
+
+
+class LogState(NamedTuple):
+    """A log's whole state for a joiner (:meth:`EmbeddingDeltaLog.state`): ``tables`` its base
+    per table, ``applied`` the newest seq applied per source, ``changed`` ``(rows,)`` bool, the
+    rows that may differ from the initial tables; ``kept`` per source the provisional entries in
+    ``tables`` (the log's own under ``own``) and ``confirmed`` per source the offset they are
+    past."""
+
+    tables: dict[str, torch.Tensor]
+    applied: dict[str, int]
+    changed: torch.Tensor
+    kept: dict[str, list[LogEntry]]
+    confirmed: dict[str, int]
 
 
 class RowSpace:
@@ -211,6 +241,11 @@ class EmbeddingDeltaLog:
     acknowledgement rather than a reply sent means a reply lost on the way never makes rows look
     synchronised when they are not (the price: the offset lags by one exchange with each peer).
 
+    Provisional entries (see the module): :meth:`confirm` is the ledger's word that it holds the
+    rows up to an offset as synced; own entries past it and peers' entries past their source's
+    (each :meth:`apply` says it) are kept, for :meth:`depart`, :meth:`state` and
+    :meth:`committed`.
+
     >>> log = EmbeddingDeltaLog({"s": torch.zeros(2, 2), "t": torch.zeros(4, 2)}, peers=["b"])
     >>> log.tables["t"][1] += 1.0
     >>> log.touch("t", torch.tensor([1]))
@@ -250,6 +285,17 @@ class EmbeddingDeltaLog:
         self._dropped_seq = 0
         self._cursors: dict[str, int] = {peer: 0 for peer in peers}
         self._applied: dict[str, int] = {}
+        self._confirmed = rows_offset
+        """The ledger holds own rows up to here as synced (the newest :meth:`confirm`)."""
+        self._unconfirmed: deque[LogEntry] = deque()
+        """Own published entries past :attr:`_pruned` (changed with the replica lock held)."""
+        self._pruned = rows_offset
+        """The confirmed offset :attr:`_unconfirmed` was last pruned to."""
+        self._kept: dict[str, deque[LogEntry]] = {}
+        """Per source, the applied entries past its confirmed offset (:attr:`_confirmed_of`)."""
+        self._confirmed_of: dict[str, int] = {}
+        self._departed: dict[str, int] = {}
+        """Sources that left the job, and the offset up to which their rows count synced."""
 
     def page_steps(self) -> Iterator[int]:
         """Move the tables and the base onto huge pages a few MB at a time
@@ -276,23 +322,19 @@ class EmbeddingDeltaLog:
         ``exact``: in the tables' dtype, and every row still owing a rounding error too, so
         that ``base`` is ``current`` afterwards.
 
-        Without live peers and not ``exact``, no entry is cut: nobody would pull it, and it
-        would be dropped at once. ``rows_offset`` counts as synced (as it would once dropped),
-        and the touched rows stay touched: they go out with the first publish after a peer
-        appears, or with the exact one at the end. A lone member's rounds then cost no pass
-        over its rows.
+        Without live peers the entry is dropped at once (``rows_offset`` is synced then), and
+        kept until confirmed like any other: a row counts synced only once its effect is in the
+        base, which is what a joiner and a checkpoint copy.
 
-        Returns the entry, or None when no row was touched and ``rows_offset`` did not advance,
-        or when the log has no live peers. The caller holds the replica lock.
+        Returns the entry, or None when no row was touched and ``rows_offset`` did not advance.
+        The caller holds the replica lock.
         """
         if rows_offset < self._published_offset:
             raise SyncError(f"publish: rows_offset must not decrease, found {rows_offset} "
                             f"after {self._published_offset}")
+        self._prune()
         owed = self._owed
         with self._lock:
-            if not exact and not self._cursors:
-                self._published_offset = self._synced_offset = rows_offset
-                return None
             ids = true_rows(self._touched | owed if exact and owed is not None else self._touched)
             self._touched.zero_()
         if ids.numel() == 0 and rows_offset == self._published_offset:
@@ -310,7 +352,81 @@ class EmbeddingDeltaLog:
             self._entries.append(entry)
             self._published_offset = rows_offset
             self._drop_acknowledged()
+        if rows_offset > self._pruned:
+            self._unconfirmed.append(entry)
         return entry
+
+    # -- provisional entries -----------------------------------------------------------------
+    def confirm(self, rows_offset: int) -> None:
+        """The ledger accepted ``rows_offset`` as this worker's synced rows: own entries up to it
+        are no longer provisional (dropped at the next publish). Any thread, no lock."""
+        self._confirmed = max(self._confirmed, rows_offset)
+
+    @property
+    def confirmed(self) -> int:
+        """The newest offset :meth:`confirm` was given (what a pull tells peers)."""
+        return self._confirmed
+
+    @property
+    def has_peers(self) -> bool:
+        """Whether any live peer pulls this log's entries."""
+        with self._lock:
+            return bool(self._cursors)
+
+    def _prune(self) -> None:
+        """Forget own entries the ledger confirmed (replica lock held)."""
+        confirmed = self._confirmed
+        while self._unconfirmed and self._unconfirmed[0].rows_offset <= confirmed:
+            self._unconfirmed.popleft()
+        self._pruned = confirmed
+
+    def depart(self, source: str, synced: int) -> list[LogEntry]:
+        """``source`` left the job and the ledger trains its rows past ``synced`` again: subtract
+        its kept entries past that offset from ``current`` and ``base``, and refuse its entries
+        from now on. Returns the entries taken out. Idempotent; the caller holds the replica lock.
+
+        Raises :class:`SyncError` if an entry past ``synced`` was already forgotten (the source
+        said the ledger confirmed more than it holds: another antdt, or a bug), rather than
+        keeping rows the ledger will train again."""
+        kept = self._kept.pop(source, deque())
+        confirmed = self._confirmed_of.pop(source, 0)
+        self._departed[source] = synced
+        if confirmed > synced:
+            raise SyncError(f"{source} left with rows up to {synced} synced, but it said rows up "
+                            f"to {confirmed} were confirmed: its entries between cannot be taken "
+                            "back")
+        undo = [entry for entry in kept if entry.rows_offset > synced]
+        for entry in reversed(undo):
+            self._add(entry._replace(deltas=-entry.deltas))
+        return undo
+
+    def departed(self) -> dict[str, int]:
+        """Sources that left the job and their synced offsets (a copy)."""
+        return dict(self._departed)
+
+    def committed(self, own_synced: int, synced: Mapping[str, int]) -> dict[str, torch.Tensor]:
+        """Copies of the tables holding exactly the rows a ledger counts done, when this log's
+        own synced offset there is ``own_synced`` and each source's ``synced[source]`` (absent:
+        0): the base less own entries past ``own_synced`` and kept entries past their source's
+        offset (a checkpoint's tables; see the module).
+
+        The caller holds the replica lock and copied that ledger after taking it (so it holds
+        no offset this log had not applied, and confirmed nothing past it: checked)."""
+        behind = {source: confirmed for source, confirmed in self._confirmed_of.items()
+                  if confirmed > synced.get(source, 0)}
+        if self._pruned > own_synced:
+            behind["this worker"] = self._pruned
+        if behind:
+            raise SyncError(f"the ledger's copy is older than the replica's: confirmed offsets "
+                            f"{behind} are past its synced offsets")
+        undo = [entry for entry in self._unconfirmed if entry.rows_offset > own_synced]
+        undo += [entry for source, kept in self._kept.items() for entry in kept
+                 if entry.rows_offset > synced.get(source, 0)]
+        flat = self._base.clone()
+        for entry in undo:
+            flat.index_add_(0, entry.ids.to(flat.device),
+                            entry.deltas.to(flat.device, flat.dtype), alpha=-1)
+        return self.space.split(flat)
 
     # -- serving peers -----------------------------------------------------------------------
     def pull(self, peer: str, since_seq: int) -> list[LogEntry]:
@@ -365,12 +481,23 @@ class EmbeddingDeltaLog:
         """Newest seq of ``source``'s log applied here (0: none)."""
         return self._applied.get(source, 0)
 
-    def apply(self, source: str, entries: Sequence[LogEntry]) -> int:
+    def apply(self, source: str, entries: Sequence[LogEntry], confirmed: int = 0) -> int:
         """Add ``source``'s entries in place to ``current`` and ``base``; return rows added.
+        ``confirmed``: the ledger holds ``source``'s rows up to it as synced, so its entries up
+        to it need not be kept (see the module).
 
         Entries already applied are skipped, so a repeated pull never counts twice; the first new
-        entry must follow the last applied one. The caller holds the replica lock.
+        entry must follow the last applied one. A departed source's entries are refused. The
+        caller holds the replica lock.
         """
+        if source in self._departed:
+            raise SyncError(f"apply from {source!r}: it left the job (its rows past "
+                            f"{self._departed[source]} are trained again)")
+        kept = self._kept.setdefault(source, deque())
+        confirmed = max(confirmed, self._confirmed_of.get(source, 0))
+        self._confirmed_of[source] = confirmed
+        while kept and kept[0].rows_offset <= confirmed:
+            kept.popleft()
         done = self.applied_seq(source)
         fresh = [entry for entry in entries if entry.seq > done]
         if not fresh:
@@ -383,6 +510,7 @@ class EmbeddingDeltaLog:
             self._check(f"apply from {source!r}, seq {entry.seq}", entry.ids, entry.deltas)
         added = sum(self._add(entry) for entry in fresh)
         self._applied[source] = fresh[-1].seq
+        kept.extend(entry for entry in fresh if entry.rows_offset > confirmed)
         return added
 
     def _check(self, where: str, ids: torch.Tensor, values: torch.Tensor,
@@ -453,19 +581,31 @@ class EmbeddingDeltaLog:
             kernels.add(host, base, changed, rows, deltas.numpy())
 
     # -- whole-state copies (joiners) --------------------------------------------------------
-    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, int], torch.Tensor]:
+    def state(self, own: str) -> LogState:
         """Copies of ``base`` (the tables without own unpublished changes: every entry this log
         published or applied, nothing else), of the applied seq per source and of the changed
-        rows (``(rows,)`` bool). The caller holds the replica lock."""
-        return ({name: base.clone() for name, base in self.space.split(self._base).items()},
-                dict(self._applied), self._changed.clone())
+        rows (``(rows,)`` bool), with the provisional entries in them (this log's own under the
+        name ``own``). The caller holds the replica lock."""
+        self._prune()
+        kept = {source: list(entries) for source, entries in self._kept.items() if entries}
+        confirmed = dict(self._confirmed_of)
+        if self._unconfirmed:
+            kept[own] = list(self._unconfirmed)
+        confirmed[own] = self._pruned
+        tables = {name: base.clone() for name, base in self.space.split(self._base).items()}
+        return LogState(tables, dict(self._applied), self._changed.clone(), kept, confirmed)
 
     def restore(self, tables: Mapping[str, torch.Tensor], applied: Mapping[str, int],
-                own_seq: int, changed: torch.Tensor) -> None:
+                own_seq: int, changed: torch.Tensor,
+                kept: Mapping[str, Sequence[LogEntry]] | None = None,
+                confirmed: Mapping[str, int] | None = None) -> None:
         """Make ``tables`` the state, in place: they hold every source's entries up to
         ``applied[source]`` and this log's own entries up to ``own_seq``, and differ from the
         initial tables at most in the ``changed`` rows (``(rows,)`` bool); own entries after
         ``own_seq`` are added back (peers will pull them, so they must be in our tables too).
+        ``kept`` are the provisional entries of each source in ``tables``, past its
+        ``confirmed`` offset (see :class:`LogState`); departures known before are forgotten
+        (the caller applies them again).
 
         Own changes not yet published are overwritten (rounding errors included): publish
         first, exactly. The caller holds the replica lock and does not train meanwhile.
@@ -489,6 +629,9 @@ class EmbeddingDeltaLog:
         for entry in keep:
             self._add(entry)
         self._applied = dict(applied)
+        self._kept = {source: deque(entries) for source, entries in (kept or {}).items()}
+        self._confirmed_of = dict(confirmed or {})
+        self._departed = {}
 
     # -- the job's end: copying only the rows that may differ --------------------------------
     def changed(self) -> torch.Tensor:
@@ -537,6 +680,7 @@ class EmbeddingDeltaLog:
                 return int(ids.numel())
             lost = [entry for entry in self._entries if entry.seq > own_seq]
             self._entries = [entry for entry in self._entries if entry.seq <= own_seq]
+            self._unconfirmed = deque(e for e in self._unconfirmed if e.seq <= own_seq)
             self._last_seq = own_seq
             self._cursors = {peer: min(cursor, own_seq) for peer, cursor in self._cursors.items()}
         logger.warning("%s lacks our entries %d..%d (rows_offset up to %d): dropped, our rows "
@@ -558,8 +702,8 @@ class EmbeddingDeltaLog:
     def synced_offset(self) -> int:
         """``rows_offset`` of the newest entry every live peer has acknowledged.
 
-        If this worker dies, rows after it must be trained again (some peers may have applied
-        part of them: duplicates, never losses).
+        If this worker dies, rows after it are trained again, and the peers take out what
+        they applied of them (see the module).
         """
         with self._lock:
             return self._synced_offset

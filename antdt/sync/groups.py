@@ -9,12 +9,14 @@ the joiner needs (and it never dropped past the snapshot's cursor: the snapshot'
 those peers, and it acknowledges only entries it applied); before, a source unaware of the joiner
 could drop entries after the snapshot's cursor.
 
+Departures: a member that leaves (its worker died, or its agent stopped) is recorded with the
+rows the ledger counts synced for it then (:meth:`SyncScheduler.departed`); every replica takes
+the departed member's entries past them out of its tables (:mod:`antdt.sync.embeddings`), so the
+replicas hold its rows exactly as far as the ledger counts them done.
+
 The end: once every live member finished training, one final group of all members forms and one
-of them is named its leader (:meth:`SyncScheduler.final_leader`): the member that applied the
-most entries of departed members, so that the last entries of a dead member, which may have
-reached only some survivors, end in the model (all of them when one member died; rows after a
-dead member's synced offset are trained again anyway, so a prefix lost is a duplicate spared,
-never a row lost). The leader pulls every other member's entries and dense snapshot and says it
+of them is named its leader (:meth:`SyncScheduler.final_leader`, the smallest address). The
+leader pulls every other member's entries and dense snapshot and says it
 :meth:`~SyncScheduler.gathered`; then each other member copies from it the rows in which they may
 differ and its dense parameters, and says it :meth:`~SyncScheduler.adopted` them. A leader that
 leaves is replaced by the next one in that order, which gathers again; the members adopt from it
@@ -121,8 +123,8 @@ class SyncScheduler:
     the other just gone, late). ``away_spans=0`` waits for every member (up to ``max_wait_s``).
     A worker put in a group by a partner's call learns it on its next call.
     A worker that waited ``max_wait_s`` takes whichever ready partners there are, or is told to
-    go on ``alone``: nobody ever blocks on a straggler. ``ready(..., final=True, departed=k)``
-    says the worker is done training (``k``: the entries of departed members it applied); once
+    go on ``alone``: nobody ever blocks on a straggler. ``ready(..., final=True)``
+    says the worker is done training; once
     every live member has said so, one final group of all members forms with a
     :meth:`final_leader`. The leader pulls every member's entries and dense snapshot and says so
     with :meth:`gathered`; each other member then adopts the leader's rows and says so with
@@ -181,7 +183,7 @@ class SyncScheduler:
         self._round = 0
         self._finished = 0
         self._final: SyncGroup | None = None
-        self._departed: dict[str, int] = {}  # member -> departed members' entries it applied
+        self._departed: dict[str, int] = {}  # departed member -> its rows synced then
         self._leader: str | None = None
         self._gathered = False  # the current leader merged every member's entries
         self._adopted: dict[str, str] = {}  # member -> leader whose rows it adopted last
@@ -265,11 +267,18 @@ class SyncScheduler:
         """Whether ``worker`` joined the running job (so it must bootstrap from a snapshot)."""
         return self._member(worker).joined_version is not None
 
-    def leave(self, worker: str) -> SyncGroup | None:
-        """Forget ``worker`` (it left or died); return the final group if this completes it."""
+    def leave(self, worker: str, synced_rows: int = 0) -> SyncGroup | None:
+        """Forget ``worker`` (it left or died) and record it departed with ``synced_rows`` (the
+        rows the ledger counts synced for it); return the final group if this completes it."""
         if not self._forget(worker):
             return None
+        self._departed[worker] = synced_rows
         return self._maybe_final(caller=None)
+
+    def departed(self) -> dict[str, int]:
+        """The members that left, each with the rows the ledger counted synced for it then (a
+        copy)."""
+        return dict(self._departed)
 
     def _forget(self, worker: str) -> bool:
         """Drop ``worker`` from every structure; False when it was no member."""
@@ -284,7 +293,6 @@ class SyncScheduler:
         self._idle_remove(member)
         if member.state in (MemberState.FINISHED, MemberState.DONE):
             self._finished -= 1
-        self._departed.pop(worker, None)
         adopted = self._adopted.pop(worker, None)
         if adopted is not None and adopted == self._leader and worker != self._leader:
             self._adopting -= 1
@@ -318,8 +326,7 @@ class SyncScheduler:
 
     def final_leader(self) -> str | None:
         """The member that gathers the final round and whose rows the others adopt, named when
-        the final group forms: the one that applied the most entries of departed members, the
-        smallest address among equals; the next one in that order if it leaves. None before."""
+        the final group forms: the smallest address; the next one if it leaves. None before."""
         return self._leader
 
     def gathered(self, worker: str) -> None:
@@ -372,13 +379,9 @@ class SyncScheduler:
         return max(0.0, left)
 
     # -- the one call workers make ---------------------------------------------------------
-    def ready(self, worker: str, progress: int, now: float, final: bool = False,
-              departed: int = 0) -> Answer:
-        """``worker`` (at ``progress`` rows) asks whom to sync with; see the class docstring.
-        With ``final``, ``departed`` is the number of entries of departed members it applied."""
+    def ready(self, worker: str, progress: int, now: float, final: bool = False) -> Answer:
+        """``worker`` (at ``progress`` rows) asks whom to sync with; see the class docstring."""
         member = self._member(worker)
-        if departed < 0:
-            raise SyncError(f"ready {worker!r}: departed must be >= 0, found {departed}")
         if member.bootstrapping:  # a joiner that asks to sync trains
             self._trains(member)
         if member.state is MemberState.ASSIGNED:
@@ -387,7 +390,6 @@ class SyncScheduler:
             assert self._final is not None
             return Answer("group", self._final)
         if final:
-            self._departed[worker] = departed
             return self._finish(worker, member)
         if member.state is MemberState.FINISHED:
             raise SyncError(f"ready {worker!r}: already finished training, expected "
@@ -519,14 +521,12 @@ class SyncScheduler:
 
     def _name_leader(self) -> None:
         """(Re)name the final leader (O(members): once per job, and once per leader lost)."""
-        self._leader = min(self._members, key=lambda w: (-self._departed.get(w, 0), w),
-                           default=None)
+        self._leader = min(self._members, default=None)
         self._gathered = False
         self._adopting = sum(1 for worker, leader in self._adopted.items()
                              if leader == self._leader and worker != self._leader)
         if self._leader is not None:
-            logger.info("final sync round %d: %s leads (it applied %d entries of departed "
-                        "members)", self._round, self._leader, self._departed.get(self._leader, 0))
+            logger.info("final sync round %d: %s leads", self._round, self._leader)
 
     def _final_member(self, worker: str, what: str) -> None:
         """Raise :class:`SyncError` unless ``worker`` received the final round."""

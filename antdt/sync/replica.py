@@ -10,7 +10,14 @@ between steps, for a round when the replica runs too far ahead: :class:`~antdt.s
 
 Joiners copy a whole :class:`ReplicaSnapshot` (:meth:`ReplicaSync.adopt`): a worker that joins a
 running job adopts a live member's snapshot (its tables without its unpublished changes, its
-dense parameters, its cursor per source and its changed rows) and pulls newer entries as usual.
+dense parameters, its cursor per source, its changed rows and the provisional entries in its
+tables) and pulls newer entries as usual.
+
+The ledger (see :mod:`antdt.sync.embeddings`): the worker reports :meth:`ReplicaSync.ledger_offset`
+as its synced rows, tells the replica what the ledger accepted (:meth:`ReplicaSync.confirm`), and
+the replica takes a departed peer's rows past the ledger's offset out of its tables
+(:meth:`ReplicaSync.set_peers`). A checkpoint copies :meth:`ReplicaSync.committed_tables`: the
+rows the ledger copied with it counts done, no more.
 The fused optimizer state (e.g. row-wise Adagrad momentum) is not part of the snapshot: a
 joiner's starts fresh, which only makes its first steps on a row larger.
 
@@ -61,13 +68,15 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 @dataclass
 class PeerPayload:
     """What a peer serves for one exchange: its log entries after the requester's cursor, its
-    dense snapshot for the round (None when it has no dense parameters to share) and the
-    :attr:`RowSpace.layout` its entries' ids refer to."""
+    dense snapshot for the round (None when it has no dense parameters to share), the
+    :attr:`RowSpace.layout` its entries' ids refer to and its confirmed offset (the ledger
+    holds its rows up to it as synced: its entries up to it are no longer provisional)."""
 
     source: str
     entries: list[LogEntry]
     dense: list[torch.Tensor] | None
     layout: str
+    confirmed: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -84,7 +93,9 @@ class ReplicaSnapshot:
     ``(num_rows, dim)`` without its own unpublished changes; ``applied``: per source, the newest
     seq whose entry is in ``tables`` (the snapshot's source included: its newest published seq);
     ``changed``: ``(rows,)`` bool over the tables end to end, the rows that may differ from the
-    initial tables (see :meth:`~antdt.sync.EmbeddingDeltaLog.changed`).
+    initial tables (see :meth:`~antdt.sync.EmbeddingDeltaLog.changed`); ``kept``: per source
+    (the snapshot's included), the provisional entries in ``tables``, past the source's
+    ``confirmed`` offset: a joiner takes them out again if the source departs.
     """
 
     source: str
@@ -92,6 +103,8 @@ class ReplicaSnapshot:
     tables: dict[str, torch.Tensor]
     applied: dict[str, int]
     changed: torch.Tensor
+    kept: dict[str, list[LogEntry]] = field(default_factory=dict)
+    confirmed: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -244,24 +257,61 @@ class ReplicaSync:
         return self.log.page_steps()
 
     def touch(self, ids: Mapping[str, torch.Tensor], rows_offset: int) -> None:
-        """After a training step: rows ``ids[table]`` (``(k,)`` int64) changed; ``rows_offset``
-        rows are now trained.
-
-        Call it after the step, with or without :attr:`lock`: an exchange in between publishes
-        at most the step's changes without counting its rows, which errs towards re-training
-        rows (duplicates), never towards losing them.
+        """After a training step, still holding :attr:`lock`: rows ``ids[table]`` (``(k,)``
+        int64) changed; ``rows_offset`` rows are now trained. Under the same lock as the step,
+        so no publish takes the step's changes without counting its rows: an entry's effect is
+        exactly that of the rows up to its ``rows_offset`` (the ledger trains the rows past a
+        departed worker's offset again, and its peers take out exactly its entries past it).
         """
         for table, table_ids in ids.items():
             self.log.touch(table, table_ids)
         self._rows_offset = max(self._rows_offset, rows_offset)
 
-    def set_peers(self, peers: Iterable[str]) -> None:
-        """The live sync members (this worker is ignored if listed)."""
+    def set_peers(self, peers: Iterable[str], departed: Mapping[str, int] | None = None) -> None:
+        """The live sync members (this worker is ignored if listed), and the members that left
+        the job with the rows the ledger counts synced for each: their entries past that are
+        taken out of the tables (:meth:`EmbeddingDeltaLog.depart`; the lock is taken for it)."""
         self.log.set_peers(p for p in peers if p != self.worker)
+        news = {source: rows for source, rows in (departed or {}).items()
+                if source != self.worker and self.log.departed().get(source) != rows}
+        if not news:
+            return
+        with self.lock:
+            self._merges += 1
+            for source, rows in news.items():
+                undone = self.log.depart(source, rows)
+                if undone:
+                    logger.warning("%s left the job with rows up to %d synced: took its entries "
+                                   "%d..%d (rows up to %d) out again, the ledger trains them "
+                                   "again", source, rows, undone[0].seq, undone[-1].seq,
+                                   undone[-1].rows_offset)
 
     def synced_offset(self) -> int:
         """See :meth:`EmbeddingDeltaLog.synced_offset`."""
         return self.log.synced_offset()
+
+    def ledger_offset(self, publish: bool = False) -> int:
+        """The rows to report to the ledger as synced now (:meth:`synced_offset`). With
+        ``publish``, or while the replica has no live peers (every row it trains is then synced
+        once published: the base is what a joiner or a checkpoint copies), own changes are
+        published first. The training thread calls it between steps, before each report (about
+        once a second)."""
+        if publish or not self.log.has_peers:
+            with self.lock:
+                self.log.publish(self._rows_offset)
+        return self.log.synced_offset()
+
+    def confirm(self, rows_offset: int) -> None:
+        """The ledger accepted ``rows_offset`` as synced (see
+        :meth:`EmbeddingDeltaLog.confirm`)."""
+        self.log.confirm(rows_offset)
+
+    def committed_tables(self, synced: Mapping[str, int]) -> dict[str, torch.Tensor]:
+        """Copies of the tables holding exactly the rows a ledger counts done, whose synced
+        offset of each worker is ``synced[worker]`` (see
+        :meth:`EmbeddingDeltaLog.committed`). The caller holds :attr:`lock` and copied that
+        ledger after taking it."""
+        return self.log.committed(synced.get(self.worker, 0), synced)
 
     def cut(self) -> None:
         """The training thread, between two steps, when a round is due: publish own deltas and
@@ -303,18 +353,21 @@ class ReplicaSync:
     def snapshot(self) -> ReplicaSnapshot:
         """This replica's whole state (see :class:`ReplicaSnapshot`), taken under the lock."""
         with self.lock:
-            tables, applied, changed = self.log.state()
-            applied[self.worker] = self.log.last_seq
+            state = self.log.state(self.worker)
+            state.applied[self.worker] = self.log.last_seq
             dense = snapshot_dense(self.dense)
-        return ReplicaSnapshot(self.worker, dense, tables, applied, changed)
+        return ReplicaSnapshot(self.worker, dense, state.tables, state.applied, state.changed,
+                               state.kept, state.confirmed)
 
     def adopt(self, snapshot: ReplicaSnapshot) -> None:
         """Make ``snapshot`` this replica's state, in place (fused tables stay fused).
 
         Own unpublished changes are published first, and own entries the snapshot lacks are added
         back, so nothing this worker published is lost; its cursors become the snapshot's, so it
-        pulls from each source exactly the entries after them. Call it while the training thread
-        does not step (a joiner: before training starts).
+        pulls from each source exactly the entries after them, and its provisional entries the
+        snapshot's (departures known before are forgotten: apply them again with
+        :meth:`set_peers`). Call it while the training thread does not step (a joiner: before
+        training starts).
         """
         if snapshot.source == self.worker:
             raise SyncError(f"adopt: {self.worker!r} cannot adopt its own snapshot")
@@ -325,7 +378,10 @@ class ReplicaSync:
             self.log.restore(snapshot.tables,
                              {s: seq for s, seq in snapshot.applied.items() if s != self.worker},
                              own_seq=snapshot.applied.get(self.worker, 0),
-                             changed=snapshot.changed)
+                             changed=snapshot.changed,
+                             kept={s: e for s, e in snapshot.kept.items() if s != self.worker},
+                             confirmed={s: rows for s, rows in snapshot.confirmed.items()
+                                        if s != self.worker})
             with torch.no_grad():
                 for param, value in zip(self.dense, snapshot.dense):
                     param.copy_(value)
@@ -386,7 +442,7 @@ class ReplicaSync:
         snapshot = self.prepare(round)
         entries = self.log.pull(requester, since_seq)
         return PeerPayload(self.worker, entries, snapshot if self.dense else None,
-                           self.log.space.layout)
+                           self.log.space.layout, self.log.confirmed)
 
     def merge(self, round: int, own: Sequence[torch.Tensor],
               payloads: Sequence[PeerPayload]) -> ExchangeReport:
@@ -406,7 +462,8 @@ class ReplicaSync:
                                         f"{self.log.space.layout!r}")
                     if payload.dense is not None:
                         check_dense(own, payload.dense)
-                    report.rows_applied += self.log.apply(payload.source, payload.entries)
+                    report.rows_applied += self.log.apply(payload.source, payload.entries,
+                                                          payload.confirmed)
                 except SyncError as exc:
                     logger.warning("round %d: skipping %s's payload: %s", round, payload.source,
                                    exc)

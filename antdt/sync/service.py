@@ -9,7 +9,7 @@
    for each peer P in the group: worker_A.rpc(P).antdt_sync_pull(job, A, round, since_seq)
                                    ──► SyncWorkerPlugin on P: entries + dense snapshot
    apply under the replica lock (short); a peer that fails is skipped and logged
- end: antdt_sync_group(final=True, departed) until the all-member round, then
+ end: antdt_sync_group(final=True) until the all-member round, then
       antdt_sync_complete(gathered, adopted_from) ──► {step, leader}, until step is "done":
         the leader (step "gather") pulls every member as above and merges, once;
         the others (step "adopt") send the leader their changed-row mask
@@ -38,6 +38,8 @@ from distributed.protocol.pickle import dumps
 from antdt import config, rpc
 from antdt.errors import SyncError
 from antdt.rpc import Reply
+from antdt.sharding.service import PLUGIN_NAME as SHARDING_PLUGIN
+from antdt.sharding.service import ShardingService
 from antdt.sync.background import SyncWorkerPlugin
 from antdt.sync.groups import MemberState, SyncScheduler
 from antdt.sync.wire import PLUGIN_NAME, FinalMsg, GroupMsg, JoinMsg, MembersMsg, group_msg
@@ -51,18 +53,20 @@ class SyncService(SchedulerPlugin):
     Handlers (all arguments by keyword; None means the ``antdt.sync`` dask-config default):
 
     - ``antdt_sync_start(job, workers, group_size=None, max_wait_s=None, max_progress_gap=None)``
-    - ``antdt_sync_group(job, worker, progress, final=False, members_version=None, departed=0)
+    - ``antdt_sync_group(job, worker, progress, final=False, members_version=None)
       -> GroupMsg``: records that the worker applied the member list of ``members_version``,
       then waits (on the scheduler's loop, not a thread) until the worker is grouped, told to go
-      on alone, or ``poll_s`` passed (then ``kind == "wait"``: ask again); ``departed`` (with
-      ``final``): the entries of departed members the worker applied
-    - ``antdt_sync_members(job) -> MembersMsg``
+      on alone, or ``poll_s`` passed (then ``kind == "wait"``: ask again)
+    - ``antdt_sync_members(job) -> MembersMsg``: the members, and the departed ones with the
+      rows the job's ledger counted synced for each when it left (every replica takes their
+      entries past those rows out again)
     - ``antdt_sync_join(job, worker) -> JoinMsg``: adds a worker to a running job; waits up to
       ``poll_s`` for every other member to acknowledge it
     - ``antdt_sync_started(job, worker)``: the joiner adopted its snapshot and trains from now
       on (before, no group and not the final round waits for it; an error when the final round
       formed first and dropped it)
-    - ``antdt_sync_leave(job, worker)``: the worker stops syncing (idempotent, any job state)
+    - ``antdt_sync_leave(job, worker)``: the worker stops syncing (idempotent, any job state);
+      call it after the worker's last report to the ledger and the release of its leases
     - ``antdt_sync_complete(job, worker, gathered=False, adopted_from=None) -> FinalMsg``: in the
       final round, the leader gathered every member's entries (``gathered``) or the worker
       adopted ``adopted_from``'s rows; waits up to ``poll_s`` until the worker has a step other
@@ -75,6 +79,10 @@ class SyncService(SchedulerPlugin):
     are the logic, for callers in the scheduler (the job service). A worker that leaves the
     cluster leaves every job's group scheduling. Registering this plugin also registers
     :class:`SyncWorkerPlugin` on every worker.
+
+    The rows a departed worker leaves synced are the job's ledger's (the sharding service's
+    job of the same name, :meth:`~antdt.sharding.ShardLedger.synced_rows`; 0 without one: a
+    job whose rows nobody counts keeps none of a departed worker's provisional entries).
     """
 
     name = PLUGIN_NAME
@@ -130,10 +138,11 @@ class SyncService(SchedulerPlugin):
 
     def members(self, job: str) -> MembersMsg:
         scheduler = self._job(job)
-        return {"members": scheduler.members(), "members_version": scheduler.members_version}
+        return {"members": scheduler.members(), "members_version": scheduler.members_version,
+                "departed": scheduler.departed()}
 
     async def group(self, job: str, worker: str, progress: int, final: bool = False,
-                    members_version: int | None = None, departed: int = 0) -> GroupMsg:
+                    members_version: int | None = None) -> GroupMsg:
         """See the class docstring."""
         if members_version is not None and self._job(job).acknowledge(worker, members_version):
             self._notify(job)
@@ -142,8 +151,7 @@ class SyncService(SchedulerPlugin):
             scheduler = self._job(job)
             event = self._event(job, worker)
             event.clear()
-            answer = scheduler.ready(worker, progress, time(), final=bool(final),
-                                     departed=departed)
+            answer = scheduler.ready(worker, progress, time(), final=bool(final))
             if answer.group is not None:
                 self._wake(job, answer.group.members)
                 if answer.group.final:  # a joiner it dropped learns so now
@@ -175,7 +183,8 @@ class SyncService(SchedulerPlugin):
                 return {"settled": settled, "bootstrap": scheduler.joined_running(worker),
                         "waiting": scheduler.waiting_for(worker),
                         "members": scheduler.members(),
-                        "members_version": scheduler.members_version}
+                        "members_version": scheduler.members_version,
+                        "departed": scheduler.departed()}
             await self._changed(job, left)
 
     def leave(self, job: str, worker: str) -> None:
@@ -183,7 +192,7 @@ class SyncService(SchedulerPlugin):
         scheduler = self.jobs.get(job)
         if scheduler is None:
             return
-        final = scheduler.leave(worker)
+        final = scheduler.leave(worker, self._synced_rows(job, worker))
         if final is not None:
             self._wake(job, final.members)
             self._notify(job)
@@ -239,14 +248,12 @@ class SyncService(SchedulerPlugin):
 
     @rpc.handler
     async def group_handler(self, job: object, worker: object, progress: object,
-                            final: object = False, members_version: object = None,
-                            departed: object = 0) -> Reply:
+                            final: object = False, members_version: object = None) -> Reply:
         msg = await self.group(_name("job", job), _name("worker", worker),
                                rpc.integer("progress", progress, error=SyncError),
                                _flag("antdt_sync_group", "final", final),
                                rpc.integer("members_version", members_version, optional=True,
-                                           error=SyncError),
-                               rpc.integer("departed", departed, error=SyncError))
+                                           error=SyncError))
         return {"status": "OK", **msg}
 
     @rpc.handler
@@ -283,6 +290,12 @@ class SyncService(SchedulerPlugin):
         self._events.clear()
         for job in list(self._changes):
             self._notify(job)
+
+    def _synced_rows(self, job: str, worker: str) -> int:
+        """The rows ``job``'s ledger counts synced for ``worker`` (0 without a ledger)."""
+        sharding = self.scheduler.plugins.get(SHARDING_PLUGIN)
+        ledger = sharding.jobs.get(job) if isinstance(sharding, ShardingService) else None
+        return 0 if ledger is None else ledger.synced_rows(worker)
 
     def _job(self, job: str) -> SyncScheduler:
         scheduler = self.jobs.get(job)

@@ -35,10 +35,13 @@ class GroupMsg(TypedDict):
 
 
 class MembersMsg(TypedDict):
-    """Reply of ``antdt_sync_members``."""
+    """Reply of ``antdt_sync_members``: the live members and those that left the job, each
+    with the rows the ledger counted synced when it left (every replica takes its entries past
+    them out again)."""
 
     members: list[str]
     members_version: int
+    departed: dict[str, int]
 
 
 class JoinMsg(TypedDict):
@@ -51,6 +54,7 @@ class JoinMsg(TypedDict):
     waiting: list[str]
     members: list[str]
     members_version: int
+    departed: dict[str, int]
 
 
 class FinalMsg(TypedDict):
@@ -90,17 +94,20 @@ class PullMsg(TypedDict):
     entries: list[EntryMsg]
     dense: Packed | None
     layout: str
+    confirmed: int
 
 
 class SnapshotMsg(TypedDict):
     """Reply of a worker's ``antdt_sync_snapshot``: a :class:`~antdt.sync.ReplicaSnapshot`, the
-    tables as numpy arrays, the changed rows as bits."""
+    tables as numpy arrays, the changed rows as bits, the provisional entries as in a pull."""
 
     source: str
     dense: Packed
     tables: dict[str, Any]
     applied: dict[str, int]
     changed: Any
+    kept: dict[str, list[EntryMsg]]
+    confirmed: dict[str, int]
 
 
 class RowsMsg(TypedDict):
@@ -246,26 +253,35 @@ def bits_to_mask(bits: Any, rows: int) -> torch.Tensor:
     return torch.from_numpy(np.unpackbits(array, count=rows).astype(bool))
 
 
+def _entries_to_msg(entries: Sequence[LogEntry]) -> list[EntryMsg]:
+    """Entries' tensors as numpy arrays, each sent as its own serialized frame."""
+    out: list[EntryMsg] = []
+    for e in entries:
+        deltas, dtype = _typed_array(e.deltas)
+        out.append({"seq": e.seq, "rows_offset": e.rows_offset, "ids": _ids_array(e.ids),
+                    "deltas": deltas, "dtype": dtype})
+    return out
+
+
+def _msg_to_entries(msgs: Sequence[EntryMsg]) -> list[LogEntry]:
+    """Inverse of :func:`_entries_to_msg`."""
+    return [LogEntry(int(e["seq"]), _ids_tensor(e["ids"]), _typed_tensor(e["deltas"], e["dtype"]),
+                     int(e["rows_offset"])) for e in msgs]
+
+
 def payload_to_msg(payload: PeerPayload) -> PullMsg:
     """Entries' tensors become numpy arrays, each sent as its own serialized frame; the dense
     snapshot is packed into one."""
-    entries: list[EntryMsg] = []
-    for e in payload.entries:
-        deltas, dtype = _typed_array(e.deltas)
-        entries.append({"seq": e.seq, "rows_offset": e.rows_offset, "ids": _ids_array(e.ids),
-                        "deltas": deltas, "dtype": dtype})
     dense = None if payload.dense is None else pack(payload.dense)
-    return {"source": payload.source, "entries": entries, "dense": dense,
-            "layout": payload.layout}
+    return {"source": payload.source, "entries": _entries_to_msg(payload.entries),
+            "dense": dense, "layout": payload.layout, "confirmed": payload.confirmed}
 
 
 def msg_to_payload(msg: PullMsg) -> PeerPayload:
     """Inverse of :func:`payload_to_msg` on the receiving side."""
-    entries = [LogEntry(int(e["seq"]), _ids_tensor(e["ids"]),
-                        _typed_tensor(e["deltas"], e["dtype"]), int(e["rows_offset"]))
-               for e in msg["entries"]]
     dense = None if msg["dense"] is None else unpack(msg["dense"], "dense snapshot")
-    return PeerPayload(msg["source"], entries, dense, msg["layout"])
+    return PeerPayload(msg["source"], _msg_to_entries(msg["entries"]), dense, msg["layout"],
+                       int(msg["confirmed"]))
 
 
 def snapshot_to_msg(snapshot: ReplicaSnapshot) -> SnapshotMsg:
@@ -275,7 +291,9 @@ def snapshot_to_msg(snapshot: ReplicaSnapshot) -> SnapshotMsg:
             "dense": pack(snapshot.dense),
             "tables": {name: _array(t) for name, t in snapshot.tables.items()},
             "applied": dict(snapshot.applied),
-            "changed": to_serialize(mask_to_bits(snapshot.changed))}
+            "changed": to_serialize(mask_to_bits(snapshot.changed)),
+            "kept": {source: _entries_to_msg(entries) for source, entries in snapshot.kept.items()},
+            "confirmed": dict(snapshot.confirmed)}
 
 
 def msg_to_snapshot(msg: SnapshotMsg) -> ReplicaSnapshot:
@@ -284,7 +302,10 @@ def msg_to_snapshot(msg: SnapshotMsg) -> ReplicaSnapshot:
     rows = sum(t.shape[0] for t in tables.values())
     return ReplicaSnapshot(msg["source"], unpack(msg["dense"], "dense parameters"), tables,
                            {source: int(seq) for source, seq in msg["applied"].items()},
-                           bits_to_mask(msg["changed"], rows))
+                           bits_to_mask(msg["changed"], rows),
+                           {source: _msg_to_entries(entries)
+                            for source, entries in msg["kept"].items()},
+                           {source: int(offset) for source, offset in msg["confirmed"].items()})
 
 
 def rows_to_msg(rows: LeaderRows) -> RowsMsg:

@@ -39,10 +39,10 @@ def async_runs(job: JobConfig, count: int, repeats: int, reference_auc: float, e
             "auc": round(summary.auc, 4), "gap": gaps[-1],
             "samples_per_s": round(summary.samples_per_s), "train_s": round(summary.train_s, 1),
             "rows_trained": summary.rows_trained, "rows_lost": summary.rows_lost,
-            "rows_duplicated": summary.rows_duplicated, "run_id": summary.run_id,
+            "rows_retrained": summary.rows_retrained, "run_id": summary.run_id,
             "passed": summary.auc >= reference_auc - tolerance
             and summary.rows_trained == expected and summary.rows_lost == 0
-            and summary.rows_duplicated == 0})
+            and summary.rows_retrained == 0})
     return {"workers": count, "median_gap": round(statistics.median(gaps), 4),
             "worst_gap": max(gaps), "passed": all(run["passed"] for run in runs),
             "runs": runs}

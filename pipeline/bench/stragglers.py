@@ -111,7 +111,7 @@ def run_way(job: JobConfig, way: Sharding, workers: int, faults: list[FaultConfi
     outcome = run_async(with_train(job, sharding=way, faults=faults), workers,
                         deadline_s=deadline_s, setting=cpu_hog if contention else None)
     summary = outcome.summary
-    rows = summary.rows_trained - summary.rows_duplicated + summary.rows_lost
+    rows = summary.rows_trained - summary.rows_retrained + summary.rows_lost
     ideal = ideal_seconds(outcome, rows, faults)
     finished = outcome.stopped is None
     return {
@@ -119,7 +119,7 @@ def run_way(job: JobConfig, way: Sharding, workers: int, faults: list[FaultConfi
         "ideal_s": round(ideal, 2),
         "efficiency": round(ideal / summary.train_s, 3) if finished else 0.0,
         "rows_trained": summary.rows_trained, "rows_lost": summary.rows_lost,
-        "rows_duplicated": summary.rows_duplicated,
+        "rows_retrained": summary.rows_retrained,
         "samples_per_s": round(summary.samples_per_s),
         "others_samples_per_s": round(others_rate(outcome)),
         "straggler_actions": summary.straggler_actions, **outcome.overhead(),

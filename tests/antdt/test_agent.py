@@ -99,7 +99,7 @@ def test_agents_train_every_row_once_per_epoch_and_count_exactly(client: Client)
         assert report.loss == pytest.approx(sum(losses) / len(losses))
     state = service.job_state(client, job)
     assert state["state"] == "finished"
-    assert (state["rows_trained"], state["rows_done"], state["rows_duplicated"],
+    assert (state["rows_trained"], state["rows_done"], state["rows_retrained"],
             state["rows_lost"]) == (2 * TOTAL, 2 * TOTAL, 0, 0)
     events = [m for _, m in client.get_events(agent.event_topic(job))]
     progress = [m for m in events if m["kind"] == "progress"]
@@ -138,7 +138,7 @@ def test_async_agents_end_with_identical_replicas_holding_every_update(
     mine = [row_counts(s["ranges"]) for s in states]
     assert mine[0] + mine[1] == Counter({row: 2 for row in range(TOTAL)})
     state = service.job_state(client, job)
-    assert (state["rows_done"], state["rows_duplicated"]) == (2 * TOTAL, 0)
+    assert (state["rows_done"], state["rows_retrained"]) == (2 * TOTAL, 0)
 
 
 def test_a_joiner_copies_the_model_trains_and_ends_identical(client: Client) -> None:
@@ -192,7 +192,7 @@ def test_revoked_lease_ends_at_its_claim_and_the_rest_is_trained_once(client: Cl
     assert row_counts(ranges) == Counter({row: 1 for row in range(TOTAL)})
     shards = sum(-(-rows // SHARD_ROWS) for _, _, rows in GROUPS)
     assert report.leases == shards + 1  # the revoked rest came back as one more lease
-    assert service.job_state(client, job)["rows_duplicated"] == 0
+    assert service.job_state(client, job)["rows_retrained"] == 0
 
 
 def test_stop_is_obeyed_by_every_agent(client: Client) -> None:

@@ -111,7 +111,7 @@ def test_hung_lease_is_revoked_then_its_worker_retired() -> None:
     assert [w for w, _ in rig.retired] == ["c"]
     assert rig.controller.counts == {"revoke": 1, "retire": 1}
     assert rig.ledger.state is JobState.FINISHED
-    assert rig.ledger.rows_done == 1000 and rig.ledger.rows_duplicated == 0
+    assert rig.ledger.rows_done == 1000 and rig.ledger.rows_retrained == 0
     assert sorted(rig.trained) == list(range(1000)) and set(rig.trained.values()) == {1}
     assert rig.emitted == list(rig.controller.records)
 

@@ -108,7 +108,7 @@ async def test_hung_lease_is_revoked_and_leased_by_the_other_worker(
 
     state = await c.scheduler.antdt_job_state(job="j")
     assert state["state"] == "finished" and state["rows_done"] == 200
-    assert state["rows_trained"] == 200 and state["rows_duplicated"] == 0
+    assert state["rows_trained"] == 200 and state["rows_retrained"] == 0
     actions = await c.scheduler.antdt_controller_actions(job="j")
     assert actions["count"] == 1 and actions["counts"] == {"revoke": 1}
     assert list(actions["records"]) == [record] and actions["enabled"] is True
@@ -182,7 +182,7 @@ async def test_worker_hung_in_the_tail_is_retired_and_its_claim_requeued(
     assert (start, stop, trained) == (20, 100, 80)
     state = await c.scheduler.antdt_job_state(job="j")
     assert state["state"] == "finished" and state["rows_done"] == 100
-    assert state["rows_duplicated"] == 0
+    assert state["rows_retrained"] == 0
     actions = await c.scheduler.antdt_controller_actions(job="j")
     assert actions["counts"] == {"retire": 1}
 

@@ -106,7 +106,7 @@ def test_a_job_resumes_from_a_checkpoint_in_the_same_run(
 
     assert record["state"] == "finished" and record["run"] == stopped["run"]
     rows = record["rows"]
-    assert rows["lost"] == 0 and rows["trained"] == 3 * TOTAL + rows["duplicated"]
+    assert rows["lost"] == 0 and rows["trained"] == 3 * TOTAL + rows["retrained"]
     made = calls(record)
     resume = [c for c in made if c[0] == "resume"]
     assert len(resume) == 1 and resume[0][3]["checkpoint"] == manifest.path
@@ -117,7 +117,7 @@ def test_a_job_resumes_from_a_checkpoint_in_the_same_run(
     assert bool((table >= 3).all())
     assert record["resumes"] == 1
     # every update the model holds beyond one per row and epoch is accounted for
-    assert table.sum() - 3 * TOTAL <= record["rows_replayed"] + rows["duplicated"]
+    assert table.sum() - 3 * TOTAL <= record["rows_replayed"] + rows["retrained"]
 
 
 def test_every_worker_gone_and_none_joining_fails_naming_the_checkpoint(
@@ -154,7 +154,7 @@ def test_new_workers_restart_the_job_from_its_last_checkpoint(
     assert [c[0] for c in made].count("resume") == 1
     _, table, report = made[-1]
     assert bool((table >= 3).all())  # no row of any epoch missing from the final model
-    assert table.sum() - 3 * TOTAL <= record["rows_replayed"] + rows["duplicated"]
+    assert table.sum() - 3 * TOTAL <= record["rows_replayed"] + rows["retrained"]
     assert report["rows_replayed"] == record["rows_replayed"]
     # this master trained the rows the ledger counts, and those the restart rolled back
     assert report["rows_trained_here"] == rows["trained"] + record["rows_replayed"]

@@ -45,7 +45,7 @@ def test_a_job_trains_every_row_and_reports_through_its_hooks(jobs: JobClient) -
     assert record["ended_at"] >= record["started_at"] >= record["submitted_at"]
     rows = record["rows"]
     assert (rows["expected"], rows["done"], rows["trained"], rows["lost"],
-            rows["duplicated"]) == (2 * TOTAL, 2 * TOTAL, 2 * TOTAL, 0, 0)
+            rows["retrained"]) == (2 * TOTAL, 2 * TOTAL, 2 * TOTAL, 0, 0)
     assert rows["done_by_epoch"] == [TOTAL, TOTAL]
     assert record["summary"] == {"rows_trained": 2 * TOTAL, "with_model": True}
     made = calls(record)
@@ -136,7 +136,7 @@ def test_two_jobs_run_at_once_each_with_its_own_ledger(jobs: JobClient) -> None:
 
     assert [r["state"] for r in records] == ["finished", "finished"]
     assert [r["rows"]["done"] for r in records] == [2 * TOTAL, TOTAL]
-    assert [r["rows"]["duplicated"] + r["rows"]["lost"] for r in records] == [0, 0]
+    assert [r["rows"]["retrained"] + r["rows"]["lost"] for r in records] == [0, 0]
     listed = {r["job_id"]: r["state"] for r in jobs.status()}
     assert listed[first] == listed[second] == "finished"
 
@@ -231,8 +231,9 @@ def valid_calls(jobs: JobClient, job_id: str, folder: str) -> dict[str, dict[str
                                "shard_rows": 4, "batch_rows": 2, "epochs": 1, "seed": 0,
                                "quarantine": None, "max_claim_rows": None, "static": None},
         "antdt_lease": {**job, "worker": worker, "claim_rows": None, "commits": None,
-                        "wait_s": 0},
-        "antdt_commit": {**job, "commits": []},
+                        "wait_s": 0, "synced_rows": None},
+        "antdt_commit": {**job, "commits": [], "worker": worker, "synced_rows": None},
+        "antdt_ledger_copy": job,
         "antdt_release": {**lease, "token": "guess"},
         "antdt_quarantine": {**lease, "token": "guess", "stop": 1, "reason": "bad"},
         "antdt_revoke": lease,
@@ -310,7 +311,7 @@ def test_every_handler_refuses_malformed_calls_while_a_job_runs(jobs: JobClient,
 
     assert record["state"] == "finished", record["error"]
     rows = record["rows"]
-    assert (rows["done"], rows["trained"], rows["lost"], rows["duplicated"]) == (
+    assert (rows["done"], rows["trained"], rows["lost"], rows["retrained"]) == (
         2 * TOTAL, 2 * TOTAL, 0, 0)
     assert jobs.status()  # the job service still answers
 

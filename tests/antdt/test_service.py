@@ -92,7 +92,7 @@ async def test_lease_and_commit_from_worker_tasks(c: Client, s: Scheduler, a: Wo
     state = await c.scheduler.antdt_job_state(job="j")
     assert state["state"] == "finished"
     assert state["rows_trained"] == state["rows_done"] == 2 * TOTAL
-    assert state["rows_duplicated"] == state["rows_lost"] == 0
+    assert state["rows_retrained"] == state["rows_lost"] == 0
     assert sum(event.rows for _, event in events) == 2 * TOTAL
     assert {job for job, _ in events} == {"j"}
     assert {event.worker for _, event in events} <= {a.address, b.address}
@@ -116,7 +116,7 @@ async def test_removed_worker_rows_are_leased_again_and_trained_once(
     assert (await train_all(c, "j", b.address, rows))["reason"] == "finished"
     assert sorted(r for *_, r in rows) == list(range(2, 8))
     state = await c.scheduler.antdt_job_state(job="j")
-    assert state["rows_duplicated"] == 2 and state["rows_trained"] == 10
+    assert state["rows_retrained"] == 2 and state["rows_trained"] == 10
     assert state["rows_done"] == 8 and state["rows_lost"] == 0
     answer = await c.scheduler.antdt_commit(job="j", commits=[commit])
     assert answer["replies"][0]["kind"] == "error"
@@ -133,7 +133,7 @@ async def test_two_jobs_side_by_side(c: Client, s: Scheduler, a: Worker, b: Work
     assert sum(rows_two.values()) == 90 and len(rows_two) == 90
     await a.close()  # a held a lease of job one only
     assert plugin.jobs["one"].leases() == []
-    assert (await c.scheduler.antdt_job_state(job="two"))["rows_duplicated"] == 0
+    assert (await c.scheduler.antdt_job_state(job="two"))["rows_retrained"] == 0
     rows_one: Counter = Counter()
     assert (await train_all(c, "one", b.address, rows_one))["reason"] == "finished"
     assert len(rows_one) == TOTAL

@@ -101,7 +101,7 @@ async def test_commits_are_batched_to_about_one_rpc_per_second(c: Client, s: Sch
     assert rpcs <= 8 + 2 * simulated_seconds + 4, results  # a lease per shard + ~1 commit/s
     state = await c.scheduler.antdt_job_state(job="j")
     assert state["state"] == "finished" and state["rows_done"] == 8000
-    assert state["rows_trained"] == 8000 and state["rows_duplicated"] == 0
+    assert state["rows_trained"] == 8000 and state["rows_retrained"] == 0
 
 
 @gen_cluster(client=True)
@@ -114,7 +114,7 @@ async def test_lagging_synced_rows_keep_leases_draining_until_flushed(
     assert result["lag_left"] == 0  # lease() waited until its own draining leases synced
     state = await c.scheduler.antdt_job_state(job="j")
     assert state["state"] == "finished", state
-    assert state["rows_done"] == 300 and state["rows_duplicated"] == 0
+    assert state["rows_done"] == 300 and state["rows_retrained"] == 0
     assert plugin.jobs["j"].leases() == []
 
 

@@ -81,7 +81,7 @@ def test_one_epoch_trains_every_row_once_in_shards_within_row_groups() -> None:
     assert rows == all_rows(GROUPS, 2)
     assert [s[0] for s in shards] == [0] * 7 + [1] * 7
     assert ledger.state is JobState.FINISHED
-    assert ledger.summary()["rows_trained"] == 44 and ledger.rows_duplicated == 0
+    assert ledger.summary()["rows_trained"] == 44 and ledger.rows_retrained == 0
     ledger.check_invariants()
 
 
@@ -233,7 +233,7 @@ def test_a_paced_worker_leases_at_most_its_pace_and_none_at_zero() -> None:
     assert ledger.paces == {}
 
 
-def test_removed_worker_requeues_claim_and_unsynced_rows_counted_duplicated() -> None:
+def test_removed_worker_requeues_claim_and_unsynced_rows_counted_retrained() -> None:
     ledger = make(row_groups=[("f", 0, 8)], shard_rows=8, batch_rows=2)
     lease = ledger.lease("dead")
     assert isinstance(lease, Lease)
@@ -242,13 +242,13 @@ def test_removed_worker_requeues_claim_and_unsynced_rows_counted_duplicated() ->
     assert ledger.rows_by_state()[RowState.DONE] == 2
     assert ledger.remove_worker("dead") == 6
     assert ledger.remove_worker("dead") == 0
-    assert ledger.rows_duplicated == 2 and ledger.leases() == []
+    assert ledger.rows_retrained == 2 and ledger.leases() == []
     with pytest.raises(LedgerError, match="no longer live"):
         ledger.commit(lease.lease_id, lease.token, 6, 6)
     rows: Counter = Counter()
     drain(ledger, rows=rows)
     assert sorted(r for *_, r in rows) == [2, 3, 4, 5, 6, 7]
-    assert ledger.rows_trained == 8 + ledger.rows_duplicated == 10
+    assert ledger.rows_trained == 8 + ledger.rows_retrained == 10
     assert ledger.rows_lost == 0
 
 
@@ -307,11 +307,11 @@ def test_stop_counts_lost_rows() -> None:
     ledger.commit(lease.lease_id, lease.token, lease.start + 2, lease.start + 1)
     lost = ledger.stop("cancelled by user")
     assert lost == 22 - 1 and ledger.rows_lost == 21
-    assert ledger.rows_duplicated == 1
+    assert ledger.rows_retrained == 1
     assert ledger.state is JobState.STOPPED
     assert ledger.lease("w") == Stop("cancelled by user")
     assert ledger.commit(lease.lease_id, lease.token, 0, 0) == Stop("cancelled by user")
-    assert ledger.rows_trained == ledger.rows_expected - ledger.rows_lost + ledger.rows_duplicated
+    assert ledger.rows_trained == ledger.rows_expected - ledger.rows_lost + ledger.rows_retrained
     ledger.check_invariants()
 
 
@@ -348,7 +348,7 @@ def test_checkpoint_roundtrip_resumes_from_synced_offsets(tmp_path: os.PathLike)
     assert os.listdir(os.path.dirname(path)) == ["ledger.bin"]
     restored = ShardLedger.load(path, clock=FakeClock())
     restored.check_invariants()
-    assert restored.rows_duplicated == end - live.start - 1
+    assert restored.rows_retrained == end - live.start - 1
     assert restored.leases() == [] and restored.rows_trained == ledger.rows_trained
     nxt = restored.lease("new")
     assert isinstance(nxt, Lease) and (nxt.start, nxt.stop) == (live.start + 1, live.stop)
@@ -359,7 +359,7 @@ def test_checkpoint_roundtrip_resumes_from_synced_offsets(tmp_path: os.PathLike)
     assert set(rows) == set(expected)
     assert sum(rows.values()) == restored.rows_trained
     assert restored.rows_trained == (restored.rows_expected - restored.rows_quarantined
-                                     + restored.rows_duplicated)
+                                     + restored.rows_retrained)
 
 
 def test_checkpoint_rejects_other_files_and_versions(tmp_path: os.PathLike) -> None:
@@ -654,7 +654,7 @@ class LedgerMachine(RuleBasedStateMachine):
             assert not lost
         assert ledger.rows_trained == sum(self.trained.values())
         assert ledger.rows_trained == (ledger.rows_expected - ledger.rows_quarantined
-                                       - ledger.rows_lost + ledger.rows_duplicated)
+                                       - ledger.rows_lost + ledger.rows_retrained)
 
 
 TestLedgerMachine = LedgerMachine.TestCase

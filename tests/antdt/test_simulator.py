@@ -105,7 +105,7 @@ def test_accounting_is_exact_with_stragglers_hangs_and_deaths() -> None:
         assert run["rows_done"] == run["rows_expected"] == 3_000_000
         assert run["rows_lost"] == 0 and run["rows_todo"] == run["rows_leased"] == 0
         # synced at every commit (local mode): a death loses no committed row
-        assert run["rows_trained"] == run["rows_done"] and run["rows_duplicated"] == 0
+        assert run["rows_trained"] == run["rows_done"] and run["rows_retrained"] == 0
         assert 0 < result["efficiency"][strategy] <= 1.0
     assert result["efficiency"]["antdt"] > result["efficiency"]["pull"]
 

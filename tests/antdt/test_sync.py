@@ -64,6 +64,8 @@ class Cluster:
                               peers=self.names, delta_dtype=delta_dtype)
             for name in self.names}
         self.total = {t: torch.zeros_like(w) for t, w in self.initial_tables.items()}
+        self.steps: list[tuple[str, int, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = []
+        """Every step: its worker, that worker's offset after it, its rows and deltas."""
         self.offsets = dict.fromkeys(self.names, 0)
         self.lose_reply = 0.0  # probability that a served reply never arrives
         self.rng = random.Random(0)
@@ -100,14 +102,23 @@ class Cluster:
                 table[ids] += delta
                 with self.total_lock:
                     self.total[t][ids] += delta
-                touched[t] = ids
+                touched[t] = (ids, delta)
             for p in replica.dense:
                 p += 0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype)
-        self.offsets[name] += 64
-        replica.touch(touched, self.offsets[name])
+            self.offsets[name] += 64
+            replica.touch({t: ids for t, (ids, _) in touched.items()}, self.offsets[name])
+        with self.total_lock:
+            self.steps.append((name, self.offsets[name], touched))
 
-    def expected_tables(self) -> dict[str, torch.Tensor]:
-        return {t: self.initial_tables[t] + self.total[t] for t in self.total}
+    def expected_tables(self, synced: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
+        """The initial tables plus every step, less the steps of each worker in ``synced``
+        past its rows there (a departed worker's rows the ledger trains again)."""
+        expected = {t: self.initial_tables[t] + self.total[t] for t in self.total}
+        for name, offset, touched in self.steps:
+            if synced is not None and name in synced and offset > synced[name]:
+                for t, (ids, delta) in touched.items():
+                    expected[t][ids] -= delta
+        return expected
 
 
 # ---- EmbeddingDeltaLog ---------------------------------------------------------------------
@@ -143,22 +154,80 @@ def test_publish_without_change_is_none_and_offset_may_not_decrease() -> None:
         EmbeddingDeltaLog({"t": torch.zeros(3)})
 
 
-def test_a_log_without_peers_counts_rows_synced_and_keeps_them_for_the_first_peer() -> None:
-    """Nobody pulls a lone log's entries: it cuts none (no pass over its rows), its offset
-    counts as synced at once, and what it trained goes out once a peer appears."""
+def test_a_lone_log_counts_a_row_synced_once_its_base_holds_it() -> None:
+    """A log without peers still cuts its entries: a row counts synced only once its effect is
+    in the base, which is what a joiner's snapshot and a checkpoint copy. The entry is dropped
+    at once (nobody pulls it) and kept, provisional, until the ledger confirmed its rows."""
     log = EmbeddingDeltaLog({"t": torch.zeros(4, 2)}, delta_dtype=torch.bfloat16)
+    assert not log.has_peers
     log.tables["t"][1] += 1.0
     log.touch("t", torch.tensor([1]))
-    assert log.publish(rows_offset=8) is None
-    assert (log.last_seq, len(log), log.synced_offset()) == (0, 0, 8)
+    entry = log.publish(rows_offset=8)
+    assert entry is not None and (len(log), log.synced_offset()) == (0, 8)
+    state = log.state("me")
+    assert state.tables["t"][1].tolist() == [1.0, 1.0]  # what a joiner copies holds the row
+    assert [e.seq for e in state.kept["me"]] == [1] and state.confirmed["me"] == 0
+    log.confirm(8)  # the ledger took the report: no longer provisional
     log.tables["t"][3] += 2.0
     log.touch("t", torch.tensor([3]))
-    assert log.publish(rows_offset=16) is None and log.synced_offset() == 16
-    log.set_peers(["b"])
-    entry = log.publish(rows_offset=20)
-    assert entry is not None and entry.ids.tolist() == [1, 3]
-    assert entry.deltas.float().tolist() == [[1.0, 1.0], [2.0, 2.0]]
-    assert log.synced_offset() == 16  # b has not pulled it yet
+    log.publish(rows_offset=16)
+    state = log.state("me")
+    assert [e.seq for e in state.kept["me"]] == [2] and state.confirmed["me"] == 8
+    assert state.tables["t"][3].tolist() == [2.0, 2.0]
+
+
+def test_a_departed_source_leaves_exactly_its_rows_past_the_ledger_s() -> None:
+    """A peer keeps a source's entries past the source's confirmed offset; when the source
+    departs with the rows the ledger counts synced, the peer takes out exactly the entries past
+    them (current and base), and refuses the source's entries from then on."""
+    src = EmbeddingDeltaLog({"t": torch.zeros(4, 1)}, peers=["dst"])
+    dst = EmbeddingDeltaLog({"t": torch.zeros(4, 1)}, peers=["src"])
+    for offset, row in ((8, 0), (16, 1), (24, 2)):
+        src.tables["t"][row] += 1.0
+        src.touch("t", torch.tensor([row]))
+        src.publish(rows_offset=offset)
+    entries = src.pull("dst", since_seq=0)
+    assert dst.apply("src", entries[:1]) == 1
+    assert dst.apply("src", entries, confirmed=8) == 2  # the ledger holds src's rows up to 8
+    assert dst.tables["t"][:, 0].tolist() == [1.0, 1.0, 1.0, 0.0]
+    undone = dst.depart("src", synced=16)  # src died: the ledger trains its rows past 16 again
+    assert [e.seq for e in undone] == [3]
+    assert dst.tables["t"][:, 0].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert dst.state("dst").tables["t"][:, 0].tolist() == [1.0, 1.0, 0.0, 0.0]  # the base too
+    assert dst.depart("src", synced=16) == [] and dst.departed() == {"src": 16}
+    with pytest.raises(SyncError, match="it left the job"):
+        dst.apply("src", entries)
+    told_more = EmbeddingDeltaLog({"t": torch.zeros(4, 1)}, peers=["src"])
+    told_more.apply("src", entries, confirmed=24)
+    with pytest.raises(SyncError, match="cannot be taken back"):
+        told_more.depart("src", synced=16)
+
+
+def test_a_checkpoint_s_tables_hold_exactly_the_rows_the_ledger_counts_done() -> None:
+    """The committed tables are the base less own entries past the ledger's synced rows of this
+    worker and kept entries past each source's: no unpublished change, no provisional entry
+    the ledger would train again. A ledger older than what the log was told is refused."""
+    a = EmbeddingDeltaLog({"t": torch.zeros(5, 1)}, peers=["b"])
+    b = EmbeddingDeltaLog({"t": torch.zeros(5, 1)}, peers=["a"])
+    for log, rows in ((a, (0, 1)), (b, (2, 3))):
+        for offset, row in zip((8, 16), rows):
+            log.tables["t"][row] += 1.0
+            log.touch("t", torch.tensor([row]))
+            log.publish(rows_offset=offset)
+    b.apply("a", a.pull("b", since_seq=0), confirmed=0)
+    b.confirm(8)
+    b.tables["t"][4] += 1.0  # trained, not published
+    b.touch("t", torch.tensor([4]))
+    assert b.tables["t"][:, 0].tolist() == [1.0] * 5
+    committed = b.committed(own_synced=8, synced={"a": 8})
+    assert committed["t"][:, 0].tolist() == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert b.committed(own_synced=16, synced={"a": 16})["t"][:, 0].tolist() == [1.0] * 4 + [0.0]
+    b.publish(rows_offset=24)  # prunes own entries the ledger confirmed
+    with pytest.raises(SyncError, match="older than the replica"):
+        b.committed(own_synced=0, synced={"a": 16})
+    b.apply("a", [], confirmed=8)
+    with pytest.raises(SyncError, match="older than the replica"):
+        b.committed(own_synced=24, synced={"a": 0})
 
 
 def test_apply_is_idempotent_and_rejects_gaps() -> None:
@@ -250,7 +319,7 @@ def test_tables_end_to_end_in_one_storage_sync_like_separate_tables(
         assert torch.equal(published[0].ids, published[1].ids)
         assert published[0].deltas.dtype == (dtype if exact else delta_dtype)
         assert bits_equal(published[0].deltas, published[1].deltas)
-    bases = [log.state()[0] for log in logs.values()]
+    bases = [log.state("me").tables for log in logs.values()]
     assert bases[0].keys() == separate.keys()
     for name in separate:
         assert bits_equal(views[name], separate[name]), name
@@ -376,14 +445,17 @@ def run_round(cluster: Cluster, round: int, members: list[str], gen: torch.Gener
             cluster.train(cluster.rng.choice(cluster.names), gen)
 
 
-def assert_identical(cluster: Cluster, names: list[str]) -> None:
-    expected = cluster.expected_tables()
+def assert_identical(cluster: Cluster, names: list[str], synced: dict[str, int] | None = None,
+                     dense: bool = True) -> None:
+    """Every replica in ``names`` holds the expected tables (see
+    :meth:`Cluster.expected_tables`) and, with ``dense``, the same dense parameters."""
+    expected = cluster.expected_tables(synced)
     first = cluster.replicas[names[0]]
     for name in names:
         replica = cluster.replicas[name]
         for t, table in replica.tables.items():
             torch.testing.assert_close(table, expected[t], rtol=0, atol=1e-10)
-        for p, q in zip(replica.dense, first.dense):
+        for p, q in zip(replica.dense, first.dense if dense else replica.dense):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
 
 
@@ -420,7 +492,7 @@ def test_rounded_deltas_carry_their_rounding_into_the_next_and_end_exact() -> No
             cluster.train(name, gen)
         run_round(cluster, round, cluster.names, gen, train_between=False)
         expected = cluster.expected_tables()
-        owed = {name: {t: r.tables[t] - base for t, base in r.log.state()[0].items()}
+        owed = {name: {t: r.tables[t] - base for t, base in r.log.state(name).tables.items()}
                 for name, r in cluster.replicas.items()}
         for name, replica in cluster.replicas.items():
             for t, table in replica.tables.items():
@@ -469,18 +541,15 @@ def assert_bit_identical(a: ReplicaSync, b: ReplicaSync) -> None:
 
 
 def end_job(cluster: Cluster, names: list[str], round: int) -> tuple[str, dict[str, LeaderRows]]:
-    """The final round as BackgroundSync.finish runs it: the scheduler names the leader (each
-    member tells it the entries of departed members it applied), the leader pulls every other
-    member and merges, each other member adopts the rows the leader sends for its changed rows.
-    Returns the leader and what it sent to each member."""
+    """The final round as BackgroundSync.finish runs it: the scheduler names the leader, the
+    leader pulls every other member and merges, each other member adopts the rows the leader
+    sends for its changed rows. Returns the leader and what it sent to each member."""
     scheduler = SyncScheduler(group_size=len(names), max_wait_s=1.0)
     for name in names:
         scheduler.join(name)
     for _ in range(2):  # the last one forms the final group, the others pick it up
         for name in names:
-            applied = cluster.replicas[name].log.applied_seqs()
-            scheduler.ready(name, cluster.offsets[name], now=0.0, final=True,
-                            departed=sum(seq for s, seq in applied.items() if s not in names))
+            scheduler.ready(name, cluster.offsets[name], now=0.0, final=True)
     leader = scheduler.final_leader()
     assert leader is not None and scheduler.final_step(leader) == "gather"
     report = cluster.replicas[leader].exchange(round, names, cluster.fetch_for(leader))
@@ -498,30 +567,82 @@ def end_job(cluster: Cluster, names: list[str], round: int) -> tuple[str, dict[s
     return leader, sent
 
 
-def test_the_final_round_leaves_survivors_bit_identical_and_keeps_a_dead_peer_s_entries() -> None:
+def test_a_dead_peer_s_rows_past_its_ledger_rows_leave_every_survivor() -> None:
+    """w2's last entry reached w1 only, and the ledger never heard that its rows were synced:
+    when w2 dies, w1 takes it out again, so both survivors hold w2's rows exactly up to the
+    ledger's (which trains the rest again) and the final round leaves them bit-identical."""
     cluster = Cluster(3)
     gen = torch.Generator().manual_seed(2)
     for name in cluster.names:
         cluster.train(name, gen)
     run_round(cluster, 1, cluster.names, gen, train_between=False)
+    run_round(cluster, 2, cluster.names, gen, train_between=False)  # acknowledges round 1
     cluster.train("w2", gen)
     w0, w1, w2 = (cluster.replicas[n] for n in cluster.names)
-    w1.exchange(2, ["w1", "w2"], cluster.fetch_for("w1"))  # only w1 got w2's last entry
+    w1.exchange(3, ["w1", "w2"], cluster.fetch_for("w1"))  # only w1 got w2's last entry
     late = w2.log.last_seq
+    ledger = {"w2": w2.synced_offset()}  # what w2 reported last
+    assert ledger["w2"] == cluster.offsets["w2"] - 64
     cluster.dead.add("w2")
+    assert w1.log.applied_seq("w2") == late > w0.log.applied_seq("w2")
     survivors = ["w0", "w1"]
     for name in survivors:
-        cluster.replicas[name].set_peers(survivors)
-    assert w1.log.applied_seq("w2") == late > w0.log.applied_seq("w2")
-    assert not torch.equal(w0.tables["a"], w1.tables["a"])
-    assert w2.synced_offset() <= cluster.offsets["w2"] - 64  # w0 lacks the last step: re-queued
-    leader, _ = end_job(cluster, survivors, 3)
-    assert leader == "w1"  # it applied more of w2's entries than w0, the smaller address
+        cluster.replicas[name].set_peers(survivors, departed=ledger)
+    # neither holds w2's last step (its dense snapshot reached w1: averaged, not taken back)
+    assert_identical(cluster, survivors, synced=ledger, dense=False)
+    leader, _ = end_job(cluster, survivors, 4)
+    assert leader == "w0"  # the smallest address: every survivor holds the same of w2
     assert_bit_identical(w0, w1)
-    assert w0.log.applied_seq("w2") == late
-    assert_identical(cluster, survivors)  # every step of all three: w2's last one is not lost
-    run_round(cluster, 4, survivors, gen, train_between=False)
+    assert_identical(cluster, survivors, synced=ledger)
+    run_round(cluster, 5, survivors, gen, train_between=False)
     assert_bit_identical(w0, w1)
+
+
+def test_a_joiner_takes_out_what_its_snapshot_held_of_a_dead_peer() -> None:
+    """The snapshot a joiner copies holds the provisional entries in its tables; when their
+    source leaves, the joiner takes them out like every other member."""
+    cluster = Cluster(3)
+    gen = torch.Generator().manual_seed(3)
+    for name in cluster.names:
+        cluster.train(name, gen)
+    run_round(cluster, 1, cluster.names, gen, train_between=False)
+    cluster.train("w2", gen)
+    run_round(cluster, 2, cluster.names, gen, train_between=False)
+    joiner = cluster.add("j")
+    snapshot = cluster.replicas["w0"].snapshot()
+    assert snapshot.kept["w2"] and snapshot.kept["w0"]  # nothing was confirmed
+    ledger = {"w2": 64}  # the ledger counts only w2's first step done
+    cluster.dead.add("w2")
+    joiner.adopt(snapshot)
+    live = ["w0", "w1", "j"]
+    for name in live:
+        cluster.replicas[name].set_peers(live, departed=ledger)
+    run_round(cluster, 3, live, gen, train_between=False)
+    assert_identical(cluster, live, synced=ledger)
+
+
+def test_a_lone_member_s_rows_are_in_the_snapshot_a_joiner_copies() -> None:
+    """Down to one member (its peer died), a replica reports its trained rows synced only once
+    they are published (``ledger_offset``): a joiner's snapshot holds every row the ledger
+    counts done, so the lone member may die right after the snapshot without losing one."""
+    cluster = Cluster(2)
+    gen = torch.Generator().manual_seed(8)
+    for name in cluster.names:
+        cluster.train(name, gen)
+    run_round(cluster, 1, cluster.names, gen, train_between=False)
+    run_round(cluster, 2, cluster.names, gen, train_between=False)
+    w0, w1 = (cluster.replicas[n] for n in cluster.names)
+    ledger = {"w1": w1.ledger_offset()}
+    assert ledger["w1"] == cluster.offsets["w1"]
+    cluster.dead.add("w1")
+    w0.set_peers(["w0"], departed=ledger)
+    for _ in range(3):
+        cluster.train("w0", gen)
+    assert w0.ledger_offset() == cluster.offsets["w0"]  # alone: every trained row, published
+    joiner = cluster.add("j")
+    joiner.adopt(w0.snapshot())
+    for t, table in joiner.tables.items():  # w0 may die now: j holds every row it reported
+        torch.testing.assert_close(table, cluster.expected_tables()[t], rtol=0, atol=1e-10)
 
 
 def test_the_final_round_copies_the_changed_rows_not_the_tables() -> None:
@@ -894,7 +1015,8 @@ def test_final_round_forms_when_every_live_member_finished() -> None:
         answer = s.ready(name, 0, now=1.0, final=True)
         assert answer.group == final and s.state(name) is MemberState.DONE
     assert s.ready("a", 0, now=2.0).group == final  # asked again: same answer
-    assert s.final_leader() == "a"  # nobody applied a departed member's entries: the smallest
+    assert s.final_leader() == "a"  # the smallest address
+    assert s.departed() == {"c": 0}
     assert (s.final_step("a"), s.final_step("b")) == ("gather", "wait")
     with pytest.raises(SyncError, match="final round"):
         s.join("late")
@@ -955,29 +1077,27 @@ def test_a_joiner_holds_no_group_and_no_final_round_until_it_started() -> None:
 
 def test_the_final_leader_gathers_and_the_others_adopt_its_rows() -> None:
     s = joined(["a", "b", "c", "d"], group_size=4, max_wait_s=100.0)
-    s.leave("d")  # d died: its entries reached b and c, more of them c
-    with pytest.raises(SyncError, match="departed must be >= 0"):
-        s.ready("a", 0, now=0.0, final=True, departed=-1)
-    assert s.final_leader() is None
+    s.leave("d", synced_rows=96)  # d died with 96 rows counted synced
+    assert s.departed() == {"d": 96} and s.final_leader() is None
     for _ in range(2):  # the last one forms the final group, the others pick it up
-        for name, departed in (("a", 0), ("b", 3), ("c", 5)):
-            s.ready(name, 0, now=0.0, final=True, departed=departed)
-    assert s.final_leader() == "c"  # it holds the most of d's entries: none of them is lost
-    assert [s.final_step(n) for n in ("a", "b", "c")] == ["wait", "wait", "gather"]
-    with pytest.raises(SyncError, match="expected the final leader 'c'"):
-        s.gathered("a")
-    s.gathered("c")
-    assert [s.final_step(n) for n in ("a", "b", "c")] == ["adopt", "adopt", "wait"]
-    s.adopted("a", "c")
-    assert s.final_step("a") == "wait" and s.adopted_from("a") == "c" and not s.final_done()
-    s.adopted("b", "c")
+        for name in ("c", "b", "a"):
+            s.ready(name, 0, now=0.0, final=True)
+    assert s.final_leader() == "a"
+    assert [s.final_step(n) for n in ("a", "b", "c")] == ["gather", "wait", "wait"]
+    with pytest.raises(SyncError, match="expected the final leader 'a'"):
+        s.gathered("c")
+    s.gathered("a")
+    assert [s.final_step(n) for n in ("a", "b", "c")] == ["wait", "adopt", "adopt"]
+    s.adopted("c", "a")
+    assert s.final_step("c") == "wait" and s.adopted_from("c") == "a" and not s.final_done()
+    s.adopted("b", "a")
     assert s.final_done() and [s.final_step(n) for n in ("a", "b", "c")] == ["done"] * 3
-    s.leave("c")  # the leader dies: b leads (more of d's entries than a) and gathers again
+    s.leave("a")  # the leader dies: b leads and gathers again
     assert s.final_leader() == "b" and not s.final_done()
-    assert [s.final_step(n) for n in ("a", "b")] == ["wait", "gather"]
+    assert [s.final_step(n) for n in ("b", "c")] == ["gather", "wait"]
     s.gathered("b")
-    assert s.final_step("a") == "adopt"
-    s.adopted("a", "b")
+    assert s.final_step("c") == "adopt"
+    s.adopted("c", "b")
     assert s.final_done() and s.final_step("b") == "done"
 
 

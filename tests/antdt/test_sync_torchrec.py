@@ -101,7 +101,7 @@ def test_fused_replicas_sync_in_place_and_keep_training(data: SynthResult) -> No
     expected = {t: initial[t] + delta["a"][t] + delta["b"][t] for t in initial}
     for name, worker in workers.items():
         peer = workers["b" if name == "a" else "a"].replica
-        for t, base in peer.log.state()[0].items():
+        for t, base in peer.log.state(peer.worker).tables.items():
             torch.testing.assert_close(worker.replica.tables[t] + (peer.tables[t] - base),
                                        expected[t], rtol=0, atol=1e-6)
     # training ended: the next round sends what rounding left out, exactly

@@ -85,7 +85,7 @@ def test_bench_quality_trains_the_reference_and_the_async_runs(
     assert two["workers"] == 2 and len(two["runs"]) == 2
     for run in two["runs"]:
         assert run["rows_trained"] == out["rows"]
-        assert run["rows_lost"] == run["rows_duplicated"] == 0
+        assert run["rows_lost"] == run["rows_retrained"] == 0
         assert run["gap"] == pytest.approx(out["reference_auc"] - run["auc"], abs=2e-4)
     gaps = [run["gap"] for run in two["runs"]]
     assert two["worst_gap"] == max(gaps)

@@ -17,7 +17,7 @@ from pipeline.report import JobSummary
 
 def outcome(*slots: AgentRecord, first: dict[str, float] | None = None) -> Outcome:
     summary = JobSummary(run_id="r", mode="async", workers=len(slots), auc=0.5, logloss=0.7,
-                         oracle_auc=None, rows_trained=0, rows_lost=0, rows_duplicated=0,
+                         oracle_auc=None, rows_trained=0, rows_lost=0, rows_retrained=0,
                          rows_quarantined=0, wall_s=1.0, samples_per_s=0.0)
     return Outcome(summary, list(slots),
                    first if first is not None else {s.worker: s.started for s in slots}, None,

@@ -69,12 +69,12 @@ def test_cli_trains_async_on_two_workers_and_tracks_the_run(cluster_job: Path) -
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert {"run_id", "auc", "logloss", "oracle_auc", "rows_trained", "rows_lost",
-            "rows_duplicated", "rows_quarantined", "wall_s", "samples_per_s", "workers",
+            "rows_retrained", "rows_quarantined", "wall_s", "samples_per_s", "workers",
             "straggler_actions"} <= set(summary)
     assert (summary["registered_model"], summary["registered_version"]) == ("small-async", "1")
     assert summary["mode"] == "async" and summary["workers"] == 2
     assert summary["rows_trained"] == 2 * TRAIN_ROWS
-    assert summary["rows_lost"] == summary["rows_duplicated"] == summary["rows_quarantined"] == 0
+    assert summary["rows_lost"] == summary["rows_retrained"] == summary["rows_quarantined"] == 0
     assert summary["auc"] > 0.6
     assert summary["samples_per_s"] > 0 and summary["wall_s"] > 0
 
@@ -158,7 +158,7 @@ def test_a_persistent_straggler_loses_its_rows_and_is_retired(cluster_job: Path)
         survivors = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
 
     assert summary.rows_lost == 0
-    assert summary.rows_trained == 6 * TRAIN_ROWS + summary.rows_duplicated
+    assert summary.rows_trained == 6 * TRAIN_ROWS + summary.rows_retrained
     mlflow.set_tracking_uri(job.mlflow.tracking_uri)
     path = mlflow.artifacts.download_artifacts(run_id=summary.run_id,
                                                artifact_path="straggler_actions.yaml")
@@ -192,7 +192,7 @@ def test_a_worker_process_killed_mid_job_costs_no_row(cluster: LocalCluster,
     summary = run.result()
 
     assert summary.rows_lost == 0
-    assert summary.rows_trained == 2 * TRAIN_ROWS + summary.rows_duplicated
+    assert summary.rows_trained == 2 * TRAIN_ROWS + summary.rows_retrained
     assert summary.auc > 0.55
     mlflow.set_tracking_uri(job.mlflow.tracking_uri)
     run = mlflow.get_run(summary.run_id)
@@ -226,7 +226,7 @@ def test_bad_rows_are_quarantined_in_the_ledger_and_the_rest_trained(
     summary = bounded.call(train_async, job, scheduler=cluster.scheduler_address)
     assert summary.rows_quarantined == bad_rows
     assert summary.rows_trained == TRAIN_ROWS - bad_rows
-    assert summary.rows_lost == summary.rows_duplicated == 0
+    assert summary.rows_lost == summary.rows_retrained == 0
     mlflow.set_tracking_uri(job.mlflow.tracking_uri)
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(summary.run_id)}
     assert "quarantine.yaml" in artifacts
@@ -258,7 +258,7 @@ def test_a_worker_added_mid_job_joins_and_trains(cluster: LocalCluster, cluster_
 
     assert summary.workers == 3
     assert summary.rows_lost == 0
-    assert summary.rows_trained == 2 * TRAIN_ROWS + summary.rows_duplicated
+    assert summary.rows_trained == 2 * TRAIN_ROWS + summary.rows_retrained
     mlflow.set_tracking_uri(job.mlflow.tracking_uri)
     metrics = mlflow.get_run(summary.run_id).data.metrics
     assert metrics["agents_joined"] == 1 and metrics["agents_dead"] == 0

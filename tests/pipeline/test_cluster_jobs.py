@@ -131,7 +131,7 @@ def test_ctrl_c_detaches_and_follow_reattaches(cluster: DaskProcesses, job_file:
     followed = antdt("follow", job_id, "--scheduler", cluster.address, "--json", cwd=tmp_path)
     summary = json.loads(followed.stdout.splitlines()[-1])
     assert summary["job_id"] == job_id and summary["rows_lost"] == 0
-    assert summary["rows_trained"] == 2 * TRAIN_ROWS + summary["rows_duplicated"]
+    assert summary["rows_trained"] == 2 * TRAIN_ROWS + summary["rows_retrained"]
 
 
 @pytest.mark.slow
@@ -150,7 +150,7 @@ def test_two_jobs_at_once_one_cancelled_midway(cluster: DaskProcesses, job_file:
     followed = antdt("follow", ids[0], "--scheduler", cluster.address, "--json", cwd=tmp_path)
     summary = json.loads(followed.stdout.splitlines()[-1])
 
-    assert summary["rows_trained"] == 2 * TRAIN_ROWS + summary["rows_duplicated"]
+    assert summary["rows_trained"] == 2 * TRAIN_ROWS + summary["rows_retrained"]
     assert summary["rows_lost"] == 0 and summary["job_id"] == ids[0]
     record = bounded.until(lambda: (r := status(cluster.address, ids[1], tmp_path))["state"]
                            == "cancelled" and r, "the cancelled job's end")
@@ -253,7 +253,7 @@ def test_killed_workers_cost_no_row(medium_job: Path, tmp_path: Path) -> None:
         assert job.returncode == 0, f"{err}\n{processes.logs()}"
     summary = json.loads(out.splitlines()[-1])
     assert summary["rows_lost"] == 0 and baseline["rows_lost"] == 0
-    assert summary["rows_trained"] == rows + summary["rows_duplicated"]
+    assert summary["rows_trained"] == rows + summary["rows_retrained"]
     assert summary["auc"] == pytest.approx(baseline["auc"], abs=0.01)
     mlflow.set_tracking_uri(load_job(medium_job).mlflow.tracking_uri)
     assert mlflow.get_run(summary["run_id"]).data.metrics["agents_dead"] == 2
@@ -340,7 +340,7 @@ def test_tls_jobs_and_a_client_without_certificates_is_refused(job_file: Path,
         assert job.returncode == 0, f"{err}\n{processes.logs()}"
     summary = json.loads(out.splitlines()[-1])
     assert summary["rows_lost"] == 0 and summary["job_id"] == "secure"
-    assert summary["rows_trained"] == 2 * TRAIN_ROWS + summary["rows_duplicated"]
+    assert summary["rows_trained"] == 2 * TRAIN_ROWS + summary["rows_retrained"]
 
 
 @pytest.mark.slow

@@ -95,7 +95,7 @@ def test_json_lists_the_runs_their_differing_params_the_best_and_the_rows(store:
         run = by_name[name]
         assert run["run_id"] == summary.run_id
         assert (run["status"], run["mode"], run["workers"]) == ("FINISHED", "local", 1)
-        assert run["rows"] == {"trained": summary.rows_trained, "lost": 0, "duplicated": 0,
+        assert run["rows"] == {"trained": summary.rows_trained, "lost": 0, "retrained": 0,
                                "quarantined": 0, "replayed": 0}
         assert run["metrics"]["auc"] == pytest.approx(summary.auc)
     # the run that saw half the data is called out, the others are not

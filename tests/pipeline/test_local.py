@@ -34,7 +34,7 @@ def test_local_training_learns_counts_rows_and_tracks_the_run(job_file: Path) ->
     summary = train_local(job)
 
     assert summary.rows_trained == sum(g.num_rows for g in data.train)
-    assert summary.rows_lost == summary.rows_duplicated == summary.rows_quarantined == 0
+    assert summary.rows_lost == summary.rows_retrained == summary.rows_quarantined == 0
     assert summary.auc > before["auc"] + 0.05
     assert summary.oracle_auc is not None and summary.oracle_auc > summary.auc - 0.2
 

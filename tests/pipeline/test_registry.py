@@ -107,7 +107,7 @@ def test_a_version_carries_the_runs_figures_and_its_data_window(versions: Versio
     run = client.get_run(versions.weak.run_id)
     for key in ("auc", "logloss", "samples_per_s", "wall_s"):
         assert float(tags[f"antdt.{key}"]) == pytest.approx(run.data.metrics[key])
-    for key in ("rows_trained", "rows_lost", "rows_duplicated", "rows_quarantined", "workers"):
+    for key in ("rows_trained", "rows_lost", "rows_retrained", "rows_quarantined", "workers"):
         assert int(tags[f"antdt.{key}"]) == getattr(versions.weak, key)
     assert int(tags["antdt.rows_trained"]) == 10_000
     assert (tags["antdt.mode"], tags["antdt.job"]) == ("local", "rich")

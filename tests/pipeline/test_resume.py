@@ -194,7 +194,7 @@ def test_a_job_resumes_after_its_scheduler_and_every_worker_were_killed(
 
     assert f"resuming job daily from {manifest.path}" in result.stderr
     assert summary["job_id"] == "daily" and summary["rows_lost"] == 0
-    assert summary["rows_trained"] == rows + summary["rows_duplicated"]
+    assert summary["rows_trained"] == rows + summary["rows_retrained"]
     # its speed counts the rows trained after the resume, not the checkpoint's
     assert summary["samples_per_s"] * summary["train_s"] == pytest.approx(
         summary["rows_trained"] - manifest.rows["trained"])

@@ -152,6 +152,6 @@ def test_async_trials_run_as_cluster_jobs_on_their_train_workers(cluster_job: Pa
     for trial in out["trials"]:
         summary, run = trial["summary"], runs[trial["run_id"]]
         assert summary["mode"] == "async" and summary["workers"] == 1
-        assert summary["rows_lost"] == summary["rows_duplicated"] == 0
+        assert summary["rows_lost"] == summary["rows_retrained"] == 0
         assert run.data.params["train.workers"] == "1"
         assert run.data.tags["mlflow.parentRunId"] == out["parent_run_id"]

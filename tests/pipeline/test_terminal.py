@@ -69,7 +69,7 @@ def test_verbose_shows_the_libraries_logs(job_file: Path, tmp_path: Path) -> Non
 
 def test_the_next_steps_name_a_server_run_page_and_hide_a_password() -> None:
     summary = JobSummary(run_id="r1", mode="local", workers=1, auc=0.8, logloss=0.4,
-                         oracle_auc=None, rows_trained=1, rows_lost=0, rows_duplicated=0,
+                         oracle_auc=None, rows_trained=1, rows_lost=0, rows_retrained=0,
                          rows_quarantined=0, wall_s=1.0, samples_per_s=1.0,
                          tracking_uri="http://ann:***@mlflow.example:5000", experiment_id="7")
     assert summary.lines()[-3:] == [
