@@ -22,7 +22,7 @@ from distributed.security import Security
 
 from antdt.agent import event_topic
 from commands import ANTDT, antdt
-from dask_processes import DaskProcesses, wait_for_workers
+from pipeline.bench.processes import DaskProcesses, wait_for_workers
 from pipeline.config import load_job
 from waits import bounded
 

@@ -19,13 +19,13 @@ from antdt.jobs import checkpoints
 from antdt.jobs.checkpoints import Manifest
 from data.reader import ShardReader
 from data.synth import SynthResult
+from commands import ANTDT, antdt
+from pipeline.bench.processes import DaskProcesses, wait_for_workers
 from pipeline.cluster import job_spec, resume_point
 from pipeline.config import load_job
 from pipeline.local import iterate_batches, prepare_data
 from pipeline.recipes import TrainerRecipe
 from waits import bounded
-from commands import ANTDT, antdt
-from dask_processes import DaskProcesses, wait_for_workers
 
 
 def write_checkpoint(folder: Path, job_path: Path, job_id: str = "job-1") -> Manifest:

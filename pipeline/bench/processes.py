@@ -1,6 +1,7 @@
-"""A real Dask cluster for end-to-end tests: ``dask scheduler`` and ``dask worker`` processes on
-loopback, each command in a process group of its own (so a test can kill a worker process, or a
-nanny together with its worker), all killed at the end."""
+"""A real Dask cluster of processes on this machine: ``dask scheduler`` and ``dask worker``
+commands on loopback, each in a process group of its own, so that one can be killed for real (a
+worker process alone, which its nanny replaces; a nanny with its workers; the scheduler), and
+all are killed at the end. The chaos benchmark and the end-to-end tests run their jobs on it."""
 
 from __future__ import annotations
 
@@ -9,31 +10,51 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 import psutil
-
-from waits import bounded
+from distributed import Client
 
 DASK = str(Path(sys.executable).parent / "dask")
 
+T = TypeVar("T")
+
+
+def wait_until(check: Callable[[], T], what: str, timeout_s: float = 90.0,
+               poll_s: float = 0.05) -> T:
+    """``check()``'s first truthy value, asked every ``poll_s``; :class:`TimeoutError` naming
+    ``what`` was awaited once ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:g}s for {what}")
+        time.sleep(poll_s)
+    return value
+
 
 class DaskProcesses:
-    """``dask scheduler`` on 127.0.0.1 plus the ``dask worker`` commands :meth:`add_workers`
-    starts. ``tls``: ``(ca, cert, key)`` file paths every process uses."""
+    """``dask scheduler`` on 127.0.0.1 in ``folder`` plus the ``dask worker`` commands
+    :meth:`add_workers` starts; each command's output goes to a log file in ``folder``. ``tls``:
+    ``(ca, cert, key)`` file paths every process uses; ``env``: variables every process gets
+    besides this one's (e.g. ``DASK_CONFIG``)."""
 
-    def __init__(self, folder: Path, tls: tuple[str, str, str] | None = None) -> None:
+    def __init__(self, folder: Path, tls: tuple[str, str, str] | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
         self.folder = folder
         self.tls = tls
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.commands: list[subprocess.Popen[bytes]] = []
         scheduler_file = folder / "scheduler.json"
         scheduler_file.unlink(missing_ok=True)  # an earlier cluster's
         self.scheduler = self._start([DASK, "scheduler", "--host", "127.0.0.1", "--port", "0",
                                       "--dashboard-address", ":0", "--scheduler-file",
                                       str(scheduler_file), *self._tls_args()], "scheduler")
-        bounded.until(lambda: scheduler_file.exists() and scheduler_file.stat().st_size,
-                      "the scheduler's address file")
+        wait_until(lambda: scheduler_file.exists() and scheduler_file.stat().st_size,
+                   f"the scheduler's address file {scheduler_file}")
         self.address: str = json.loads(scheduler_file.read_text())["address"]
 
     def _tls_args(self) -> list[str]:
@@ -45,8 +66,7 @@ class DaskProcesses:
     def _start(self, args: list[str], name: str) -> subprocess.Popen[bytes]:
         log = open(self.folder / f"{name}-{len(self.commands)}.log", "wb")
         process = subprocess.Popen(args, cwd=self.folder, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True, env={**os.environ,
-                                                                "PYTHONUNBUFFERED": "1"})
+                                   start_new_session=True, env=self.env)
         self.commands.append(process)
         return process
 
@@ -59,11 +79,22 @@ class DaskProcesses:
 
     def worker_processes(self, command: subprocess.Popen[bytes]) -> list[psutil.Process]:
         """The worker processes (not the nannies) a ``dask worker`` command started."""
-        return [p for p in psutil.Process(command.pid).children()
-                if " ".join(p.cmdline()).startswith("dask worker [")]  # their process titles
+        try:
+            children = psutil.Process(command.pid).children()
+        except psutil.NoSuchProcess:
+            return []
+        found = []
+        for child in children:
+            try:
+                if " ".join(child.cmdline()).startswith("dask worker ["):  # process titles
+                    found.append(child)
+            except psutil.NoSuchProcess:
+                continue
+        return found
 
     def kill_group(self, command: subprocess.Popen[bytes]) -> None:
-        """SIGKILL a command with every process it started (a nanny with its workers)."""
+        """SIGKILL a command with every process it started (a nanny with its workers, or the
+        scheduler)."""
         os.killpg(command.pid, signal.SIGKILL)
         command.wait(timeout=30)
 
@@ -72,13 +103,17 @@ class DaskProcesses:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill every command still running."""
         for command in reversed(self.commands):
             if command.poll() is None:
                 os.killpg(command.pid, signal.SIGKILL)
                 command.wait(timeout=30)
 
     def logs(self) -> str:
-        """Every process's output so far (for a failing test's message)."""
+        """Every process's output so far (for a failure's message)."""
         return "\n".join(f"--- {path.name}\n{path.read_text(errors='replace')[-4000:]}"
                          for path in sorted(self.folder.glob("*.log")))
 
@@ -86,8 +121,6 @@ class DaskProcesses:
 def wait_for_workers(address: str, count: int, security: object = None,
                      timeout_s: float = 90.0) -> list[str]:
     """The scheduler's workers once it has ``count`` of them."""
-    from distributed import Client
-
     with Client(address, security=security, timeout="30s") as client:
         client.wait_for_workers(count, timeout=timeout_s)
         return sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
