@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import click
 
 COMMANDS = {
+    "chaos": "pipeline.bench.chaos",
     "checkpoint": "pipeline.bench.checkpoint",
     "data": "pipeline.bench.data",
     "quality": "pipeline.bench.quality",

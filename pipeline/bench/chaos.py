@@ -1,0 +1,488 @@
+"""`antdt bench chaos`: antdt's first promise, checked on the model itself while workers die.
+
+The promise: every row of every epoch ends trained, its effect in the final model exactly once
+(per epoch), or counted as quarantined or lost; a row whose first effect was lost with a worker
+is trained again and counted (``rows_retrained``, a cost, not an error). The ledger's counters
+are tested elsewhere against the offsets they are computed from; this holds the final model
+against them.
+
+Each run trains a job on real ``dask scheduler`` and ``dask worker`` processes (the real
+agents, ledger, controller, model sync and checkpoints) with a model that counts
+(:class:`CountingModel`: row ``i`` of its one embedding table grows by 1 each time row ``i`` of
+the Parquet data is trained, and the model sync moves those counts like any embedding update),
+does harm at moments drawn from the seed, and checks that every row the ledger counts done is in
+the final model exactly ``epochs`` times: a row with another count is a discrepancy.
+
+Scenarios (each on a fresh cluster):
+
+* ``kill``       three workers; twice, at a random share of the job, one is killed: its worker
+                 process alone (SIGKILL; its nanny starts a new one, which joins the job) or
+                 together with its nanny (a new worker command joins instead);
+* ``hang``       three workers; one stops training after a random number of rows (its sync
+                 goes on); the controller revokes its lease and retires it;
+* ``lone``       two workers; one is killed with its nanny, the other trains alone for a while,
+                 a new worker joins from its model, and the lone one is killed the moment the
+                 joiner has trained its first batch;
+* ``scheduler``  two workers, a checkpoint every second; at a random share of the job the
+                 scheduler and every worker are killed; the job resumes from its last
+                 checkpoint on a new cluster (as ``--resume`` does), where one more worker
+                 process is killed.
+
+``--seconds`` bounds the run: the scenarios follow each other in that order, again and again,
+until the time is spent (each at least once). The JSON reports, in all and per scenario, the runs,
+the kills and hangs made, the rows checked (rows x epochs) and the discrepancies found (target:
+0), and every run's seed, counters and seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import yaml
+
+from antdt.agent import event_topic
+from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec, checkpoints
+from pipeline.bench import emit
+from pipeline.bench.jobs import echo
+from pipeline.bench.processes import DaskProcesses, wait_for_workers, wait_until
+
+SCENARIOS = ("kill", "hang", "lone", "scheduler")
+ROW_ID = "row_id"
+BATCH_ROWS = 64
+STEP_S = 0.004
+"""A counting step's stand-in for a real step's compute: 64 rows in 4 ms (16,000 rows/s)."""
+EPOCHS = 2
+ROW_GROUP_ROWS = 4_096
+WAIT_S = 180.0
+"""The longest any one wait of a run may take (a worker's start, a kill's moment)."""
+JOB_WAIT_S = 600.0
+"""The longest a run's job may take to end once the harm is done."""
+
+CONFIG = {"antdt": {
+    "monitor": {"window": "1s", "hang-floor": "2s"},
+    "controller": {"policies": [
+        {"class": "antdt.controller.RevokeHung"},
+        {"class": "antdt.controller.RetireHung", "after_s": 3},
+        {"class": "antdt.controller.ReassignStragglers"},
+        {"class": "antdt.controller.PaceStragglers"},
+        {"class": "antdt.controller.SplitTail"}]},
+    "sharding": {"no-workers-timeout": "60s"},
+    "sync": {"join-timeout": "60s", "final-timeout": "120s"},
+}}
+"""Dask config of every process of a run: a hung worker is retired within seconds, not 30."""
+
+
+# ---- the model, its data and its hooks (run on the workers) -----------------------------------
+
+
+class CountingModel:
+    """:class:`antdt.agent.Trainer` of a model that counts: table row ``i`` (one table, ``(rows,
+    1)`` float32, every count exact) is how many times row ``i`` of the data reached it. A step
+    sleeps ``step_s`` (a real step's compute), adds 1 to the rows of its batch and 0.01 to the
+    dense bias (averaged by the model sync: not counted)."""
+
+    def __init__(self, rows: int, step_s: float) -> None:
+        self.step_s = step_s
+        self.table = torch.zeros(rows, 1)
+        self.bias = torch.zeros(1)
+
+    def step(self, ids: torch.Tensor) -> float:
+        time.sleep(self.step_s)
+        self.table.index_add_(0, ids, torch.ones(len(ids), 1))
+        self.bias += 0.01
+        return 0.5
+
+    def touched(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"t": ids}
+
+    def dense(self) -> list[torch.Tensor]:
+        return [self.bias]
+
+    def tables(self) -> dict[str, torch.Tensor]:
+        return {"t": self.table}
+
+    def state(self) -> np.ndarray:
+        return self.table[:, 0].numpy().copy()
+
+    def checkpoint_state(self, tables: Mapping[str, torch.Tensor] | None = None
+                         ) -> dict[str, torch.Tensor]:
+        table = self.table.clone() if tables is None else tables["t"]
+        return {"table": table, "bias": self.bias.clone()}
+
+    def restore_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.table.copy_(state["table"])
+        self.bias.copy_(state["bias"])
+
+
+@dataclass(frozen=True)
+class CountingRecipe:
+    """Builds a :class:`CountingModel` on a worker."""
+
+    rows: int
+    step_s: float = STEP_S
+
+    def __call__(self, device: torch.device) -> CountingModel:
+        return CountingModel(self.rows, self.step_s)
+
+
+class IdReader:
+    """Reads a row range of a row group: its row ids (``(k,)`` int64), from the Parquet file."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[str, int], np.ndarray] = {}
+
+    def read(self, path: str, row_group: int, start: int, stop: int) -> torch.Tensor:
+        ids = self._ids.get((path, row_group))
+        if ids is None:
+            table = pq.ParquetFile(path).read_row_group(row_group, columns=[ROW_ID])
+            ids = self._ids[(path, row_group)] = table.column(ROW_ID).to_numpy()
+        return torch.from_numpy(ids[start:stop])
+
+
+@dataclass(frozen=True)
+class IdReaderRecipe:
+    def __call__(self) -> IdReader:
+        return IdReader()
+
+
+@dataclass(frozen=True)
+class AuditHooks:
+    """Hooks that keep no tracking run: the final model's counts go to ``<folder>/<job
+    id>.npy`` (written by the worker that finishes the job), the summary is the master's
+    counters."""
+
+    folder: str
+
+    def start(self, job_id: str, workers: int, resume: Mapping[str, Any] | None = None
+              ) -> dict[str, Any]:
+        return dict(resume["run"]) if resume is not None else {"run_id": job_id}
+
+    def metrics(self, run: Mapping[str, Any], steps: Sequence[tuple[int, dict[str, float]]]
+                ) -> None:
+        return None
+
+    def finish(self, run: Mapping[str, Any], trainer: CountingModel | None,
+               report: Mapping[str, Any]) -> dict[str, Any]:
+        if trainer is not None:
+            np.save(os.path.join(self.folder, f"{run['run_id']}.npy"), trainer.state())
+        return {"rows": dict(report["rows"]), "rows_replayed": report["rows_replayed"],
+                "with_model": trainer is not None}
+
+    def abort(self, run: Mapping[str, Any], status: str, reason: str) -> None:
+        return None
+
+
+# ---- the check --------------------------------------------------------------------------------
+
+
+def write_data(folder: Path, rows: int, files: int = 4) -> list[tuple[str, int, int]]:
+    """``rows`` rows of ids ``0..rows-1`` in ``files`` Parquet files of ``ROW_GROUP_ROWS``-row
+    row groups; their row groups ``(path, row_group, num_rows)``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    groups = []
+    bounds = np.linspace(0, rows, files + 1).astype(np.int64)
+    for index, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        path = str(folder / f"part-{index}.parquet")
+        pq.write_table(pa.table({ROW_ID: np.arange(start, stop, dtype=np.int64)}), path,
+                       row_group_size=ROW_GROUP_ROWS)
+        metadata = pq.ParquetFile(path).metadata
+        groups += [(path, group, metadata.row_group(group).num_rows)
+                   for group in range(metadata.num_row_groups)]
+    return groups
+
+
+def audit(counts: np.ndarray, epochs: int, rows: Mapping[str, int]) -> dict[str, int]:
+    """``counts`` (per row id, the final model's count) held against the ledger's ``rows``
+    counters of a finished job: every row is done once per epoch (no row lost, none
+    quarantined), so every count must be ``epochs``. ``missing``: rows the model holds fewer
+    times, ``extra``: more times, ``discrepancies``: both; ``counters``: 1 when the counters
+    disagree with each other (trained != done + retrained, or rows lost)."""
+    missing = int((counts < epochs).sum())
+    extra = int((counts > epochs).sum())
+    expected = len(counts) * epochs
+    counters = int(rows["done"] != expected or rows["lost"] != 0
+                   or rows["trained"] != rows["done"] + rows["retrained"])
+    return {"rows_checked": expected, "missing": missing, "extra": extra,
+            "discrepancies": missing + extra + counters, "counters": counters}
+
+
+# ---- one run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One scenario's run: its own folder, data, cluster(s) and job, and the harm it did."""
+
+    scenario: str
+    seed: int
+    folder: Path
+    job_s: float
+    kills: int = 0
+    hangs: int = 0
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        # three workers at half the steps' pace (commits, sync rounds and the cluster share two
+        # cores), over the epochs
+        self.rows = int(self.job_s * 3 * BATCH_ROWS / STEP_S / 2 / EPOCHS)
+        self.groups = write_data(self.folder / "data", self.rows)
+        config = self.folder / "dask"
+        config.mkdir(parents=True, exist_ok=True)
+        (config / "antdt.yaml").write_text(yaml.safe_dump(CONFIG))
+        self.env = {"DASK_CONFIG": str(config)}
+        self.job_id = f"chaos-{self.scenario}-{uuid.uuid4().hex[:8]}"
+        self.clusters = 0
+
+    def spec(self, checkpoint_every: str | None = None,
+             faults: dict[int, dict[str, Any]] | None = None,
+             workers: int | None = None) -> JobSpec:
+        plan = JobPlan(name=f"chaos-{self.scenario}", row_groups=self.groups,
+                       batch_rows=BATCH_ROWS, shard_rows=16 * BATCH_ROWS, epochs=EPOCHS,
+                       seed=self.seed, faults=faults or {}, workers=workers,
+                       preload=[__name__],
+                       checkpoint_dir=str(self.folder / "checkpoints"),
+                       checkpoint_every=checkpoint_every or "2s")
+        return JobSpec(plan, JobCode.of(CountingRecipe(self.rows), IdReaderRecipe(),
+                                        AuditHooks(str(self.folder))))
+
+    def cluster(self, workers: int) -> tuple[DaskProcesses, list[Any]]:
+        """A new cluster of ``workers`` worker commands (one nanny and worker each)."""
+        folder = self.folder / f"cluster-{self.clusters}"
+        self.clusters += 1
+        folder.mkdir()
+        processes = DaskProcesses(folder, env=self.env)
+        commands = [processes.add_workers(1) for _ in range(workers)]
+        wait_for_workers(processes.address, workers, timeout_s=WAIT_S)
+        return processes, commands
+
+    def at_share(self, jobs: JobClient, share: float) -> dict[str, Any]:
+        """The job's record once it trained ``share`` of its rows (or ended)."""
+        target = share * self.rows * EPOCHS
+        record = jobs.status(self.job_id)
+        deadline = time.monotonic() + WAIT_S
+        while record["rows"].get("trained", 0) < target and record["state"] not in FINAL:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.job_id} did not reach {target:.0f} rows trained")
+            record = jobs.wait(self.job_id, record["version"], timeout_s=1.0)
+        return record
+
+    def until(self, jobs: JobClient, event: threading.Event) -> bool:
+        """Whether ``event`` was set before the job ended."""
+        deadline = time.monotonic() + WAIT_S
+        while not event.wait(0.2):
+            if jobs.status(self.job_id)["state"] in FINAL:
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.job_id}: nothing happened in {WAIT_S:g}s")
+        return True
+
+    def end(self, jobs: JobClient) -> dict[str, Any]:
+        """The job's final record."""
+        record = jobs.status(self.job_id)
+        deadline = time.monotonic() + JOB_WAIT_S
+        while record["state"] not in FINAL:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.job_id} did not end within {JOB_WAIT_S:g}s")
+            record = jobs.wait(self.job_id, record["version"])
+        return record
+
+    def command_of(self, jobs: JobClient, processes: DaskProcesses, commands: list[Any],
+                   worker: str) -> Any:
+        """The worker command whose worker process is ``worker`` (an address)."""
+        pid = jobs.client.run(os.getpid, workers=[worker])[worker]
+        return next(command for command in commands
+                    if pid in [p.pid for p in processes.worker_processes(command)])
+
+    def kill_process(self, processes: DaskProcesses, command: Any) -> None:
+        """SIGKILL the worker process of ``command`` (its nanny starts a new one)."""
+        for process in processes.worker_processes(command):
+            process.kill()
+            self.kills += 1
+            return
+
+    def kill_command(self, processes: DaskProcesses, commands: list[Any], command: Any) -> None:
+        """SIGKILL a nanny with its worker."""
+        processes.kill_group(command)
+        commands.remove(command)
+        self.kills += 1
+
+
+FINAL = ("finished", "failed", "cancelled")
+
+
+def kill(run: Run) -> dict[str, Any]:
+    processes, commands = run.cluster(3)
+    with processes, JobClient(processes.address) as jobs:
+        jobs.submit(run.spec(), job_id=run.job_id)
+        for share in sorted(run.rng.uniform(0.1, 0.8) for _ in range(2)):
+            if run.at_share(jobs, share)["state"] in FINAL:
+                break
+            victim = run.rng.choice(commands)
+            if run.rng.random() < 0.5:
+                run.kill_process(processes, victim)
+            else:
+                run.kill_command(processes, commands, victim)
+                commands.append(processes.add_workers(1))
+        return run.end(jobs)
+
+
+def hang(run: Run) -> dict[str, Any]:
+    after = int(run.rng.uniform(0.1, 0.5) * run.rows * EPOCHS / 3)
+    processes, _ = run.cluster(3)
+    with processes, JobClient(processes.address) as jobs:
+        jobs.submit(run.spec(faults={run.rng.randrange(3): {"hang_after_rows": after}}),
+                    job_id=run.job_id)
+        run.hangs += 1
+        return run.end(jobs)
+
+
+def lone(run: Run) -> dict[str, Any]:
+    processes, commands = run.cluster(3)
+    with processes, JobClient(processes.address) as jobs:
+        jobs.submit(run.spec(workers=2), job_id=run.job_id)  # the third waits to replace one
+        if run.at_share(jobs, run.rng.uniform(0.1, 0.3))["state"] in FINAL:
+            return run.end(jobs)
+        training = [agent["worker"] for agent in jobs.status(run.job_id)["agents"]]
+        lone, victim = run.rng.sample(training, 2)
+        joined = threading.Event()
+
+        def on_event(event: tuple[float, dict[str, Any]]) -> None:
+            msg = event[1]
+            if msg.get("kind") == "progress" and msg.get("batches") and \
+                    msg.get("worker") not in training:
+                joined.set()
+
+        jobs.client.subscribe_topic(event_topic(run.job_id), on_event)
+        last = run.command_of(jobs, processes, commands, lone)
+        run.kill_command(processes, commands, run.command_of(jobs, processes, commands, victim))
+        # alone until the third worker joins from its model; gone once the joiner trained
+        if run.until(jobs, joined):
+            run.kill_command(processes, commands, last)
+        return run.end(jobs)
+
+
+def ignore(message: str) -> None:
+    """A torn or corrupt checkpoint's warning: expected after a kill, not reported."""
+
+
+def scheduler(run: Run) -> dict[str, Any]:
+    spec = run.spec(checkpoint_every="1s")
+    assert spec.plan.checkpoint_dir is not None
+    folder = checkpoints.job_folder(spec.plan.checkpoint_dir, run.job_id)
+    processes, _ = run.cluster(2)
+    with processes:
+        with JobClient(processes.address) as jobs:
+            jobs.submit(spec, job_id=run.job_id)
+            record = run.at_share(jobs, run.rng.uniform(0.3, 0.7))
+            if record["state"] in FINAL:
+                return record
+            wait_until(lambda: checkpoints.latest(folder, ignore), "the job's first checkpoint",
+                       WAIT_S)
+        processes.close()  # the scheduler and every worker, at once
+        run.kills += 1
+    manifest = checkpoints.latest(folder, ignore)  # a newer one torn by the kill is skipped
+    assert manifest is not None, "a checkpoint was complete before the kill"
+    processes, commands = run.cluster(2)
+    with processes, JobClient(processes.address) as jobs:
+        jobs.submit(dataclasses.replace(spec, plan=dataclasses.replace(
+            spec.plan, resume=manifest.path)), job_id=run.job_id)
+        done = manifest.rows["trained"] / (run.rows * EPOCHS)
+        if run.at_share(jobs, done + run.rng.uniform(0.05, 0.2))["state"] not in FINAL:
+            run.kill_process(processes, run.rng.choice(commands))
+        return run.end(jobs)
+
+
+RUNNERS: dict[str, Callable[[Run], dict[str, Any]]] = {
+    "kill": kill, "hang": hang, "lone": lone, "scheduler": scheduler}
+
+
+def run_scenario(scenario: str, seed: int, folder: Path, job_s: float) -> dict[str, Any]:
+    """One run of ``scenario``: its job on fresh clusters, the harm, and :func:`audit` of its
+    final model (``finished`` False, and nothing checked, when the job did not finish)."""
+    started = time.monotonic()
+    run = Run(scenario, seed, folder, job_s)
+    record = RUNNERS[scenario](run)
+    result: dict[str, Any] = {
+        "scenario": scenario, "seed": seed, "job_id": run.job_id, "state": record["state"],
+        "finished": record["state"] == "finished", "kills": run.kills, "hangs": run.hangs,
+        "rows": dict(record["rows"]), "rows_replayed": record.get("rows_replayed", 0),
+        "seconds": round(time.monotonic() - started, 1)}
+    model = folder / f"{run.job_id}.npy"
+    if result["finished"] and model.exists():
+        result.update(audit(np.load(model), EPOCHS, record["rows"]))
+    else:
+        result.update(rows_checked=0, missing=0, extra=0, discrepancies=0, counters=0,
+                      finished=False)
+    return result
+
+
+def chaos(seconds: float, seed: int, folder: Path, scenarios: Sequence[str] = SCENARIOS,
+          job_s: float = 8.0, quiet: bool = True) -> dict[str, Any]:
+    """Runs of ``scenarios`` in turn until ``seconds`` passed (each at least once), in
+    ``folder``; their totals, per scenario and in all, and every run (see the module)."""
+    started = time.monotonic()
+    runs: list[dict[str, Any]] = []
+    rng = random.Random(seed)
+    while len(runs) < len(scenarios) or time.monotonic() - started < seconds:
+        scenario = scenarios[len(runs) % len(scenarios)]
+        where = folder / f"run-{len(runs)}-{scenario}"
+        result = run_scenario(scenario, rng.randrange(2**31), where, job_s)
+        runs.append(result)
+        shutil.rmtree(where / "data", ignore_errors=True)
+        echo(f"{scenario}: {result['state']}, {result['kills']} kill(s), {result['hangs']} "
+             f"hang(s), {result['rows_checked']:,} rows checked, {result['discrepancies']} "
+             f"discrepancies ({result['seconds']:.0f}s)", quiet)
+    totals = _totals(runs)
+    return {"seconds": round(time.monotonic() - started, 1), "seed": seed, **totals,
+            "by_scenario": {s: _totals([r for r in runs if r["scenario"] == s])
+                            for s in scenarios},
+            "runs": runs}
+
+
+def _totals(runs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    return {"scenarios_run": len(runs), "unfinished": sum(not r["finished"] for r in runs),
+            **{key: sum(int(r[key]) for r in runs)
+               for key in ("kills", "hangs", "rows_checked", "discrepancies", "missing",
+                           "extra")}}
+
+
+@click.command("chaos")
+@click.option("--seconds", type=float, default=120.0, show_default=True,
+              help="Run scenarios until this many seconds passed (each at least once).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--scenario", "scenarios", default=",".join(SCENARIOS), show_default=True,
+              help="Comma-separated, from: " + ", ".join(SCENARIOS) + ".")
+@click.option("--job-s", type=float, default=8.0, show_default=True,
+              help="About how long one job trains on three workers, unharmed.")
+@click.option("--folder", type=click.Path(file_okay=False), default=".antdt-bench/chaos",
+              show_default=True, help="Where the runs' data, clusters and models go (emptied).")
+@click.option("--json", "as_json", is_flag=True)
+def command(seconds: float, seed: int, scenarios: str, job_s: float, folder: str,
+            as_json: bool) -> None:
+    """Kill workers and schedulers at random moments; check the final model against the
+    ledger: every row it counts done in the model exactly once per epoch."""
+    chosen = [s.strip() for s in scenarios.split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(SCENARIOS))
+    if unknown or not chosen:
+        raise click.UsageError(f"--scenario: expected some of {', '.join(SCENARIOS)}, found "
+                               f"{scenarios!r}")
+    shutil.rmtree(folder, ignore_errors=True)
+    result = chaos(seconds, seed, Path(folder), chosen, job_s, quiet=as_json)
+    emit(result, as_json)
+    if result["discrepancies"] or result["unfinished"]:
+        raise SystemExit(1)
