@@ -57,6 +57,7 @@ import yaml
 
 from antdt.agent import event_topic
 from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec, checkpoints
+from antdt.jobs.client import FINAL
 from pipeline.bench import emit
 from pipeline.bench.jobs import echo
 from pipeline.bench.processes import DaskProcesses, wait_for_workers, wait_until
@@ -236,6 +237,7 @@ class Run:
     hangs: int = 0
 
     def __post_init__(self) -> None:
+        self.folder = self.folder.resolve()  # the workers read its data from their own folders
         self.rng = random.Random(self.seed)
         # three workers at half the steps' pace (commits, sync rounds and the cluster share two
         # cores), over the epochs
@@ -320,9 +322,6 @@ class Run:
         processes.kill_group(command)
         commands.remove(command)
         self.kills += 1
-
-
-FINAL = ("finished", "failed", "cancelled")
 
 
 def kill(run: Run) -> dict[str, Any]:
@@ -416,9 +415,13 @@ def run_scenario(scenario: str, seed: int, folder: Path, job_s: float) -> dict[s
     final model (``finished`` False, and nothing checked, when the job did not finish)."""
     started = time.monotonic()
     run = Run(scenario, seed, folder, job_s)
-    record = RUNNERS[scenario](run)
+    try:
+        record = RUNNERS[scenario](run)
+    except TimeoutError as exc:  # a wait of the run's own: reported with the run, unfinished
+        record = {"state": "timed out", "error": str(exc), "rows": {}}
     result: dict[str, Any] = {
         "scenario": scenario, "seed": seed, "job_id": run.job_id, "state": record["state"],
+        "error": record.get("error"),
         "finished": record["state"] == "finished", "kills": run.kills, "hangs": run.hangs,
         "rows": dict(record["rows"]), "rows_replayed": record.get("rows_replayed", 0),
         "seconds": round(time.monotonic() - started, 1)}

@@ -44,11 +44,11 @@ class DaskProcesses:
 
     def __init__(self, folder: Path, tls: tuple[str, str, str] | None = None,
                  env: Mapping[str, str] | None = None) -> None:
-        self.folder = folder
+        self.folder = folder.resolve()  # the commands run in it: their paths must not be relative
         self.tls = tls
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.commands: list[subprocess.Popen[bytes]] = []
-        scheduler_file = folder / "scheduler.json"
+        scheduler_file = self.folder / "scheduler.json"
         scheduler_file.unlink(missing_ok=True)  # an earlier cluster's
         self.scheduler = self._start([DASK, "scheduler", "--host", "127.0.0.1", "--port", "0",
                                       "--dashboard-address", ":0", "--scheduler-file",
