@@ -13,7 +13,7 @@ from typing import Any
 import dask.config
 import pytest
 import torch
-from distributed import Client, Event, LocalCluster
+from distributed import Client, Event, Future, LocalCluster, Worker
 
 from antdt import agent
 from antdt.agent import AgentPlugin, AgentReport, AgentSpec, Faults
@@ -64,7 +64,18 @@ def start(c: Client, job: str, worker: str, *, sync_period: SyncPeriod | None = 
           step_s: float = 0.0) -> Any:
     spec = AgentSpec(job=job, batch_rows=BATCH_ROWS, sync_period=sync_period, join=join,
                      faults=faults)
-    return agent.start_agent(c, worker, spec, MakeTrainer(step_s), MakeReader(gate))
+    future: Future = c.submit(agent.run_agent, spec, MakeTrainer(step_s), MakeReader(gate),
+                              workers=[worker], allow_other_workers=False, pure=False)
+    return future
+
+
+def cancel(c: Client, job: str) -> None:
+    """Ask ``job``'s agents on every worker to stop at their next check."""
+    c.run(agent.cancel_here, job, on_error="ignore")
+
+
+def _state_here(job: str, dask_worker: Worker) -> Any:
+    return agent.plugin_of(dask_worker).state(job)
 
 
 def live_leases(c: Client, job: str) -> list[dict[str, Any]]:
@@ -73,7 +84,7 @@ def live_leases(c: Client, job: str) -> list[dict[str, Any]]:
 
 
 def trained(c: Client, job: str, worker: str) -> dict[str, Any]:
-    state: dict[str, Any] = agent.fetch_state(c, job, worker)
+    state: dict[str, Any] = c.run(_state_here, job, workers=[worker])[worker]
     return state
 
 
@@ -235,7 +246,7 @@ def test_hang_stops_progress_until_cancelled_and_gives_the_lease_back(client: Cl
 
     bounded.until(hung, "the injected hang")
     assert not future.done()
-    agent.cancel_agents(client, job)
+    cancel(client, job)
     report: AgentReport = bounded.result(future)
 
     assert (report.outcome, report.rows, report.batches) == ("cancelled", 2 * BATCH_ROWS, 2)
@@ -268,7 +279,7 @@ def test_a_paused_agent_holds_no_lease_until_its_event_is_set(client: Client) ->
 
 def test_cancelled_before_leasing_trains_nothing(client: Client) -> None:
     job = new_job(client)
-    agent.cancel_agents(client, job)
+    cancel(client, job)
     report: AgentReport = bounded.result(start(client, job, workers(client)[0]))
     assert (report.outcome, report.rows, report.leases) == ("cancelled", 0, 0)
 

@@ -1,0 +1,57 @@
+"""The independent mode: one model per worker and no model sync (tests, the local runs, the
+baselines that compare data splits). A trained row's effect is in its worker's model at once,
+so every trained row counts as synced."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from antdt.agent.contract import Trainer
+
+
+class IndependentMode:
+    """:class:`~antdt.agent.modes.WorkerMode` of a worker that trains its own model alone."""
+
+    joined_from: str | None = None
+    exchanges = 0
+    waited_s = 0.0
+    threads: Collection[int] = ()
+
+    def __init__(self, trainer: Trainer[Any]) -> None:
+        self.trainer = trainer
+
+    def start(self, join: bool) -> None:
+        """Nothing to join: a worker's model is its own."""
+
+    def step(self, batch: Any, rows_after: int) -> float:
+        return self.trainer.step(batch)
+
+    def synced_rows(self, trained_rows: int, waiting: bool) -> int:
+        return trained_rows
+
+    def confirm(self, rows: int) -> None:
+        """Nothing is provisional."""
+
+    def waiting(self) -> None:
+        """Nothing advances but training."""
+
+    def settle(self, cancelled: threading.Event) -> None:
+        """Every trained row is synced already."""
+
+    def checkpoint(self, copy_ledger: Callable[[], Mapping[str, Any]]
+                   ) -> tuple[Mapping[str, Any], Any]:
+        return copy_ledger(), self.trainer.checkpoint_state()
+
+    def finish(self) -> None:
+        """The worker's model is its final state."""
+
+    def stop(self) -> None:
+        """Nothing runs beside training."""
+
+    def leave(self) -> None:
+        """No peer holds this worker's rows."""
+
+    def check(self) -> None:
+        """No thread of its own can fail."""

@@ -1,0 +1,105 @@
+"""What a training mode implements on a worker (:class:`WorkerMode`) and on the job's master
+(:class:`MasterMode`).
+
+The agent's loop is the same in every mode: lease rows, read them, ``mode.step``, commit. A mode
+decides what a step does to the model, when a trained row's effect is safe (in what a joiner, a
+checkpoint and the final model copy: the ledger counts it done only then), how a worker joins a
+running job, and how the job's final state is formed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, Protocol
+
+from antdt.errors import AntdtError
+
+
+class Declined(AntdtError):
+    """A worker could not join a running job (typically its final state was forming); it
+    trained nothing."""
+
+
+class WorkerMode(Protocol):
+    """One worker's side of a training mode, driven by the agent's loop in this order:
+    ``start`` once, then ``step`` for every batch (``synced_rows``/``confirm`` around the
+    ledger's RPCs, ``waiting`` while the agent waits), then ``finish`` when the job finished, or
+    ``stop`` / (the leases given back) / ``leave`` / ``check`` when it did not.
+
+    ``joined_from`` is the member whose model a joiner copied; ``exchanges`` and ``waited_s`` go
+    into the agent's report (model exchanges made, seconds training waited for them);
+    ``threads`` are the ids of the threads the mode runs beside the training thread (their
+    warnings reach ``antdt logs``)."""
+
+    joined_from: str | None
+
+    @property
+    def exchanges(self) -> int: ...
+
+    @property
+    def waited_s(self) -> float: ...
+
+    @property
+    def threads(self) -> Collection[int]: ...
+
+    def start(self, join: bool) -> None:
+        """Take part in the job's model; a joiner copies a live member's model first. Raises
+        :class:`Declined` when a joiner cannot join."""
+
+    def step(self, batch: Any, rows_after: int) -> float:
+        """Train one batch; ``rows_after`` is the worker's stream of trained rows once it is
+        counted (:attr:`antdt.sharding.client.ShardClient.trained_rows`). Returns the loss."""
+
+    def synced_rows(self, trained_rows: int, waiting: bool) -> int:
+        """How many of the worker's ``trained_rows`` have their effect in what a joiner, a
+        checkpoint and the final model copy (read before each report to the ledger);
+        ``waiting``: the ledger made the worker wait for rows, so the mode should hurry."""
+
+    def confirm(self, rows: int) -> None:
+        """The ledger accepted ``rows`` synced rows of this worker."""
+
+    def waiting(self) -> None:
+        """The agent waits (a pause): go on with whatever makes the job advance."""
+
+    def settle(self, cancelled: threading.Event) -> None:
+        """Before the agent stops leasing for a while: bring its trained rows to synced, within
+        a bounded time (or until ``cancelled``)."""
+
+    def checkpoint(self, copy_ledger: Callable[[], Mapping[str, Any]]
+                   ) -> tuple[Mapping[str, Any], Any]:
+        """The job's ledger (``copy_ledger()``, every worker's synced rows under ``synced``) and
+        the trainer's checkpoint state holding exactly the rows that copy counts done; called
+        from another thread between two steps."""
+
+    def finish(self) -> None:
+        """The job finished: form the final state (every row's effect in the final model)."""
+
+    def stop(self) -> None:
+        """The job did not finish here: stop taking part (before the leases are given back)."""
+
+    def leave(self) -> None:
+        """After the leases were given back: leave the job's model (its peers take out what the
+        ledger will hand out again)."""
+
+    def check(self) -> None:
+        """Raise the failure of the mode's own threads, if any."""
+
+
+class MasterMode(Protocol):
+    """The job master's side of a training mode: starts the job's model with its first
+    workers, forms it anew after a restart, tells whether a joiner is still welcome, and ends
+    it."""
+
+    def start(self, job: str, workers: Collection[str]) -> None:
+        """The job's model begins with ``workers``."""
+
+    def restart(self, job: str, workers: Collection[str]) -> None:
+        """The job's model begins again with ``workers`` (after a restore)."""
+
+    def accepts_joiners(self, job: str) -> bool:
+        """Whether a worker that arrives now can still join (False once the final state is
+        forming: a joiner would train nothing)."""
+
+    def stop(self, job: str) -> None:
+        """The job is over: forget its model's bookkeeping."""
