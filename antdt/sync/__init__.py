@@ -23,7 +23,8 @@ worker) and exchanges with them:
 One module per idea, plain classes first, the Dask glue beside them:
 
 =============================  ==================================================================
-:mod:`antdt.sync.embeddings`   :class:`RowSpace`, :class:`LogEntry`, :class:`EmbeddingDeltaLog`
+:mod:`antdt.sync.rows`         :class:`RowSpace`: the tables end to end, one space of row ids
+:mod:`antdt.sync.embeddings`   :class:`LogEntry`, :class:`EmbeddingDeltaLog`
 :mod:`antdt.sync.dense`        dense snapshots and group averaging
 :mod:`antdt.sync.period`       :class:`SyncPeriod`: how often a worker starts a round;
                                :class:`Staleness`: how far training may run ahead of rounds
@@ -31,7 +32,8 @@ One module per idea, plain classes first, the Dask glue beside them:
 :mod:`antdt.sync.groups`       :class:`SyncScheduler`: who syncs with whom (injected clock)
 :mod:`antdt.sync.wire`         the messages on Dask comms
 :mod:`antdt.sync.service`      :class:`~antdt.sync.service.SyncService`, the scheduler plugin
-:mod:`antdt.sync.background`   the worker plugin and :class:`~antdt.sync.background.BackgroundSync`
+:mod:`antdt.sync.serving`      :class:`~antdt.sync.serving.SyncWorkerPlugin`, serving peers
+:mod:`antdt.sync.background`   :class:`~antdt.sync.background.BackgroundSync`, the sync thread
 =============================  ==================================================================
 
 This package's namespace holds the plain classes (no Dask cluster needed); import the glue from
@@ -49,13 +51,15 @@ from antdt.sync.period import DEFAULT_PERIOD, Staleness, SyncPeriod
 
 if TYPE_CHECKING:
     from antdt.sync.dense import average_dense, check_dense, snapshot_dense
-    from antdt.sync.embeddings import EmbeddingDeltaLog, LogEntry, RowSpace
+    from antdt.sync.embeddings import EmbeddingDeltaLog, LogEntry
+    from antdt.sync.rows import RowSpace
     from antdt.sync.replica import (PEER_FAILURES, ExchangeReport, LeaderRows, PeerFetch,
                                     PeerPayload, ReplicaSnapshot, ReplicaSync)
 
 _TENSOR_MODULES = {
     **dict.fromkeys(("average_dense", "check_dense", "snapshot_dense"), "antdt.sync.dense"),
-    **dict.fromkeys(("EmbeddingDeltaLog", "LogEntry", "RowSpace"), "antdt.sync.embeddings"),
+    **dict.fromkeys(("EmbeddingDeltaLog", "LogEntry"), "antdt.sync.embeddings"),
+    "RowSpace": "antdt.sync.rows",
     **dict.fromkeys(("PEER_FAILURES", "ExchangeReport", "LeaderRows", "PeerFetch", "PeerPayload",
                      "ReplicaSnapshot", "ReplicaSync"), "antdt.sync.replica"),
 }

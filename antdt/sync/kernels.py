@@ -83,7 +83,7 @@ def _prefetch(typingctx, rows, row):  # type: ignore[no-untyped-def]
 
 
 def host_rows(flat: torch.Tensor | None, delta_dtype: torch.dtype) -> np.ndarray | None:
-    """``flat`` (a :class:`~antdt.sync.embeddings.RowSpace`'s view over its tables) as the
+    """``flat`` (a :class:`~antdt.sync.rows.RowSpace`'s view over its tables) as the
     ``(rows, dim)`` float32 array the kernels write through, or None when they do not serve it
     (tables not end to end, not float32, not in host memory, or deltas in another dtype)."""
     if flat is None or flat.device.type != "cpu" or flat.dtype != torch.float32 \

@@ -40,7 +40,7 @@ from antdt.errors import SyncError
 from antdt.rpc import Reply
 from antdt.sharding.service import PLUGIN_NAME as SHARDING_PLUGIN
 from antdt.sharding.service import ShardingService
-from antdt.sync.background import SyncWorkerPlugin
+from antdt.sync.serving import SyncWorkerPlugin
 from antdt.sync.groups import MemberState, SyncScheduler
 from antdt.sync.wire import PLUGIN_NAME, FinalMsg, GroupMsg, JoinMsg, MembersMsg, group_msg
 

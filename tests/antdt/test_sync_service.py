@@ -34,7 +34,8 @@ from antdt.sync import (
     ReplicaSync,
     SyncPeriod,
 )
-from antdt.sync.background import BackgroundSync, SyncWorkerPlugin
+from antdt.sync.background import BackgroundSync
+from antdt.sync.serving import SyncWorkerPlugin
 from antdt.sync.replica import tensor_bytes
 from antdt.sync.service import SyncService
 from antdt.sync.wire import (PLUGIN_NAME, bits_to_mask, mask_to_bits, msg_to_payload,
