@@ -1,6 +1,7 @@
 """The project's layering, read from the imports of every module (at module level and inside
-functions): ``pipeline -> antdt, models, data``, ``models -> data`` (its schema only), and the
-framework knows nothing of the application."""
+functions): ``pipeline -> antdt, models, data``, ``models -> data`` (its schema only), the
+framework knows nothing of the application; inside it the services (sharding, sync, controller)
+know nothing of the job master and the agent, and no modules import each other in a circle."""
 
 from __future__ import annotations
 
@@ -73,3 +74,86 @@ def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     assert project_imports(module) == [(5, "pipeline.driver"), (6, "data.schema")]
     assert not allowed("antdt", "pipeline.driver") and not allowed("models", "data.reader")
     assert allowed("models", "data.schema") and allowed("data", "antdt.errors")
+
+
+INSIDE_ANTDT: dict[str, set[str]] = {
+    # a part of antdt: the parts it never imports (the job master and the agent build on the
+    # services, not the other way round; the services do not know each other's insides)
+    "antdt.sharding": {"antdt.sync", "antdt.controller", "antdt.jobs", "antdt.agent"},
+    "antdt.sync": {"antdt.controller", "antdt.jobs", "antdt.agent"},
+    "antdt.controller": {"antdt.sync", "antdt.jobs", "antdt.agent"},
+    "antdt.agent": {"antdt.controller", "antdt.jobs"},
+}
+
+
+def module_name(path: Path) -> str:
+    """``antdt/sync/wire.py`` -> ``antdt.sync.wire``; a package's ``__init__`` is the package."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@pytest.mark.parametrize("part", sorted(INSIDE_ANTDT))
+def test_the_parts_of_antdt_keep_their_layers(part: str) -> None:
+    wrong = [f"{path.relative_to(ROOT)}:{line}: {module}"
+             for path in modules() if (module_name(path) + ".").startswith(part + ".")
+             for line, module in project_imports(path)
+             if any(module == banned or module.startswith(banned + ".")
+                    for banned in INSIDE_ANTDT[part])]
+    assert not wrong, f"{part} may not import {sorted(INSIDE_ANTDT[part])}, found {wrong}"
+
+
+def import_graph(paths: list[Path]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (anywhere in the file), among ``paths``."""
+    names = {module_name(path) for path in paths}
+    graph: dict[str, set[str]] = {}
+    for path in paths:
+        targets = set()
+        for _, module in project_imports(path):
+            while module and module not in names:  # "from antdt.sync import X": the package
+                module = module.rpartition(".")[0]
+            if module and module != module_name(path):
+                targets.add(module)
+        graph[module_name(path)] = targets
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_antdt_has_no_import_circle() -> None:
+    paths = [path for path in modules() if path.relative_to(ROOT).parts[0] == "antdt"]
+    assert circles(import_graph(paths)) == []
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert circles(graph) == [["a", "b", "c"]]
