@@ -132,7 +132,7 @@ class Staleness:
     round take 2 batches with 2 workers and 1 with 3 or more, at most 6 unseen batches with 2 to
     4 workers.
     A round's partners end their steps up to a batch apart, so with 2 workers a bound of 1 held
-    training up for 1-2% of the job (BENCHMARKS.md).
+    training up for 1-2% of the job (measured on machine G).
 
     >>> gate = Staleness(bound=1)
     >>> gate.trained(); gate.trained(); gate.lag, gate.limit, gate.wait(timeout_s=0.01) > 0
