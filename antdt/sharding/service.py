@@ -426,7 +426,7 @@ def register_job(client: Client, job: str, row_groups: Sequence[RowGroup], *, sh
                  quarantine: Sequence[QuarantineSpec] = (),
                  max_claim_rows: int | None = None, static: int | None = None) -> Reply:
     """From the driver: register ``job`` (the plugin must be registered; ``static=N``: the static
-    baseline of N slots, see :mod:`antdt.sharding`). Returns its counters."""
+    baseline of N slots, see :mod:`antdt.sharding.dealing`). Returns its counters."""
     return rpc.ok(client.sync(client.scheduler.antdt_register_job, job=job,
                               row_groups=[list(rg) for rg in row_groups], shard_rows=shard_rows,
                               batch_rows=batch_rows, epochs=epochs, seed=seed,
