@@ -439,16 +439,6 @@ def job_state(client: Client, job: str, *, leases: bool = False) -> Reply:
     return rpc.ok(client.sync(client.scheduler.antdt_job_state, job=job, leases=leases))
 
 
-def checkpoint(client: Client, job: str, path: str) -> Reply:
-    """From the driver: save ``job``'s ledger to ``path`` (next to the model checkpoint)."""
-    return rpc.ok(client.sync(client.scheduler.antdt_checkpoint, job=job, path=path))
-
-
-def restore(client: Client, job: str, path: str) -> Reply:
-    """From the driver: recreate ``job`` from a checkpoint (e.g. in a new scheduler)."""
-    return rpc.ok(client.sync(client.scheduler.antdt_restore, job=job, path=path))
-
-
 def stop_job(client: Client, job: str, reason: str = "stopped by the driver") -> Reply:
     """From the driver: stop ``job`` early."""
     return rpc.ok(client.sync(client.scheduler.antdt_stop_job, job=job, reason=reason))
