@@ -54,7 +54,7 @@ from antdt.controller.actions import (ACTION_NAMES, Action, ActionRecord, Adjust
                                       LeaseAction, Pace, Reassign, Retire, Revoke, Split)
 from antdt.controller.mechanism import Controller
 from antdt.controller.plugin import (EVENT_TOPIC, PLUGIN_NAME, ControllerPlugin,
-                                     controller_actions, enable_controller)
+                                     enable_controller)
 from antdt.controller.policies import (BalanceBatch, ControllerPolicy, PaceStragglers,
                                        ReassignStragglers, RetireHung, RetirePersistent,
                                        RevokeHung, SplitTail, Tick, load_policies)
@@ -64,5 +64,5 @@ __all__ = [
     "BalanceBatch", "Controller", "ControllerPlugin", "ControllerPolicy", "Evidence",
     "LeaseAction", "Pace", "PaceStragglers", "Reassign", "ReassignStragglers", "Retire",
     "RetireHung", "RetirePersistent", "Revoke", "RevokeHung", "Split", "SplitTail", "Tick",
-    "controller_actions", "enable_controller", "load_policies",
+    "enable_controller", "load_policies",
 ]

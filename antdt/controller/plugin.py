@@ -219,12 +219,6 @@ class ControllerPlugin(SchedulerPlugin):
 # ---- driver helpers ---------------------------------------------------------------------------
 
 
-def controller_actions(client: Client, job: str, since: int = 0) -> dict[str, Any]:
-    """From the driver: ``job``'s applied actions with ``seq >= since`` and their counts."""
-    return rpc.ok(client.sync(client.scheduler.antdt_controller_actions, job=job,
-                              since=since))
-
-
 def enable_controller(client: Client, job: str, enabled: bool = True) -> dict[str, Any]:
     """From the driver: switch ``job``'s controller on or off (e.g. off for a ``pull`` run)."""
     return rpc.ok(client.sync(client.scheduler.antdt_controller_enable, job=job,

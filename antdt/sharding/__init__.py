@@ -4,6 +4,8 @@ plugin that serves it, and the worker-side client an agent leases and commits th
 =================================  ==============================================================
 :mod:`antdt.sharding.ledger`       :class:`ShardLedger`: one job's shards, leases, claims and
                                    row counters (a plain class with an injected clock)
+:mod:`antdt.sharding.dealing`      the job's shards and how the ledger deals them: one shared
+                                   queue, or the static baseline's fixed slots
 :mod:`antdt.sharding.leases`       what the ledger hands out and reports (plain values)
 :mod:`antdt.sharding.checkpoint`   what a ledger checkpoint holds and its byte format
 :mod:`antdt.sharding.service`      :class:`~antdt.sharding.service.ShardingService`, the

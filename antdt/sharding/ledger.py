@@ -28,7 +28,8 @@ it also counts the leasing workers among those paced to no rows). Nothing scans 
 all workers: a commit, revoke or split touches one lease; removing a worker touches its
 own leases (a dict per worker). Starting an epoch draws its permutation, O(shards) once per epoch.
 Per-shard state is two int32 numpy arrays plus the current epoch's int32 permutation (12 bytes a
-shard); paths are interned (row groups store a file index).
+shard); paths are interned (row groups store a file index). The shards and the queue are kept by
+:mod:`antdt.sharding.dealing`.
 
 Leases, claims and commits
 --------------------------
@@ -101,16 +102,10 @@ rows_retrained`` with ``rows_lost == 0`` unless it was stopped.
 
 Static assignment (the baseline)
 --------------------------------
-``static=N`` turns the ledger into the classic static split that the benchmarks compare against:
-each epoch's shards are dealt to ``N`` slots up front (slot ``k`` gets positions ``k, k + N, ...``
-of the epoch's permutation), a worker takes the lowest free slot on its first lease and from then
-on leases only that slot's rows (its queue front first: rows it released, or the controller
-moved, go back to its own slot). A worker without a slot waits; a removed worker's slot, with its
-requeued rows, waits for the next new worker (a restarted process takes over its predecessor's
-share, as in a static job that restarts the failed task). Every slot walks the epochs on its own.
-Nothing moves between slots, so the job takes as long as its slowest slot, and a slot whose
-worker hangs or dies for good never finishes: that is the point of the baseline. A static ledger
-cannot be checkpointed.
+``static=N`` deals each epoch's shards to ``N`` fixed slots up front, one per worker, and moves
+nothing between them: the classic static split the benchmarks compare against
+(:class:`~antdt.sharding.dealing.StaticDealer`). Dynamic leasing deals from one shared queue
+(:class:`~antdt.sharding.dealing.QueueDealer`). A static ledger cannot be checkpointed.
 
 Checkpoints
 -----------
@@ -123,9 +118,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -133,6 +127,7 @@ import numpy as np
 from antdt.errors import LedgerError
 from antdt.sharding import checkpoint
 from antdt.sharding.checkpoint import LedgerState
+from antdt.sharding.dealing import Dealer, QueueDealer, ShardTable, StaticDealer, check_int
 from antdt.sharding.leases import (Claim, Clock, CommitEvent, CommitReply, Finished, JobState,
                                    Lease, LeaseReply, LeaseStatus, Piece, QuarantineRecord,
                                    QuarantineSpec, Revoked, RowGroup, RowState, Stop, Wait)
@@ -163,30 +158,6 @@ class _LiveLease:
     committed_at: float
 
 
-@dataclass(slots=True)
-class _StaticSlot:
-    """One slot of a static ledger: its worker, requeued rows, and cursor in the epochs."""
-
-    index: int
-    worker: str | None = None
-    front: deque[Piece] = field(default_factory=deque)
-    epoch: int = 0
-    pos: int = 0
-
-    def __post_init__(self) -> None:
-        self.pos = self.index
-
-
-def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    """``value`` as an int in ``[low, high]``; bools and floats are refused."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise LedgerError(f"{name} must be an int, found {value!r} ({type(value).__name__})")
-    if value < low or (high is not None and value > high):
-        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise LedgerError(f"{name} must be in {bound}, found {value}")
-    return int(value)
-
-
 class ShardLedger:
     """The shard ledger of one job (see the module docstring for the model and the counters).
 
@@ -211,98 +182,31 @@ class ShardLedger:
         self.job = job
         self.guided_end = guided_end
         """Shrink the last leases so the workers finish together (module docstring)."""
-        self.static = None if static is None else _check_int("static", static, 1, 1_000_000)
+        self.static = None if static is None else check_int("static", static, 1, 1_000_000)
         """Slots of the static baseline, or None: dynamic leasing (module docstring)."""
-        self.shard_rows = _check_int("shard_rows", shard_rows, 1, 2**31 - 1)
-        self.batch_rows = _check_int("batch_rows", batch_rows, 1, 2**31 - 1)
-        self.epochs = _check_int("epochs", epochs, 1, 1_000_000)
-        self.seed = _check_int("seed", seed, 0, 2**63 - 1)
+        self.shard_rows = check_int("shard_rows", shard_rows, 1, 2**31 - 1)
+        self.batch_rows = check_int("batch_rows", batch_rows, 1, 2**31 - 1)
+        self.epochs = check_int("epochs", epochs, 1, 1_000_000)
+        self.seed = check_int("seed", seed, 0, 2**63 - 1)
         if max_claim_rows is None:
             max_claim_rows = max(self.shard_rows, self.batch_rows)
-        self.max_claim_rows = _check_int("max_claim_rows", max_claim_rows, self.batch_rows)
+        self.max_claim_rows = check_int("max_claim_rows", max_claim_rows, self.batch_rows)
         self._clock = clock
         self._listeners: list[Callable[[CommitEvent], None]] = []
 
-        self._paths: list[str] = []
-        path_index: dict[str, int] = {}
-        seen: set[tuple[str, int]] = set()
-        files: list[int] = []
-        groups: list[int] = []
-        rows: list[int] = []
-        for i, item in enumerate(row_groups):
-            if not isinstance(item, (tuple, list)) or len(item) != 3:
-                raise LedgerError(f"job {job!r}: row_groups[{i}] must be (path, row_group, "
-                                  f"num_rows), found {item!r}")
-            path, raw_group, raw_rows = item
-            if not isinstance(path, str) or not path:
-                raise LedgerError(f"job {job!r}: row_groups[{i}] path must be a non-empty str, "
-                                  f"found {path!r}")
-            number = _check_int(f"row_groups[{i}] ({path}) row_group", raw_group, 0, 2**31 - 1)
-            num_rows = _check_int(f"row_groups[{i}] ({path}) num_rows", raw_rows, 0, 2**31 - 1)
-            if (path, number) in seen:
-                raise LedgerError(f"job {job!r}: row group {number} of {path} is listed twice")
-            seen.add((path, number))
-            files.append(path_index.setdefault(path, len(path_index)))
-            if files[-1] == len(self._paths):
-                self._paths.append(path)
-            groups.append(number)
-            rows.append(num_rows)
-        self._rg_file = np.asarray(files, dtype=np.int32)
-        self._rg_group = np.asarray(groups, dtype=np.int32)
-        self._rg_rows = np.asarray(rows, dtype=np.int64)
-        self.total_rows = int(self._rg_rows.sum())
+        self._table = ShardTable(row_groups, shard_rows=self.shard_rows, seed=self.seed,
+                                 epochs=self.epochs, quarantine=quarantine, job=job)
+        self.total_rows = self._table.total_rows
         """Rows of one epoch, quarantined ones included."""
-
-        self._records: list[QuarantineRecord] = []
-        quarantined = np.zeros(len(groups), dtype=bool)
-        group_index = {key: i for i, key in enumerate(zip(files, groups))}
-        for i, spec in enumerate(quarantine):
-            if not isinstance(spec, (tuple, list)) or len(spec) != 3:
-                raise LedgerError(f"job {job!r}: quarantine[{i}] must be (path, row_group | None, "
-                                  f"reason), found {spec!r}")
-            path, named_group, reason = spec
-            if not isinstance(path, str) or not isinstance(reason, str):
-                raise LedgerError(f"job {job!r}: quarantine[{i}] path and reason must be str, "
-                                  f"found {spec!r}")
-            file = path_index.get(path)
-            group = None
-            if named_group is None:
-                hit = (self._rg_file == file) if file is not None else np.zeros_like(quarantined)
-            else:
-                group = _check_int(f"quarantine[{i}] ({path}) row_group", named_group, 0,
-                                   2**31 - 1)
-                index = group_index.get((file, group)) if file is not None else None
-                if index is None:
-                    raise LedgerError(f"job {job!r}: quarantine[{i}] names row group {group} of "
-                                      f"{path}, which is not among the registered row groups")
-                hit = np.zeros(len(groups), dtype=bool)
-                hit[index] = True
-            hit &= ~quarantined
-            quarantined |= hit
-            spec_rows = int(self._rg_rows[hit].sum()) * self.epochs
-            self._records.append(QuarantineRecord(path, group, None, None, None, spec_rows,
-                                                  reason))
-        self._rg_quarantined = quarantined
-
-        counts = np.where(quarantined, 0, -(-self._rg_rows // self.shard_rows))
-        self._shard_rg = np.repeat(np.arange(len(groups), dtype=np.int32), counts)
-        first = np.repeat(np.cumsum(counts) - counts, counts)
-        self._shard_start = ((np.arange(len(self._shard_rg)) - first)
-                             * self.shard_rows).astype(np.int32)
-        self.num_shards = len(self._shard_rg)
+        self.num_shards = self._table.num_shards
         """Shards of one epoch (quarantined row groups have none)."""
-
-        self._epoch = -1
-        self._perm: np.ndarray | None = None
-        self._pos = 0
-        self._front: deque[Piece] = deque()
+        self._records = list(self._table.records)
+        self._dealer: Dealer = QueueDealer(self._table, self.epochs) if self.static is None \
+            else StaticDealer(self._table, self.epochs, self.static, job)
         self._leases: dict[int, _LiveLease] = {}
         self._by_worker: dict[str, dict[int, None]] = {}
         self._next_id = 0
         self._stopped: str | None = None
-        self._slots = [_StaticSlot(k) for k in range(self.static or 0)]
-        self._slot_of: dict[str, _StaticSlot] = {}
-        self._perms: dict[int, np.ndarray] = {}
         self._paces: dict[str, int] = {}
         self._leasing: dict[str, None] = {}  # workers that leased and were not removed
         self._paced_out: set[str] = set()  # workers paced to no rows
@@ -336,7 +240,7 @@ class ShardLedger:
     @property
     def epoch(self) -> int:
         """The epoch whose shards are being handed out (-1 before the first lease)."""
-        return self._epoch
+        return self._dealer.epoch
 
     @property
     def quarantine_records(self) -> list[QuarantineRecord]:
@@ -350,7 +254,7 @@ class ShardLedger:
     def summary(self) -> dict[str, Any]:
         """Counters and state as a plain (msgpack-able) dict."""
         return {
-            "job": self.job, "state": self.state.value, "epoch": self._epoch,
+            "job": self.job, "state": self.state.value, "epoch": self._dealer.epoch,
             "epochs": self.epochs, "shards": self.num_shards, "total_rows": self.total_rows,
             "rows_expected": self.rows_expected, "rows_todo": self.rows_todo,
             "rows_leased": self.rows_leased, "rows_done": self.rows_done,
@@ -389,13 +293,7 @@ class ShardLedger:
         if self._stopped is not None:
             return Stop(self._stopped)
         pace = self._paces.get(worker)
-        if pace == 0:
-            piece = None
-        elif self.static is None:
-            piece = self._next_piece()
-        else:
-            slot = self._slot_for(worker)
-            piece = self._next_static_piece(slot) if slot is not None else None
+        piece = None if pace == 0 else self._dealer.next_piece(worker)
         if piece is None:
             return Stop("finished") if self.state is JobState.FINISHED \
                 else Wait(self.rows_unsynced)
@@ -404,7 +302,7 @@ class ShardLedger:
         most = min((rows for rows in (pace, self._tail_rows()) if rows is not None),
                    default=None)
         if most is not None and stop - start > most:
-            self._push_front([(epoch, shard, start + most, stop)], worker)
+            self._dealer.push_front([(epoch, shard, start + most, stop)], worker)
             stop = start + most
         now = self._clock()
         lease_id = self._next_id
@@ -415,9 +313,8 @@ class ShardLedger:
                                             start, start, claim_stop, False, now, now)
         self._by_worker.setdefault(worker, {})[lease_id] = None
         self.rows_leased += stop - start
-        rg = int(self._shard_rg[shard])
-        return Lease(lease_id, token, worker, epoch, self._paths[self._rg_file[rg]],
-                     int(self._rg_group[rg]), start, stop, claim_stop)
+        path, group = self._table.location(shard)
+        return Lease(lease_id, token, worker, epoch, path, group, start, stop, claim_stop)
 
     def commit(self, lease_id: int, token: str, offset: int, synced_offset: int,
                stats: Mapping[str, float] | None = None,
@@ -427,8 +324,8 @@ class ShardLedger:
         if self._stopped is not None:
             return Stop(self._stopped)
         lease = self._live(lease_id, token)
-        offset = _check_int(f"lease {lease_id}: offset", offset, 0)
-        synced_offset = _check_int(f"lease {lease_id}: synced_offset", synced_offset, 0)
+        offset = check_int(f"lease {lease_id}: offset", offset, 0)
+        synced_offset = check_int(f"lease {lease_id}: synced_offset", synced_offset, 0)
         claim = self._claim_size(claim_rows, lease.worker)
         if offset < lease.offset:
             raise LedgerError(f"job {self.job!r} lease {lease_id}: offset {offset} goes backwards "
@@ -482,22 +379,20 @@ class ShardLedger:
         if self._stopped is not None:
             return Stop(self._stopped)
         lease = self._live(lease_id, token)
-        stop = _check_int(f"lease {lease_id}: quarantine stop", stop, lease.offset + 1,
-                          lease.stop)
+        stop = check_int(f"lease {lease_id}: quarantine stop", stop, lease.offset + 1,
+                         lease.stop)
         if not isinstance(reason, str) or not reason:
             raise LedgerError(f"lease {lease_id}: quarantine reason must be a non-empty str, "
                               f"found {reason!r}")
-        rg = int(self._shard_rg[lease.shard])
+        path, group = self._table.location(lease.shard)
         rows = stop - lease.offset
-        self._records.append(QuarantineRecord(self._paths[self._rg_file[rg]],
-                                              int(self._rg_group[rg]), lease.epoch, lease.offset,
-                                              stop, rows, reason))
+        self._records.append(QuarantineRecord(path, group, lease.epoch, lease.offset, stop, rows,
+                                              reason))
         self.rows_quarantined += rows
         self.rows_leased -= rows
         logger.warning("job %s: quarantined rows [%d, %d) of row group %d of %s (epoch %d): %s",
-                       self.job, lease.offset, stop, int(self._rg_group[rg]),
-                       self._paths[self._rg_file[rg]], lease.epoch, reason)
-        self._push_front([(lease.epoch, lease.shard, stop, lease.stop)], lease.worker)
+                       self.job, lease.offset, stop, group, path, lease.epoch, reason)
+        self._dealer.push_front([(lease.epoch, lease.shard, stop, lease.stop)], lease.worker)
         self.rows_leased -= lease.stop - stop
         lease.stop = lease.claim_stop = lease.offset
         lease.revoked = True
@@ -519,7 +414,7 @@ class ShardLedger:
         Returns the requeued pieces: fewer than ``parts - 1`` when the unclaimed rows do not
         make that many whole batches."""
         lease = self._known(lease_id)
-        parts = _check_int(f"lease {lease_id}: parts", parts, 2, 1_000_000)
+        parts = check_int(f"lease {lease_id}: parts", parts, 2, 1_000_000)
         keep = lease.offset + -(-(lease.stop - lease.offset) // parts)
         at = max(lease.claim_stop, keep)
         return self._cut(lease, at, min(parts - 1, max(1, (lease.stop - at) // self.batch_rows)))
@@ -531,7 +426,7 @@ class ShardLedger:
             self._paces.pop(worker, None)
             self._paced_out.discard(worker)
             return
-        rows = _check_int(f"pace of {worker}", rows, 0, 2**31 - 1)
+        rows = check_int(f"pace of {worker}", rows, 0, 2**31 - 1)
         if rows % self.batch_rows:
             raise LedgerError(f"job {self.job!r}: the pace of {worker} must be whole batches of "
                               f"{self.batch_rows} rows, found {rows}")
@@ -549,11 +444,7 @@ class ShardLedger:
         self._paces.pop(worker, None)
         self._paced_out.discard(worker)
         self._leasing.pop(worker, None)
-        slot = self._slot_of.pop(worker, None)
-        if slot is not None:
-            slot.worker = None
-            logger.info("job %s: static slot %d of %s is free for the next new worker",
-                        self.job, slot.index, worker)
+        self._dealer.remove_worker(worker)
         if not ids:
             return 0
         logger.info("job %s: worker %s removed, %d rows requeued", self.job, worker, requeued)
@@ -570,7 +461,7 @@ class ShardLedger:
         that leaves past its last such report out of every replica (the ledger trains those
         rows again), and a checkpoint's tables hold each worker's rows up to it
         (:mod:`antdt.sync.embeddings`). Never decreases."""
-        rows = _check_int(f"synced rows of {worker}", rows, 0)
+        rows = check_int(f"synced rows of {worker}", rows, 0)
         previous = self._synced_rows.get(worker, 0)
         if rows < previous:
             raise LedgerError(f"job {self.job!r}: synced rows of {worker} go backwards ({rows} "
@@ -595,11 +486,7 @@ class ShardLedger:
         self.rows_unsynced = 0
         self._leases.clear()
         self._by_worker.clear()
-        self._front.clear()
-        self._perm = None
-        for slot in self._slots:
-            slot.front.clear()
-        self._perms.clear()
+        self._dealer.clear()
         self.rows_leased = 0
         self.rows_lost = self.rows_expected - self.rows_done - self.rows_quarantined
         self._stopped = reason
@@ -612,19 +499,21 @@ class ShardLedger:
     def to_state(self) -> LedgerState:
         """What a checkpoint holds: the ledger as it would be if every worker were removed now
         (:mod:`antdt.sharding.checkpoint`). O(row groups + queued pieces + live leases)."""
-        if self.static is not None:
+        dealer = self._dealer
+        if not isinstance(dealer, QueueDealer):
             raise LedgerError(f"job {self.job!r}: a static ledger (the baseline) cannot be "
                               "checkpointed; only dynamic ledgers can")
         pieces = [(lease.epoch, lease.shard, lease.synced, lease.stop)
                   for lease in sorted(self._leases.values(), key=lambda lease: lease.lease_id)
                   if lease.synced < lease.stop]
-        pieces.extend(self._front)
+        pieces.extend(dealer.front)
         unsynced = sum(lease.offset - lease.synced for lease in self._leases.values())
         return LedgerState(
             job=self.job, shard_rows=self.shard_rows, batch_rows=self.batch_rows,
             epochs=self.epochs, seed=self.seed, max_claim_rows=self.max_claim_rows,
-            paths=list(self._paths), rg_file=self._rg_file, rg_group=self._rg_group,
-            rg_rows=self._rg_rows, epoch=self._epoch, pos=self._pos,
+            paths=list(self._table.paths), rg_file=self._table.rg_file,
+            rg_group=self._table.rg_group, rg_rows=self._table.rg_rows, epoch=dealer.epoch,
+            pos=dealer.pos,
             next_lease_id=self._next_id, stopped=self._stopped,
             done_by_epoch=list(self._done_by_epoch),
             counters={"rows_trained": self.rows_trained, "rows_done": self.rows_done,
@@ -654,10 +543,12 @@ class ShardLedger:
         ledger._done_by_epoch = list(state.done_by_epoch)
         ledger._next_id = state.next_lease_id
         ledger._stopped = state.stopped
+        dealer = ledger._dealer
+        assert isinstance(dealer, QueueDealer)
         if ledger._stopped is None:
-            ledger._start_epoch(state.epoch)
-            ledger._pos = state.pos
-            ledger._front.extend((int(e), int(s), int(a), int(b)) for e, s, a, b in
+            dealer.start_epoch(state.epoch)
+            dealer.pos = state.pos
+            dealer.front.extend((int(e), int(s), int(a), int(b)) for e, s, a, b in
                                  state.front.tolist())
         return ledger
 
@@ -704,25 +595,12 @@ class ShardLedger:
         if self._stopped is not None:
             assert self.rows_todo == 0
             return
-        todo = sum(stop - start for _, _, start, stop in self._front)
-        if self.static is not None:
-            for slot in self._slots:
-                todo += sum(stop - start for _, _, start, stop in slot.front)
-                for epoch in range(slot.epoch, self.epochs):
-                    first = slot.pos if epoch == slot.epoch else slot.index
-                    todo += self._rows_of(self._epoch_perm(epoch)[first::self.static])
-            assert todo == self.rows_todo, (todo, self.rows_todo)
-            return
-        epoch_rows = self.total_rows - int(self._rg_rows[self._rg_quarantined].sum())
-        if self._perm is not None:
-            todo += self._rows_of(self._perm[self._pos:])
-        todo += epoch_rows * (self.epochs - 1 - self._epoch)
+        todo = self._dealer.todo_rows()
         assert todo == self.rows_todo, (todo, self.rows_todo)
 
     def _status(self, lease: _LiveLease) -> LeaseStatus:
-        rg = int(self._shard_rg[lease.shard])
-        return LeaseStatus(lease.lease_id, lease.worker, lease.epoch,
-                           self._paths[self._rg_file[rg]], int(self._rg_group[rg]), lease.start,
+        path, group = self._table.location(lease.shard)
+        return LeaseStatus(lease.lease_id, lease.worker, lease.epoch, path, group, lease.start,
                            lease.stop, lease.offset, lease.synced, lease.claim_stop,
                            lease.revoked, lease.leased_at, lease.committed_at)
 
@@ -731,7 +609,7 @@ class ShardLedger:
         and the worker's pace (never below one batch: a claim is never empty)."""
         if claim_rows is None:
             return self.batch_rows
-        claim_rows = _check_int("claim_rows", claim_rows, 0, 2**31 - 1)
+        claim_rows = check_int("claim_rows", claim_rows, 0, 2**31 - 1)
         batches = max(1, -(-claim_rows // self.batch_rows))
         most = min(self.max_claim_rows, self._paces.get(worker, self.max_claim_rows))
         return max(self.batch_rows, min(batches * self.batch_rows, most))
@@ -772,84 +650,6 @@ class ShardLedger:
             raise LedgerError(f"job {self.job!r}: wrong token for lease {lease_id}")
         return lease
 
-    def _next_piece(self) -> Piece | None:
-        if self._front:
-            return self._front.popleft()
-        if self.num_shards == 0:
-            return None
-        while self._perm is None or self._pos == len(self._perm):
-            if self._epoch + 1 >= self.epochs:
-                return None
-            self._start_epoch(self._epoch + 1)
-        assert self._perm is not None
-        shard = int(self._perm[self._pos])
-        self._pos += 1
-        return self._shard_piece(self._epoch, shard)
-
-    def _shard_piece(self, epoch: int, shard: int) -> Piece:
-        start = int(self._shard_start[shard])
-        return epoch, shard, start, min(start + self.shard_rows,
-                                        int(self._rg_rows[self._shard_rg[shard]]))
-
-    def _rows_of(self, shards: np.ndarray) -> int:
-        start = self._shard_start[shards].astype(np.int64)
-        return int((np.minimum(start + self.shard_rows, self._rg_rows[self._shard_rg[shards]])
-                    - start).sum())
-
-    def _start_epoch(self, epoch: int) -> None:
-        """Draw epoch ``epoch``'s shard order from ``(seed, epoch)``."""
-        self._epoch = epoch
-        self._pos = 0
-        self._perm = self._epoch_perm(epoch) if epoch >= 0 and self.num_shards else None
-
-    def _epoch_perm(self, epoch: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, epoch])
-        return rng.permutation(self.num_shards).astype(np.int32)
-
-    def _slot_for(self, worker: str) -> _StaticSlot | None:
-        """``worker``'s static slot; a new worker takes the lowest free one (None: none free)."""
-        slot = self._slot_of.get(worker)
-        if slot is None:
-            slot = next((s for s in self._slots if s.worker is None), None)
-            if slot is not None:
-                slot.worker = worker
-                self._slot_of[worker] = slot
-                logger.info("job %s: %s takes static slot %d", self.job, worker, slot.index)
-        return slot
-
-    def _next_static_piece(self, slot: _StaticSlot) -> Piece | None:
-        """The slot's queue front, then its share of the epochs' permutations in turn (each
-        permutation is drawn once and dropped when every slot has passed its epoch)."""
-        assert self.static is not None
-        if slot.front:
-            return slot.front.popleft()
-        while self.num_shards and slot.epoch < self.epochs:
-            perm = self._perms.get(slot.epoch)
-            if perm is None:
-                perm = self._perms[slot.epoch] = self._epoch_perm(slot.epoch)
-            if slot.pos < len(perm):
-                shard = int(perm[slot.pos])
-                slot.pos += self.static
-                self._epoch = max(self._epoch, slot.epoch)
-                return self._shard_piece(slot.epoch, shard)
-            slot.epoch += 1
-            slot.pos = slot.index
-            oldest = min(s.epoch for s in self._slots)
-            for epoch in [e for e in self._perms if e < oldest]:
-                del self._perms[epoch]
-        return None
-
-    def _push_front(self, pieces: Sequence[Piece], worker: str | None = None) -> None:
-        """Put non-empty ``pieces`` at the queue front, keeping their order (static: at the front
-        of ``worker``'s slot)."""
-        front = self._front
-        if self.static is not None:
-            assert worker is not None
-            front = self._slot_of[worker].front
-        for piece in reversed(pieces):
-            if piece[3] > piece[2]:
-                front.appendleft(piece)
-
     def _cut(self, lease: _LiveLease, at: int, parts: int) -> list[Piece]:
         """Requeue the lease's rows ``[at, stop)`` as up to ``parts`` pieces; the lease ends at
         ``at`` (``at >= claim_stop``: claimed rows never move)."""
@@ -860,14 +660,14 @@ class ShardLedger:
         parts = min(parts, rows)
         bounds = [at + (rows * k) // parts for k in range(parts + 1)]
         pieces = [(lease.epoch, lease.shard, a, b) for a, b in zip(bounds, bounds[1:])]
-        self._push_front(pieces, lease.worker)
+        self._dealer.push_front(pieces, lease.worker)
         self.rows_leased -= rows
         lease.stop = at  # still > synced: a claim is never empty while rows are left
         return pieces
 
     def _requeue_lease(self, lease: _LiveLease) -> int:
         rows = lease.stop - lease.synced
-        self._push_front([(lease.epoch, lease.shard, lease.synced, lease.stop)], lease.worker)
+        self._dealer.push_front([(lease.epoch, lease.shard, lease.synced, lease.stop)], lease.worker)
         self.rows_retrained += lease.offset - lease.synced
         self.rows_leased -= rows
         self._forget(lease)

@@ -426,7 +426,7 @@ def register_job(client: Client, job: str, row_groups: Sequence[RowGroup], *, sh
                  quarantine: Sequence[QuarantineSpec] = (),
                  max_claim_rows: int | None = None, static: int | None = None) -> Reply:
     """From the driver: register ``job`` (the plugin must be registered; ``static=N``: the static
-    baseline of N slots, see :mod:`antdt.sharding`). Returns its counters."""
+    baseline of N slots, see :mod:`antdt.sharding.dealing`). Returns its counters."""
     return rpc.ok(client.sync(client.scheduler.antdt_register_job, job=job,
                               row_groups=[list(rg) for rg in row_groups], shard_rows=shard_rows,
                               batch_rows=batch_rows, epochs=epochs, seed=seed,
@@ -437,16 +437,6 @@ def register_job(client: Client, job: str, row_groups: Sequence[RowGroup], *, sh
 def job_state(client: Client, job: str, *, leases: bool = False) -> Reply:
     """From the driver: ``job``'s counters (and live leases)."""
     return rpc.ok(client.sync(client.scheduler.antdt_job_state, job=job, leases=leases))
-
-
-def checkpoint(client: Client, job: str, path: str) -> Reply:
-    """From the driver: save ``job``'s ledger to ``path`` (next to the model checkpoint)."""
-    return rpc.ok(client.sync(client.scheduler.antdt_checkpoint, job=job, path=path))
-
-
-def restore(client: Client, job: str, path: str) -> Reply:
-    """From the driver: recreate ``job`` from a checkpoint (e.g. in a new scheduler)."""
-    return rpc.ok(client.sync(client.scheduler.antdt_restore, job=job, path=path))
 
 
 def stop_job(client: Client, job: str, reason: str = "stopped by the driver") -> Reply:
