@@ -184,11 +184,12 @@ class Agent:
             batch = self.reader.read(lease.path, lease.row_group, offset, end)
             loss = self.mode.step(batch, self.shards.trained_rows + end - offset)
             self.faults.slow_down(self.rows, time.perf_counter() - started)
+            cpu = time.thread_time() - cpu_started  # read first: CPU time within the wall time
             busy = time.perf_counter() - started
             self.rows += end - offset
             self.batches += 1
             self.busy_s += busy
-            self.cpu_s += time.thread_time() - cpu_started
+            self.cpu_s += cpu
             self._loss_sum += loss
             self._window.add(end - offset, loss)
             reply = self.shards.commit(end, stats={BUSY: busy, BATCHES: 1.0})
