@@ -175,11 +175,12 @@ class Agent:
         """Train the lease's claimed rows batch by batch; None when it is done (lease again),
         and whether the controller revoked it."""
         offset, limit = lease.start, lease.claim_stop
+        batch_rows = lease.batch_rows or self.spec.batch_rows  # the controller's, if it set one
         revoked = False
         while offset < limit:
             if self.cancelled.is_set():
                 return "cancelled", revoked
-            end = min(offset + self.spec.batch_rows, limit)
+            end = min(offset + batch_rows, limit)
             started, cpu_started = time.perf_counter(), time.thread_time()
             batch = self.reader.read(lease.path, lease.row_group, offset, end)
             loss = self.mode.step(batch, self.shards.trained_rows + end - offset)

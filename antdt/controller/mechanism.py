@@ -54,8 +54,6 @@ class Controller:
         """Applied actions per kind, never truncated."""
         self.count = 0
         self.ticks = 0
-        self.batch_sizes: dict[str, int] = {}
-        """Batch sizes set by :class:`AdjustBatch`, per worker."""
         self._clock = clock
         self._retire = retire
         self._workers = workers
@@ -71,7 +69,7 @@ class Controller:
         if ledger.state is not JobState.RUNNING:
             return []
         workers = self._workers()
-        tick = Tick(self.ticks, now, ledger, self.monitor, workers, self.batch_sizes)
+        tick = Tick(self.ticks, now, ledger, self.monitor, workers, ledger.batch_sizes)
         proposed = [(type(policy).__name__, action)
                     for policy in self.policies for action in policy.run(tick)]
         if not proposed:
@@ -84,6 +82,12 @@ class Controller:
                 applied.append(record)
         return applied
 
+    @property
+    def batch_sizes(self) -> dict[str, int]:
+        """Batch sizes set by :class:`AdjustBatch`, per worker: the ledger hands each worker's
+        with its leases, and the agent trains in batches of that size."""
+        return self.ledger.batch_sizes
+
     def update_monitor(self) -> None:
         """Close the monitor's elapsed windows and re-check hangs against the live leases
         (what a tick does before its policies; a disabled job's plugin does only this)."""
@@ -93,7 +97,7 @@ class Controller:
         """``count``, ``counts`` per kind, ``batch_sizes`` and the kept records with
         ``seq >= since`` (plain, for a handler reply)."""
         return {"count": self.count, "counts": dict(self.counts),
-                "batch_sizes": dict(self.batch_sizes),
+                "batch_sizes": self.batch_sizes,
                 "records": [record for record in self.records if record["seq"] >= since]}
 
     # ---- internals ----------------------------------------------------------------------------
@@ -138,7 +142,7 @@ class Controller:
             self._retire(worker, stimulus_id)
         elif isinstance(action, AdjustBatch):
             worker, size = action.worker, action.size
-            self.batch_sizes[worker] = size
+            self.ledger.set_batch_rows(worker, size)
         elif isinstance(action, Pace):
             worker, size = action.worker, action.rows
             self.ledger.pace(worker, size)

@@ -40,7 +40,8 @@ class JobState(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class Lease:
     """A lease as handed to a worker: rows ``[start, stop)`` of ``row_group`` in ``path``; the
-    worker may train ``[start, claim_stop)`` before its first commit."""
+    worker may train ``[start, claim_stop)`` before its first commit, in batches of
+    ``batch_rows`` rows when the controller set this worker's batch size (None: the job's)."""
 
     lease_id: int
     token: str
@@ -51,6 +52,7 @@ class Lease:
     start: int
     stop: int
     claim_stop: int
+    batch_rows: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -208,6 +208,7 @@ class ShardLedger:
         self._next_id = 0
         self._stopped: str | None = None
         self._paces: dict[str, int] = {}
+        self._batch_rows: dict[str, int] = {}  # worker -> the batch size the controller set
         self._leasing: dict[str, None] = {}  # workers that leased and were not removed
         self._paced_out: set[str] = set()  # workers paced to no rows
         self._synced_rows: dict[str, int] = {}  # worker -> its stream's rows counted synced
@@ -270,6 +271,11 @@ class ShardLedger:
         """Paced workers and the most rows a lease or claim of each may hold (a copy)."""
         return dict(self._paces)
 
+    @property
+    def batch_sizes(self) -> dict[str, int]:
+        """Workers the controller set a batch size for, and that size (a copy)."""
+        return dict(self._batch_rows)
+
     def leases(self, worker: str | None = None) -> list[LeaseStatus]:
         """Live leases (of ``worker`` only, if given), oldest first."""
         ids = self._by_worker.get(worker, {}) if worker is not None else self._leases
@@ -314,7 +320,8 @@ class ShardLedger:
         self._by_worker.setdefault(worker, {})[lease_id] = None
         self.rows_leased += stop - start
         path, group = self._table.location(shard)
-        return Lease(lease_id, token, worker, epoch, path, group, start, stop, claim_stop)
+        return Lease(lease_id, token, worker, epoch, path, group, start, stop, claim_stop,
+                     self._batch_rows.get(worker))
 
     def commit(self, lease_id: int, token: str, offset: int, synced_offset: int,
                stats: Mapping[str, float] | None = None,
@@ -435,6 +442,14 @@ class ShardLedger:
             self._paced_out.discard(worker)
         else:
             self._paced_out.add(worker)
+
+    def set_batch_rows(self, worker: str, rows: int | None) -> None:
+        """``worker`` trains its next leases in batches of ``rows`` rows (None: the job's
+        ``batch_rows`` again)."""
+        if rows is None:
+            self._batch_rows.pop(worker, None)
+            return
+        self._batch_rows[worker] = check_int(f"batch rows of {worker}", rows, 1, 2**31 - 1)
 
     def remove_worker(self, worker: str) -> int:
         """The worker is gone: rows ``[synced, stop)`` of each of its leases go back to the queue

@@ -19,7 +19,7 @@ leaves the cluster loses its leases in every job.
 Wire form of the ledger's replies (``kind`` first)::
 
     lease:  {"kind": "lease", "lease_id", "token", "worker", "epoch", "path", "row_group",
-             "start", "stop", "claim_stop"} | {"kind": "wait", "unsynced"}
+             "start", "stop", "claim_stop", "batch_rows"} | {"kind": "wait", "unsynced"}
             | {"kind": "stop", "reason"}
     commit: {"kind": "claim", "lease_id", "stop"} | {"kind": "revoked" | "finished", "lease_id",
              "stop", "retired"} | {"kind": "stop", "reason"} | {"kind": "error", "message"}
@@ -78,7 +78,7 @@ def lease_msg(reply: LeaseReply) -> Reply:
         return {"kind": "lease", "lease_id": reply.lease_id, "token": reply.token,
                 "worker": reply.worker, "epoch": reply.epoch, "path": reply.path,
                 "row_group": reply.row_group, "start": reply.start, "stop": reply.stop,
-                "claim_stop": reply.claim_stop}
+                "claim_stop": reply.claim_stop, "batch_rows": reply.batch_rows}
     if isinstance(reply, Wait):
         return {"kind": "wait", "unsynced": reply.unsynced}
     return {"kind": "stop", "reason": reply.reason}

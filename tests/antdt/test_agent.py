@@ -92,6 +92,28 @@ def row_counts(ranges: list[Range]) -> Counter[int]:
     return Counter(FIRST_ID[(p, g)] + r for p, g, start, stop in ranges for r in range(start, stop))
 
 
+def _set_batch_rows(job: str, worker: str, rows: int, dask_scheduler: Any) -> None:
+    dask_scheduler.plugins[service.PLUGIN_NAME].jobs[job].set_batch_rows(worker, rows)
+
+
+def test_an_agent_trains_in_the_batch_size_the_controller_set_it(client: Client) -> None:
+    """The hook of the controller's batch policy (AdjustBatch sets a worker's size on the
+    ledger): the worker's leases carry the size, and its agent cuts its batches by it."""
+    job = new_job(client)
+    small, other = workers(client)
+    client.run_on_scheduler(_set_batch_rows, job, small, 3)
+    reports: list[AgentReport] = bounded.gather(client, [start(client, job, w)
+                                                         for w in (small, other)])
+
+    sizes = {w: Counter(stop - start for _, _, start, stop in trained(client, job, w)["ranges"])
+             for w in (small, other)}
+    assert max(sizes[small]) == 3 and sizes[small].most_common(1)[0][0] == 3
+    assert max(sizes[other]) == BATCH_ROWS
+    counts = row_counts([b for w in (small, other) for b in trained(client, job, w)["ranges"]])
+    assert counts == Counter({row: 1 for row in range(TOTAL)})
+    assert sum(r.rows for r in reports) == TOTAL
+
+
 def test_agents_train_every_row_once_per_epoch_and_count_exactly(client: Client) -> None:
     job = new_job(client, epochs=2)
     futures = [start(client, job, w) for w in workers(client)]
