@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,9 +59,12 @@ PARAMS = {
     "scheduler": Param("", type="string",
                        description="The Dask scheduler to train on (tcp://host:8786, "
                                    "tls://...); empty: a LocalCluster for this run."),
-    "tracking_uri": Param("sqlite:///mlflow.db", type="string",
+    "tracking_uri": Param("", type="string",
                           description="The MLflow tracking URI (a relative sqlite path is "
-                                      "relative to the project folder)."),
+                                      "relative to the project folder); empty: the "
+                                      "MLFLOW_TRACKING_URI of the Airflow worker running the "
+                                      "task where it is set, else sqlite:///mlflow.db in the "
+                                      "project folder. Resolved when the task runs."),
     "experiment": Param("antdt-retrain", type="string",
                         description="The MLflow experiment of the training runs."),
     "registered_model": Param("ranking", type="string",
@@ -76,12 +80,24 @@ PARAMS = {
 }
 
 
+def tracking_store(param: str) -> str:
+    """The MLflow tracking URI of this run, in MLflow's own order: the ``tracking_uri`` param
+    when given, else ``MLFLOW_TRACKING_URI`` (how a deployment points its workers at its
+    tracking server), else the project folder's ``mlflow.db``, the demo's store. Called when a
+    task runs, never while Airflow parses this file: the environment that counts is the one of
+    the worker running the task, not the DAG processor's."""
+    return (param.strip() or os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+            or f"sqlite:///{PROJECT / 'mlflow.db'}")
+
+
 def settings() -> Settings:
     """This run's settings, from its params and logical date."""
     from pipeline.retrain import Settings
 
     context = get_current_context()
-    return Settings.from_params(context["params"], context["ds"], str(PROJECT))
+    params = context["params"]
+    resolved = {**params, "tracking_uri": tracking_store(params["tracking_uri"])}
+    return Settings.from_params(resolved, context["ds"], str(PROJECT))
 
 
 @contextlib.contextmanager

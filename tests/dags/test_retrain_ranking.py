@@ -147,6 +147,33 @@ def test_the_dag_folder_imports_fast_without_heavy_modules(airflow_env: dict[str
     assert found["catchup"] is False and found["max_active_runs"] == 1
 
 
+@pytest.mark.parametrize("param, variable, expected", [
+    ("http://mlflow:5000", "sqlite:////srv/elsewhere.db", "http://mlflow:5000"),
+    ("", "sqlite:////srv/elsewhere.db", "sqlite:////srv/elsewhere.db"),
+    ("", None, f"sqlite:///{ROOT / 'mlflow.db'}"),
+])
+def test_the_tracking_store_is_the_param_else_mlflow_s_variable_else_the_project_s(
+        airflow_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, param: str,
+        variable: str | None, expected: str) -> None:
+    """``tracking_store`` in a process like an Airflow worker's, with or without
+    MLFLOW_TRACKING_URI: a given param wins; empty, the variable where it is set; else the
+    project folder's mlflow.db, what the param's former default resolved to."""
+    if variable is None:
+        monkeypatch.delitem(airflow_env, "MLFLOW_TRACKING_URI", raising=False)
+    else:
+        monkeypatch.setitem(airflow_env, "MLFLOW_TRACKING_URI", variable)
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / 'dags')!r})
+        from retrain_ranking import tracking_store
+        print(tracking_store({param!r}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], env=airflow_env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, output(done)
+    assert done.stdout.strip().splitlines()[-1] == expected
+
+
 @pytest.mark.slow
 def test_days_register_versions_and_only_a_better_one_takes_the_champion(
         airflow_env: dict[str, str], days: Path, cluster: str) -> None:
@@ -184,6 +211,25 @@ def test_days_register_versions_and_only_a_better_one_takes_the_champion(
     assert kept["candidate_auc"] < kept["champion_auc"], kept
     assert kept["rows_trained"] == 12_000 and kept["rows_lost"] == 0
     assert kept["validation_rows"] == 12_000
+
+
+@pytest.mark.slow
+def test_an_empty_tracking_uri_tracks_to_the_workers_mlflow_tracking_uri(
+        airflow_env: dict[str, str], days: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the tracking_uri param empty and MLFLOW_TRACKING_URI set in the Airflow worker's
+    environment, the run, its model version and the champion alias land in that store."""
+    store = f"sqlite:///{days / 'deployment.db'}"
+    monkeypatch.setitem(airflow_env, "MLFLOW_TRACKING_URI", store)
+    done = dags_test(airflow_env, "2026-11-02", conf(days, tracking_uri=""), days)
+    assert done.returncode == 0, output(done)
+    client = MlflowClient(store)
+    experiment = client.get_experiment_by_name("antdt-retrain")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    assert [r.data.tags["antdt.retrain.day"] for r in runs] == ["2026-11-02"]
+    assert [str(v.version) for v in client.search_model_versions(f"name = '{MODEL}'")] == ["1"]
+    assert str(client.get_registered_model(MODEL).aliases["champion"]) == "1"
+    assert not (days / "mlflow.db").exists()
 
 
 def test_a_corrupt_partition_fails_the_run_at_validation_naming_the_file(
