@@ -11,6 +11,11 @@ reached through named RPC handlers.
  ShardingService (SchedulerPlugin) ── jobs: {name: ShardLedger} ── remove_worker / restart
 ```
 
+Manual controls: no antdt code calls ``antdt_checkpoint``, ``antdt_restore``, ``antdt_quarantine``,
+``antdt_revoke``, ``antdt_split`` or ``antdt_stop_job`` (the job master acts on its ledger in the
+scheduler's process, and checkpoints travel through ``antdt_ledger_copy``); they are the ledger's
+handles for an operator or a test (``client.scheduler.antdt_revoke(job=..., lease_id=...)``).
+
 Every handler validates its arguments (types, sizes, known job, token) and answers a plain dict:
 ``{"status": "OK", ...}`` or ``{"status": "error", "message": ...}``; a malformed call changes
 nothing and leaves other jobs alone. Jobs are isolated: each has its own ledger, and a worker that
