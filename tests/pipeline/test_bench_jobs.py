@@ -13,8 +13,8 @@ from pipeline.bench.jobs import run_async, synthetic_job, with_train
 from pipeline.bench.scaling import bare_run, dask_run
 from pipeline.bench.sizing import rows_for, sized_job, train_rows
 from pipeline.bench.stragglers import ideal_seconds
-from pipeline.config import FaultConfig, load_job
-from pipeline.local import prepare_data
+from pipeline.job.config import FaultConfig, load_job
+from pipeline.training.local import prepare_data
 
 
 def test_overrides_reach_the_benchmark_job_and_injected_faults_survive(tmp_path: Path) -> None:

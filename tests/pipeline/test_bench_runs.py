@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from pipeline.cli import cli
+from pipeline.cli.main import cli
 from waits import bounded
 
 

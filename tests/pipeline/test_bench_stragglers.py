@@ -10,9 +10,9 @@ import pytest
 from pipeline.bench.jobs import Outcome
 from pipeline.bench.stragglers import (SCENARIOS, ideal_seconds, median_run, others_rate,
                                        scenario_faults)
-from pipeline.config import FaultConfig
-from pipeline.following import AgentRecord
-from pipeline.report import JobSummary
+from pipeline.job.config import FaultConfig
+from pipeline.job.report import JobSummary
+from pipeline.training.following import AgentRecord
 
 
 def outcome(*slots: AgentRecord, first: dict[str, float] | None = None) -> Outcome:

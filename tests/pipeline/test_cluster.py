@@ -29,9 +29,9 @@ from broken_files import break_label
 from data.files import expand, row_groups
 from data.synth import SynthResult
 from models.evaluate import auc
-from pipeline.cli import cli
-from pipeline.config import load_job
-from pipeline.cluster import connect, local_cluster_settings, train_async
+from pipeline.cli.main import cli
+from pipeline.job.config import load_job
+from pipeline.training.cluster import connect, local_cluster_settings, train_async
 from waits import bounded
 
 TRAIN_ROWS = 16_000

@@ -23,7 +23,7 @@ from distributed.security import Security
 from antdt.agent import event_topic
 from commands import ANTDT, antdt
 from pipeline.bench.processes import DaskProcesses, wait_for_workers
-from pipeline.config import load_job
+from pipeline.job.config import load_job
 from waits import bounded
 
 TRAIN_ROWS = 16_000

@@ -14,11 +14,11 @@ from mlflow import MlflowClient
 from PIL import Image
 
 from data.synth import SynthResult
-from pipeline.cli import cli
-from pipeline.compare import compare, plot
-from pipeline.config import load_job
-from pipeline.local import train_local
-from pipeline.report import JobSummary
+from pipeline.cli.main import cli
+from pipeline.job.config import load_job
+from pipeline.job.report import JobSummary
+from pipeline.tracking.compare import compare, plot
+from pipeline.training.local import train_local
 
 JOB = """\
 name: tiny

@@ -9,7 +9,7 @@ import yaml
 
 from antdt.errors import ConfigError
 from antdt.sync import SyncPeriod
-from pipeline.config import load_job
+from pipeline.job.config import load_job
 
 MINIMAL = {"data": {"train": "d/train/*.parquet", "validation": ["d/val"], "schema": "d/schema.yaml"}}
 

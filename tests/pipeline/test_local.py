@@ -19,9 +19,9 @@ from data.reader import ShardReader
 from data.synth import SynthResult
 from models.evaluate import auc, evaluate
 from models.train_step import TrainStep
-from pipeline.cli import cli
-from pipeline.config import load_job
-from pipeline.local import iterate_batches, prepare_data, train_local
+from pipeline.cli.main import cli
+from pipeline.job.config import load_job
+from pipeline.training.local import iterate_batches, prepare_data, train_local
 
 
 def test_local_training_learns_counts_rows_and_tracks_the_run(job_file: Path) -> None:

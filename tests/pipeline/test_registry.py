@@ -22,12 +22,12 @@ from antdt.errors import DataError
 from data.files import expand
 from data.synth import MULTI_VALUED_FEATURE, STRING_FEATURE, SynthResult, generate
 from models.evaluate import auc
-from pipeline.cli import cli
-from pipeline.config import JobConfig, load_job
-from pipeline.local import train_local
-from pipeline.registry import (CHAMPION, Decision, Outcome, RegistryError, data_window,
-                               fingerprint, promote)
-from pipeline.report import JobSummary
+from pipeline.cli.main import cli
+from pipeline.job.config import JobConfig, load_job
+from pipeline.job.report import JobSummary
+from pipeline.tracking.registry import (CHAMPION, Decision, Outcome, RegistryError,
+                                        data_window, fingerprint, promote)
+from pipeline.training.local import train_local
 
 MODEL = "ranker"
 
@@ -275,7 +275,7 @@ def test_bad_input_is_refused_in_one_line(versions: Versions, tmp_path: Path,
     Decision("ranking", "1", None, Outcome.FIRST, "logloss", 0.52, None, 0.0, ("/d",), 10, "cd"),
 ])
 def test_a_decision_reads_back_from_its_tags(decision: Decision) -> None:
-    """What a re-run reports of a day judged before (pipeline.retrain) is the decision
+    """What a re-run reports of a day judged before (pipeline.workflows.retrain) is the decision
     recorded then."""
     assert Decision.from_tags(decision.model, decision.candidate, decision.tags()) == decision
     assert Decision.from_tags("ranking", "3", {"antdt.job": "tiny"}) is None

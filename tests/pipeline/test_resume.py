@@ -21,10 +21,10 @@ from data.reader import ShardReader
 from data.synth import SynthResult
 from commands import ANTDT, antdt
 from pipeline.bench.processes import DaskProcesses, wait_for_workers
-from pipeline.cluster import job_spec, resume_point
-from pipeline.config import load_job
-from pipeline.local import iterate_batches, prepare_data
-from pipeline.recipes import TrainerRecipe
+from pipeline.job.config import load_job
+from pipeline.training.cluster import job_spec, resume_point
+from pipeline.training.local import iterate_batches, prepare_data
+from pipeline.training.recipes import TrainerRecipe
 from waits import bounded
 
 

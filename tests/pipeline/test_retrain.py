@@ -1,6 +1,6 @@
-"""The daily retraining's steps (:mod:`pipeline.retrain`) without Airflow: its settings, its
-window, the new partition's validation, and train on a real LocalCluster (a retry after a
-failed job, a re-run that trains nothing). The DAG itself: ``tests/dags``."""
+"""The daily retraining's steps (:mod:`pipeline.workflows.retrain`) without Airflow: its
+settings, its window, the new partition's validation, and train on a real LocalCluster (a retry
+after a failed job, a re-run that trains nothing). The DAG itself: ``tests/dags``."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from antdt.errors import DataError
 from antdt.jobs import JobClient
 from broken_files import break_label
 from data.synth import SynthResult
-from pipeline import retrain
-from pipeline.cluster import job_spec
-from pipeline.retrain import RetrainError, Settings
+from pipeline.training.cluster import job_spec
+from pipeline.workflows import retrain
+from pipeline.workflows.retrain import RetrainError, Settings
 from waits import bounded
 
 

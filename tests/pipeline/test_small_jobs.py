@@ -13,9 +13,9 @@ import yaml
 
 from commands import antdt
 from data.synth import generate
-from pipeline.cluster import job_spec
-from pipeline.config import load_job
-from pipeline.local import train_local
+from pipeline.job.config import load_job
+from pipeline.training.cluster import job_spec
+from pipeline.training.local import train_local
 
 TOLERANCE = 0.005
 """The async mode's quality target next to the local run (``antdt bench quality``)."""

@@ -17,9 +17,9 @@ from mlflow import MlflowClient
 from antdt.errors import ConfigError
 from broken_files import break_label
 from data.synth import SynthResult
-from pipeline.cli import cli
-from pipeline.config import load_job
-from pipeline.sweep import Grid, plan_trials
+from pipeline.cli.main import cli
+from pipeline.job.config import load_job
+from pipeline.workflows.sweep import Grid, plan_trials
 from waits import bounded
 
 FAST = {"antdt.jobs.tick": "200ms", "antdt.jobs.metrics-interval": "200ms"}

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from pipeline.timeline import (OUTCOME_STYLE, OUTCOMES, ActionMark, LeaseSpan, cumulative_rows,
-                               render_timeline)
+from pipeline.tracking.timeline import (OUTCOME_STYLE, OUTCOMES, ActionMark, LeaseSpan,
+                                        cumulative_rows, render_timeline)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

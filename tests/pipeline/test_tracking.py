@@ -1,4 +1,4 @@
-"""The MLflow run of a job (``pipeline.tracking``), in a real SQLite store."""
+"""The MLflow run of a job (``pipeline.tracking.tracking``), in a real SQLite store."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from pipeline.cluster import job_spec
-from pipeline.config import load_job
-from pipeline.tracking import Tracker
+from pipeline.job.config import load_job
+from pipeline.tracking.tracking import Tracker
+from pipeline.training.cluster import job_spec
 
 
 def test_the_fluent_uri_is_restored_unset_so_the_default_follows_the_working_directory(
@@ -35,7 +35,7 @@ def test_a_job_has_its_workers_import_its_tracking_store_before_training(
     happen in the job's preload, before training starts, not in its first call."""
     job = load_job(cluster_job, [f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
     preload = job_spec(job).plan.preload
-    assert preload[0] == "pipeline.recipes"
+    assert preload[0] == "pipeline.training.recipes"
     assert "mlflow.store.tracking.sqlalchemy_store" in preload
     for module in preload:  # what the master has every worker import
         importlib.import_module(module)

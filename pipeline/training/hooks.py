@@ -19,9 +19,9 @@ from typing import Any
 
 from data.files import RowGroup
 from data.schema import Schema
-from pipeline.config import JobConfig
-from pipeline.report import JobSummary, oracle_auc
-from pipeline.tracking import public_config
+from pipeline.job.config import JobConfig
+from pipeline.job.report import JobSummary, oracle_auc
+from pipeline.tracking.tracking import public_config
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ class RankingHooks:
 
     def start(self, job_id: str, workers: int, resume: Mapping[str, Any] | None = None
               ) -> dict[str, Any]:
-        from pipeline.registry import data_window
-        from pipeline.tracking import Tracker
+        from pipeline.tracking.registry import data_window
+        from pipeline.tracking.tracking import Tracker
 
         # the run records the workers that train (the cluster's), not the job file's count
         tracked = dataclasses.replace(self.job, train=dataclasses.replace(
@@ -70,7 +70,7 @@ class RankingHooks:
 
     def metrics(self, run: Mapping[str, Any],
                 steps: Sequence[tuple[int, dict[str, float]]]) -> None:
-        from pipeline.tracking import Tracker
+        from pipeline.tracking.tracking import Tracker
 
         Tracker.attach(self.tracking_uri, run).steps(steps)
 
@@ -81,10 +81,10 @@ class RankingHooks:
         names a registered model; return the summary."""
         from data.reader import ShardReader
         from models.evaluate import evaluate
-        from pipeline.local import iterate_batches
-        from pipeline.registry import log_and_register
-        from pipeline.timeline import ActionMark, LeaseSpan, render_timeline
-        from pipeline.tracking import Tracker
+        from pipeline.tracking.registry import log_and_register
+        from pipeline.tracking.timeline import ActionMark, LeaseSpan, render_timeline
+        from pipeline.tracking.tracking import Tracker
+        from pipeline.training.local import iterate_batches
 
         tracker = Tracker.attach(self.tracking_uri, run)
         auc = logloss = math.nan
@@ -132,7 +132,7 @@ class RankingHooks:
         return summary.to_dict()
 
     def abort(self, run: Mapping[str, Any], status: str, reason: str) -> None:
-        from pipeline.tracking import Tracker
+        from pipeline.tracking.tracking import Tracker
 
         Tracker.attach(self.tracking_uri, run).end(status, reason)
 

@@ -27,7 +27,7 @@ from pipeline.terminal import print_whole, progress_bar, stderr
 
 if TYPE_CHECKING:
     from antdt.jobs import JobSpec
-    from pipeline.config import JobConfig
+    from pipeline.job.config import JobConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -108,7 +108,7 @@ def follow_and_report(jobs: Any, job_id: str, address: str | None, as_json: bool
     """Follow ``job_id`` with a progress bar, then print its summary (or ``--json``); a failed
     or cancelled job exits non-zero. On a long-lived cluster (``address``) Ctrl-C detaches and
     says how to re-attach; on a LocalCluster it ends the job with the process."""
-    from pipeline.following import follow, outcome
+    from pipeline.training.following import follow, outcome
 
     try:
         with progress_bar(label, enabled=not as_json) as bar:
@@ -145,7 +145,7 @@ register_option = click.option(
 def registering(job: JobConfig, name: str | None) -> JobConfig:
     """``job`` registering its model as ``name`` (None: as its job file says, checked when it
     was loaded), the name checked before anything trains."""
-    from pipeline.config import check_model_name
+    from pipeline.job.config import check_model_name
 
     if name is None:
         return job
@@ -157,7 +157,7 @@ def resume_spec(job: JobConfig, spec: JobSpec, ref: str, job_id: str | None
                 ) -> tuple[JobSpec, str]:
     """``spec`` resuming from the checkpoint ``ref`` names, and the job's id (the id of the
     job that wrote it); skipped torn or corrupt checkpoints are warned about on stderr."""
-    from pipeline.cluster import resume_point, resumed
+    from pipeline.training.cluster import resume_point, resumed
 
     manifest = resume_point(job, spec, ref, warn=lambda message: stderr.print(
         f"warning: {message}", highlight=False, markup=False, soft_wrap=True))
@@ -190,8 +190,8 @@ def submit(job_path: str, cluster: Cluster, overrides: tuple[str, ...],
            tracking_uri: str | None, job_id: str | None, no_wait: bool, resume: str | None,
            register: str | None, as_json: bool) -> None:
     """Run JOB.yaml on the Dask cluster; follow it to its end (exit 0 when it finished)."""
-    from pipeline.cluster import job_spec
-    from pipeline.config import load_job
+    from pipeline.job.config import load_job
+    from pipeline.training.cluster import job_spec
 
     if tracking_uri:
         overrides = (*overrides, f"mlflow.tracking_uri={tracking_uri}")

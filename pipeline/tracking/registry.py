@@ -67,10 +67,10 @@ from data.files import RowGroup, expand, open_parquet, row_groups
 from data.schema import Schema
 from models import evaluate
 from models.train_step import TrainStep
-from pipeline.config import DataConfig, JobConfig, check_model_name
-from pipeline.report import JobSummary, higher_is_better
-from pipeline.serving import RankingModel, log_ranking_model
-from pipeline.tracking import Tracker, fluent, redact
+from pipeline.job.config import DataConfig, JobConfig, check_model_name
+from pipeline.job.report import JobSummary, higher_is_better
+from pipeline.tracking.serving import RankingModel, log_ranking_model
+from pipeline.tracking.tracking import Tracker, fluent, redact
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ def _registered_as(client: MlflowClient, run_id: str, name: str, version: str) -
 def version_tags(summary: JobSummary, run_tags: Mapping[str, str]) -> dict[str, str]:
     """A version's tags: the job's name, mode and workers, the summary's figures (those that
     are numbers, NaN left out) and the run's ``antdt.data.*`` tags and ``antdt.retrain.*`` tags
-    (the scheduled retraining that trained it: :mod:`pipeline.retrain`)."""
+    (the scheduled retraining that trained it: :mod:`pipeline.workflows.retrain`)."""
     tags = {"antdt.job": run_tags.get("antdt.job", ""), "antdt.mode": summary.mode}
     for key, value in summary.to_dict().items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -31,7 +31,7 @@ rows (``rows_trained - rows_retrained``) than the most any shown run trained, or
 retrained or quarantined rows. In plain text (a pipe, a log) the highlights are the markers
 ``*`` and ``!``, explained in the line under the table.
 
-MLflow (and matplotlib, for ``--plot``) are imported here: :mod:`pipeline.cli_experiments`
+MLflow (and matplotlib, for ``--plot``) are imported here: :mod:`pipeline.cli.experiments`
 imports this module only when the command runs.
 """
 
@@ -58,11 +58,11 @@ from rich.table import Table
 from rich.text import Text
 
 from antdt.errors import AntdtError
-from pipeline.report import higher_is_better
-from pipeline.tracking import redact
+from pipeline.job.report import higher_is_better
+from pipeline.tracking.tracking import redact
 
 DEFAULT_EXPERIMENT = "antdt"
-"""The experiment of a job config that names none (:class:`pipeline.config.MlflowConfig`):
+"""The experiment of a job config that names none (:class:`pipeline.job.config.MlflowConfig`):
 compared when the store has no runs to say which experiment was used last."""
 DEFAULT_LAST = 10
 

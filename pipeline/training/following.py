@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from antdt.errors import JobCancelled, JobError, JobFailed
-from pipeline.report import JobSummary, ProgressSink
+from pipeline.job.report import JobSummary, ProgressSink
 
 if TYPE_CHECKING:
     from antdt.jobs import JobClient

@@ -30,7 +30,7 @@ from data.reader import table_batch
 from data.schema import Schema
 from models.config import ModelConfig, OptimConfig
 from models.train_step import TrainStep
-from pipeline.config import JobConfig
+from pipeline.job.config import JobConfig
 
 EXAMPLE_ROWS = 5
 
@@ -111,7 +111,8 @@ def log_ranking_model(step: TrainStep, schema: Schema, job: JobConfig, example: 
                       ) -> ModelInfo:
     """Log ``step``'s model as an MLflow pyfunc (with signature and input example) to the active
     run; what MLflow says of it (its ``models:/<id>`` URI). Registering it is
-    :mod:`pipeline.registry`'s, once the run's figures are known to tag the version with."""
+    :mod:`pipeline.tracking.registry`'s, once the run's figures are known to tag the version
+    with."""
     frame = example_rows(example, schema)
     with tempfile.TemporaryDirectory(prefix="antdt-model-") as tmp:
         spec_path = Path(tmp) / "spec.yaml"

@@ -1,8 +1,8 @@
 """The ``antdt`` commands for experiments in MLflow: ``compare`` (runs side by side, data
 included), ``promote`` (the registry's ``champion`` alias, moved only by a better score on the
 same validation data) and ``sweep`` (a grid of trials on the Dask cluster, nested under one
-run). Thin over :mod:`pipeline.compare`, :mod:`pipeline.registry` and :mod:`pipeline.sweep`,
-which import MLflow only when a command runs.
+run). Thin over :mod:`pipeline.tracking.compare`, :mod:`pipeline.tracking.registry` and
+:mod:`pipeline.workflows.sweep`, which import MLflow only when a command runs.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import click
 from rich.table import Table
 
-from pipeline.cli_jobs import Cluster, cluster_options
+from pipeline.cli.jobs import Cluster, cluster_options
 from pipeline.terminal import print_whole, progress_bar
 
 if TYPE_CHECKING:
-    from pipeline.sweep import SweepResult
+    from pipeline.workflows.sweep import SweepResult
 
 
 @click.command()
@@ -45,8 +45,8 @@ def compare(experiment: str | None, run_ids: str | None, last: int | None, metri
     out)."""
     import mlflow
 
-    from pipeline import compare as comparing
     from pipeline.terminal import stderr
+    from pipeline.tracking import compare as comparing
 
     ids = None if run_ids is None else [i.strip() for i in run_ids.split(",") if i.strip()]
     if ids is not None and not ids:
@@ -96,7 +96,7 @@ def promote(name: str, version: int | None, metric: str, on: tuple[str, ...], mi
     server would; move the alias to the candidate only if it scores better by at least
     --min-gain (with no champion yet, it becomes the champion). The decision and both scores
     are recorded on the candidate version and its run."""
-    from pipeline.registry import promote as promoting
+    from pipeline.tracking.registry import promote as promoting
 
     decision = promoting(name, version=version, metric=metric, on=_paths(on),
                          min_gain=min_gain, tracking_uri=tracking_uri)
@@ -137,8 +137,8 @@ def sweep(job_path: str, grid_specs: tuple[str, ...], sample: int | None, seed: 
     nested under the sweep's run, side by side on the Dask cluster at --scheduler (default: a
     new LocalCluster); report the best trial. A failed trial is recorded and the others go
     on; exit 1 only when none finished."""
-    from pipeline.config import check_model_name
-    from pipeline.sweep import Grid, check_metric, plan_trials, run_sweep
+    from pipeline.job.config import check_model_name
+    from pipeline.workflows.sweep import Grid, check_metric, plan_trials, run_sweep
 
     if workers is not None and cluster.given is not None:
         raise click.UsageError("--workers starts a LocalCluster; with --scheduler the "
@@ -201,4 +201,4 @@ def sweep_lines(result: SweepResult) -> list[str]:
 
 
 EXPERIMENT_COMMANDS: list[click.Command] = [compare, promote, sweep]
-"""The commands of this module, added to ``antdt`` by :mod:`pipeline.cli`."""
+"""The commands of this module, added to ``antdt`` by :mod:`pipeline.cli.main`."""

@@ -1,8 +1,9 @@
 """What travels from the driver to the workers: small picklable recipes that build the training
 step and the reader on the worker (:mod:`antdt.agent`'s ``TrainerFactory`` and ``ReaderFactory``).
 
-Kept apart from :mod:`pipeline.driver` so that a worker unpickling a recipe imports only the
-training stack (torch, TorchRec, ``models``, ``data``), never MLflow or the driver's plotting.
+Kept apart from :mod:`pipeline.training.cluster` (which builds the job, and imports MLflow) so
+that a worker unpickling a recipe imports only the training stack (torch, TorchRec, ``models``,
+``data``), never MLflow or the plotting of :mod:`pipeline.tracking`.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
-from pipeline.config import JobConfig
+from pipeline.job.config import JobConfig
 
 logger = logging.getLogger(__name__)
 

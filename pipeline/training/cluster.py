@@ -37,13 +37,13 @@ from antdt.jobs.checkpoints import Manifest
 from antdt.sharding import QuarantineSpec
 from data.files import RowGroup, expand, row_groups
 from data.schema import Schema
-from pipeline.config import JobConfig
-from pipeline.following import follow, outcome
-from pipeline.hooks import RankingHooks
-from pipeline.local import PreparedData, prepare_data
-from pipeline.recipes import ReaderRecipe, TrainerRecipe
-from pipeline.report import JobSummary, ProgressSink
-from pipeline.tracking import experiment, redact, resolved_uri, store_modules
+from pipeline.job.config import JobConfig
+from pipeline.job.report import JobSummary, ProgressSink
+from pipeline.tracking.tracking import experiment, redact, resolved_uri, store_modules
+from pipeline.training.following import follow, outcome
+from pipeline.training.hooks import RankingHooks
+from pipeline.training.local import PreparedData, prepare_data
+from pipeline.training.recipes import ReaderRecipe, TrainerRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def job_spec(job: JobConfig, data: PreparedData | None = None, *,
                 threads=train.threads, quarantine=list(plan.quarantine), faults=faults,
                 deadline_s=deadline_s, workers=workers,
                 min_batches_per_worker=train.min_batches_per_worker,
-                preload=["pipeline.recipes", *store_modules(uri)],
+                preload=["pipeline.training.recipes", *store_modules(uri)],
                 tags={"experiment": job.mlflow.experiment, "tracking_uri": redact(uri)},
                 checkpoint_dir=train.checkpoint_dir, checkpoint_every=train.checkpoint_every,
                 checkpoint_keep=train.checkpoint_keep,

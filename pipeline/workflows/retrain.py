@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from antdt.errors import AntdtError, ConfigError, DataError
-from pipeline.config import JobConfig, OnBadData, check_model_name, load_job
+from pipeline.job.config import JobConfig, OnBadData, check_model_name, load_job
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ def window_key(job: JobConfig) -> str:
     """What makes two runs the same: the fingerprint of the job's data files and the job's
     settings other than where it is tracked. A run with the key of a registered version
     trains nothing."""
-    from pipeline.registry import data_window
+    from pipeline.tracking.registry import data_window
 
     settings = {k: v for k, v in job.to_dict().items() if k != "mlflow"}
     text = json.dumps({"data": data_window(job.data).fingerprint, "job": settings},
@@ -318,9 +318,9 @@ def train(settings: Settings, job_id: str, run_tags: Mapping[str, str] | None = 
     cancelled, the retry starts ``job_id-2`` (then ``-3``...). Returns :func:`trained` of the
     version."""
     from antdt.jobs import JobClient
-    from pipeline.cluster import connect, job_spec
-    from pipeline.following import follow, outcome
-    from pipeline.local import prepare_data
+    from pipeline.training.cluster import connect, job_spec
+    from pipeline.training.following import follow, outcome
+    from pipeline.training.local import prepare_data
 
     days = window(settings)
     job = retrain_job(settings, days)
@@ -400,8 +400,8 @@ def trained(tracking_uri: str, model: str, version: str) -> dict[str, Any]:
     page."""
     from mlflow import MlflowClient
 
-    from pipeline.report import run_page
-    from pipeline.tracking import redact
+    from pipeline.job.report import run_page
+    from pipeline.tracking.tracking import redact
 
     client = MlflowClient(tracking_uri)
     found = client.get_model_version(model, version)
@@ -429,13 +429,13 @@ def _number(text: str | None) -> float | int | None:
 
 def promote(settings: Settings, result: Mapping[str, Any],
             quarantined: Sequence[Sequence[Any]] = ()) -> dict[str, Any]:
-    """:func:`pipeline.registry.promote` of the version ``result`` names against the champion,
-    both scored on the validation day's partition (its files with a quarantined unit left out).
+    """:func:`pipeline.tracking.registry.promote` of the version ``result`` names against the
+    champion, both scored on the validation day's partition (its files with a quarantined unit left out).
     A version a re-run found rather than trained keeps the decision recorded when it was
     promoted (a re-run of an old day never moves the champion again); returns the decision as
     plain data."""
-    from pipeline.registry import promote as promote_version
-    from pipeline.registry import recorded_decision
+    from pipeline.tracking.registry import promote as promote_version
+    from pipeline.tracking.registry import recorded_decision
 
     if result["reused"]:
         recorded = recorded_decision(settings.model, result["version"], settings.tracking_uri)

@@ -13,10 +13,10 @@ import click
 from antdt.errors import AntdtError, JobCancelled, JobFailed
 from pipeline import terminal
 from pipeline.bench import bench
-from pipeline.cli_experiments import EXPERIMENT_COMMANDS
-from pipeline.cli_jobs import (JOB_COMMANDS, Cluster, cluster_options, follow_and_report,
+from pipeline.cli.experiments import EXPERIMENT_COMMANDS
+from pipeline.cli.jobs import (JOB_COMMANDS, Cluster, cluster_options, follow_and_report,
                                register_option, registering, resume_option, resume_spec)
-from pipeline.simulate import command as simulate
+from pipeline.cli.simulate import command as simulate
 from pipeline.terminal import progress_bar, stderr
 
 
@@ -124,7 +124,7 @@ def train(job_path: str, mode: str | None, local_alias: bool, workers: int | Non
           job_id: str | None, resume: str | None, register: str | None, as_json: bool) -> None:
     """Train the model of JOB.yaml, evaluate it and track the run in MLflow: on a new
     LocalCluster, or on the Dask cluster at --scheduler (the same as ``antdt submit``)."""
-    from pipeline.config import load_job
+    from pipeline.job.config import load_job
 
     scheduler = cluster.given
     if local_alias and mode not in (None, "local"):
@@ -140,14 +140,14 @@ def train(job_path: str, mode: str | None, local_alias: bool, workers: int | Non
                               or resume is not None):
         raise click.UsageError("--workers/--scheduler/--resume need --mode async")
     if chosen == "local":
-        from pipeline.local import train_local
+        from pipeline.training.local import train_local
 
         with progress_bar("training (local)", enabled=not as_json) as bar:
             summary = train_local(job, progress=bar)
         click.echo(summary.to_json() if as_json else "\n".join(summary.lines()))
         return
     from antdt.jobs import JobClient
-    from pipeline.cluster import connect, job_spec
+    from pipeline.training.cluster import connect, job_spec
 
     spec = job_spec(job)  # bad data is refused before a cluster starts
     if resume is not None:

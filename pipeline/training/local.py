@@ -22,10 +22,10 @@ from data.schema import Schema
 from data.validate import validate
 from models.evaluate import evaluate
 from models.train_step import TrainStep
-from pipeline.config import JobConfig
-from pipeline.registry import data_window, log_and_register
-from pipeline.report import JobSummary, ProgressSink, oracle_auc
-from pipeline.tracking import Tracker
+from pipeline.job.config import JobConfig
+from pipeline.job.report import JobSummary, ProgressSink, oracle_auc
+from pipeline.tracking.registry import data_window, log_and_register
+from pipeline.tracking.tracking import Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
                 ) -> JobSummary:
     """Train ``job`` in this process, evaluate it, and track it in MLflow (a run named
     ``run_name``, with ``tags`` besides antdt's own, and its data window's); register the
-    model when the job names a registered model (:mod:`pipeline.registry`)."""
+    model when the job names a registered model (:mod:`pipeline.tracking.registry`)."""
     started = time.perf_counter()
     prepare_process(job.train.threads)
     data = prepare_data(job)

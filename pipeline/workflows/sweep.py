@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from antdt.errors import AntdtError, ConfigError
-from pipeline.config import JobConfig, load_job
-from pipeline.report import JobSummary, ProgressSink, higher_is_better
+from pipeline.job.config import JobConfig, load_job
+from pipeline.job.report import JobSummary, ProgressSink, higher_is_better
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +201,8 @@ def run_sweep(trials: list[Trial], grid: Grid, *, metric: str = "auc",
     cores), as many at once as fit its workers; the result with the best trial, whose model
     becomes a version of ``register`` when given."""
     from antdt.jobs import JobClient
-    from pipeline.cluster import connect
-    from pipeline.tracking import experiment, redact, resolved_uri
+    from pipeline.tracking.tracking import experiment, redact, resolved_uri
+    from pipeline.training.cluster import connect
 
     base = trials[0].job
     uri = resolved_uri(base)
@@ -221,7 +221,7 @@ def run_sweep(trials: list[Trial], grid: Grid, *, metric: str = "auc",
         result.best = best_of(trials, metric)
         best = result.best
         if register is not None and best is not None and best.summary is not None:
-            from pipeline.registry import register_run
+            from pipeline.tracking.registry import register_run
 
             result.registered = (register, register_run(uri, best.summary.run_id, register,
                                                         best.summary))
@@ -239,7 +239,7 @@ def _open_parent(uri: str, experiment_id: str, base: JobConfig, grid: Grid, metr
     from mlflow import MlflowClient
     from mlflow.entities import Param
 
-    from pipeline.tracking import flatten, public_config
+    from pipeline.tracking.tracking import flatten, public_config
 
     client = MlflowClient(uri)
     run = client.create_run(experiment_id, run_name=f"{base.name}-sweep",
@@ -273,7 +273,7 @@ def _close_parent(uri: str, parent: str, result: SweepResult, status: str) -> No
 
 def local_trial(job: JobConfig, tags: Mapping[str, str], run_name: str) -> dict[str, Any]:
     """A local-mode trial, in a task on a worker: its summary as plain data."""
-    from pipeline.local import train_local
+    from pipeline.training.local import train_local
 
     return train_local(job, tags=tags, run_name=run_name).to_dict()
 
@@ -312,7 +312,7 @@ class _Runner:
                 "antdt.sweep.values": " ".join(f"{k}={v}" for k, v in trial.values.items())}
 
     def _start(self, trial: Trial) -> None:
-        from pipeline.cluster import job_spec
+        from pipeline.training.cluster import job_spec
 
         trial.state = "running"
         logger.info("starting %s", trial.name)
@@ -332,7 +332,7 @@ class _Runner:
         self.running[trial.index] = (trial, handle)
 
     def _collect(self) -> None:
-        from pipeline.following import outcome
+        from pipeline.training.following import outcome
 
         for index, (trial, handle) in list(self.running.items()):
             if isinstance(handle, str):
@@ -366,7 +366,7 @@ class _Runner:
         logger.warning("%s failed: %s", trial.name, error)
         trial.run_id = trial.run_id or self._run_of(trial)
         if trial.run_id is None:
-            from pipeline.tracking import Tracker
+            from pipeline.tracking.tracking import Tracker
 
             tracker = Tracker.start(trial.job, mode=trial.job.train.mode, tags=self._tags(trial),
                                     tracking_uri=self.uri, experiment_id=self.experiment_id,
