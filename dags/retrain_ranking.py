@@ -7,8 +7,8 @@ event of the asset ``antdt_ranking_model`` (a serving deploy can be scheduled on
 
     wait_for_partition ─► validate_partition ─► train ─► promote ─► report
 
-The steps are antdt's (:mod:`pipeline.retrain`); this file only wires them, and imports nothing
-heavy (torch, Dask, MLflow) while Airflow parses it. Tasks pass paths, ids and figures, never
+The steps are antdt's (:mod:`pipeline.workflows.retrain`); this file only wires them, and
+imports nothing heavy (torch, Dask, MLflow) while Airflow parses it. Tasks pass paths, ids and figures, never
 rows. A run is re-runnable: the train task's job id comes from the DAG run (a retried task
 attaches to the job its first try started), and a day already trained by the same job on the
 same data trains nothing and keeps the decision made then. Relative paths in the params resolve
@@ -30,7 +30,7 @@ from airflow.sdk import (Asset, CronDataIntervalTimetable, Param, PokeReturnValu
 from airflow.sdk.exceptions import AirflowFailException
 
 if TYPE_CHECKING:
-    from pipeline.retrain import Settings
+    from pipeline.workflows.retrain import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def tracking_store(param: str) -> str:
 
 def settings() -> Settings:
     """This run's settings, from its params and logical date."""
-    from pipeline.retrain import Settings
+    from pipeline.workflows.retrain import Settings
 
     context = get_current_context()
     params = context["params"]
@@ -104,7 +104,7 @@ def settings() -> Settings:
 def failing_at_once(what: str) -> Iterator[None]:
     """Bad data, a bad job file or a bad param fails the task without retries (a retry would
     find them as they are); the error, naming the file, column or value, goes to the log."""
-    from pipeline.retrain import BAD_INPUT
+    from pipeline.workflows.retrain import BAD_INPUT
 
     try:
         yield
@@ -116,7 +116,7 @@ def failing_at_once(what: str) -> Iterator[None]:
 @task.sensor(poke_interval=300, timeout=12 * 3600, mode="reschedule")
 def wait_for_partition() -> PokeReturnValue:
     """Wait for the logical date's partition to hold Parquet files."""
-    from pipeline.retrain import partition_files
+    from pipeline.workflows.retrain import partition_files
 
     run = settings()
     path = run.partition_path(run.day)
@@ -130,7 +130,7 @@ def wait_for_partition() -> PokeReturnValue:
 def validate_partition(partition: str) -> dict[str, Any]:
     """Check the window's partitions and validate the new one: bad data fails the run here,
     naming the file, row group and column, unless on_bad_data=quarantine sets it aside."""
-    from pipeline.retrain import check_window
+    from pipeline.workflows.retrain import check_window
 
     with failing_at_once(partition):
         return check_window(settings())
@@ -140,7 +140,7 @@ def validate_partition(partition: str) -> dict[str, Any]:
 def train(checked: dict[str, Any]) -> dict[str, Any]:
     """Train the window on the Dask cluster, or attach to the job an earlier try started, or
     find the version the same job on the same data registered."""
-    from pipeline import retrain
+    from pipeline.workflows import retrain
 
     retrain.quiet_libraries()
     context = get_current_context()
@@ -154,7 +154,7 @@ def train(checked: dict[str, Any]) -> dict[str, Any]:
 def promote(trained: dict[str, Any], checked: dict[str, Any]) -> dict[str, Any]:
     """Score the new version and the champion on the validation day; move ``champion`` only
     for a better AUC (by at least min_gain)."""
-    from pipeline import retrain
+    from pipeline.workflows import retrain
 
     retrain.quiet_libraries()
     return retrain.promote(settings(), trained, checked["quarantined"])
@@ -164,7 +164,7 @@ def promote(trained: dict[str, Any], checked: dict[str, Any]) -> dict[str, Any]:
 def report(trained: dict[str, Any], decision: dict[str, Any]) -> dict[str, Any]:
     """The decision, both AUCs, the rows and the MLflow run: in the task log and as the
     asset event's extra."""
-    from pipeline.retrain import report as retrain_report
+    from pipeline.workflows.retrain import report as retrain_report
 
     lines, extra = retrain_report(settings(), trained, decision)
     for line in lines:

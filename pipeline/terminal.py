@@ -67,12 +67,12 @@ def configure(verbosity: int) -> None:
     for package in OWN_LOGGERS:
         logging.getLogger(package).setLevel(own)
     # distributed logs through a handler of its own; a LocalCluster passes its level to its
-    # processes (see pipeline.driver.connect)
+    # processes (see pipeline.training.cluster.connect)
     logging.getLogger("distributed").setLevel(root)
 
 
 class _Bar:
-    """One task of a rich progress display, as the :class:`~pipeline.report.ProgressSink` jobs
+    """One task of a rich progress display, as the :class:`~pipeline.job.report.ProgressSink` jobs
     report to."""
 
     def __init__(self, progress: Progress, task: TaskID) -> None:

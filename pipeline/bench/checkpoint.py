@@ -29,11 +29,11 @@ from antdt.jobs import JobClient, checkpoints
 from data.schema import Schema
 from pipeline.bench import emit, median_of
 from pipeline.bench.jobs import SET_HELP, default_job, echo, with_train
-from pipeline.cluster import connect, job_spec
-from pipeline.config import JobConfig
-from pipeline.following import outcome
-from pipeline.local import prepare_data
-from pipeline.recipes import TrainerRecipe
+from pipeline.job.config import JobConfig
+from pipeline.training.cluster import connect, job_spec
+from pipeline.training.following import outcome
+from pipeline.training.local import prepare_data
+from pipeline.training.recipes import TrainerRecipe
 
 REPEATS_PER_SIZE = 3
 

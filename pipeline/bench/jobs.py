@@ -23,11 +23,11 @@ from distributed import Client
 
 from data.synth import generate
 from antdt.jobs import JobClient
-from pipeline.cluster import connect, job_spec
-from pipeline.config import (FaultConfig, JobConfig, Sharding, apply_override, job_from_dict,
-                             load_job)
-from pipeline.following import AgentRecord, outcome
-from pipeline.report import JobSummary
+from pipeline.job.config import (FaultConfig, JobConfig, Sharding, apply_override,
+                                 job_from_dict, load_job)
+from pipeline.job.report import JobSummary
+from pipeline.training.cluster import connect, job_spec
+from pipeline.training.following import AgentRecord, outcome
 
 logger = logging.getLogger(__name__)
 

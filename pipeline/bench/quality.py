@@ -20,8 +20,8 @@ from pipeline.bench import emit
 from pipeline.bench.jobs import (SET_HELP, default_job, echo, run_async, synthetic_job,
                                  with_train)
 from pipeline.bench.sizing import sized_job
-from pipeline.config import JobConfig
-from pipeline.local import train_local
+from pipeline.job.config import JobConfig
+from pipeline.training.local import train_local
 
 
 def async_runs(job: JobConfig, count: int, repeats: int, reference_auc: float, expected: int,

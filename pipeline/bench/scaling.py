@@ -65,9 +65,9 @@ from models.train_step import TrainStep
 from pipeline.bench import emit, median_of
 from pipeline.bench.jobs import SET_HELP, echo, run_async, with_train
 from pipeline.bench.sizing import sized_job
-from pipeline.cluster import connect
-from pipeline.config import JobConfig
-from pipeline.local import iterate_batches, prepare_data, train_local
+from pipeline.job.config import JobConfig
+from pipeline.training.cluster import connect
+from pipeline.training.local import iterate_batches, prepare_data, train_local
 
 
 ROUNDS_OFF = SyncPeriod(batches=10**9)
@@ -151,9 +151,9 @@ def _train_in_dask(key: str) -> tuple[int, float, float]:
 
 def dask_run(job: JobConfig, workers: int) -> list[tuple[int, float, float]]:
     """(rows, start, end) of a bare trainer on each worker of a new LocalCluster like an async
-    job's (:func:`pipeline.cluster.connect`), each on its share of the row groups: the models are
-    built by one round of tasks, then trained by a second submitted at once, so they start
-    together."""
+    job's (:func:`pipeline.training.cluster.connect`), each on its share of the row groups: the
+    models are built by one round of tasks, then trained by a second submitted at once, so they
+    start together."""
     with connect(workers) as client:
         addresses = sorted(client.scheduler_info(n_workers=-1)["workers"])
         keys = [f"{uuid.uuid4().hex}-{share}" for share in range(workers)]

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from data.files import expand, row_groups
 from pipeline.bench.jobs import Outcome, echo, run_async, synthetic_job, with_train
-from pipeline.config import JobConfig
+from pipeline.job.config import JobConfig
 
 CALIBRATION_ROWS = 640_000
 """Rows of the calibration job's dataset, 480,000 of them to train (three of its four days):

@@ -44,7 +44,7 @@ import dask
 from pipeline.bench import emit
 from pipeline.bench.jobs import SET_HELP, Outcome, cpu_hog, echo, run_async, with_train
 from pipeline.bench.sizing import sized_job
-from pipeline.config import FaultConfig, JobConfig, Sharding
+from pipeline.job.config import FaultConfig, JobConfig, Sharding
 
 SCENARIOS = ("none", "persistent", "transient", "hang", "crash", "contention")
 WAYS: tuple[Sharding, ...] = ("antdt", "pull", "static")

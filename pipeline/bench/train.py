@@ -23,7 +23,7 @@ from models.config import ModelConfig, OptimConfig
 from models.ranking import build_model
 from models.train_step import TrainStep
 from pipeline.bench import emit, median_of
-from pipeline.local import iterate_batches
+from pipeline.training.local import iterate_batches
 
 
 def plain_torchrec_pass(model: torch.nn.Module, optimizer: torch.optim.Optimizer,

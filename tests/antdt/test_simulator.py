@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from antdt.controller import Action, ControllerPolicy, ReassignStragglers, SplitTail, Tick
 from antdt.simulator import (MIXES, Mix, Profile, Scenario, _Events, _Worker, ideal_seconds,
                              profiles, simulate, static_makespan)
-from pipeline.simulate import command
+from pipeline.cli.simulate import command
 
 QUIET = MIXES["none"]
 

@@ -1,6 +1,6 @@
 """The Dask glue of the model sync: SyncService, SyncWorkerPlugin and BackgroundSync on a
 gen_cluster with small replicas (a real process death, and the model held against the ledger
-after it: ``antdt bench chaos``, tests/pipeline/test_bench_chaos.py)."""
+after it: ``antdt bench chaos``, tests/pipeline/bench/test_chaos.py)."""
 
 from __future__ import annotations
 

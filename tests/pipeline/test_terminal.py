@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from rich.table import Table
 
-from pipeline.report import JobSummary
+from pipeline.job.report import JobSummary
 from pipeline.terminal import QUIET_ENVIRONMENT, print_whole
 
 ANTDT = str(Path(sys.executable).parent / "antdt")

@@ -1,0 +1,171 @@
+"""The ``antdt`` command line: data tools, training, benchmarks.
+
+Long work shows a progress bar on stderr; ``--json`` prints one machine-readable object on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from antdt.errors import AntdtError, JobCancelled, JobFailed
+from pipeline import terminal
+from pipeline.bench import bench
+from pipeline.cli.experiments import EXPERIMENT_COMMANDS
+from pipeline.cli.jobs import (JOB_COMMANDS, Cluster, cluster_options, follow_and_report,
+                               register_option, registering, resume_option, resume_spec)
+from pipeline.cli.simulate import command as simulate
+from pipeline.terminal import progress_bar, stderr
+
+
+class _Main(click.Group):
+    """Turns domain errors into one clear line, never a traceback: exit code 1 for a job that
+    failed or was cancelled, 2 for bad input."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except (JobFailed, JobCancelled) as exc:
+            stderr.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            sys.exit(1)
+        except AntdtError as exc:
+            stderr.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            sys.exit(2)
+
+
+@click.group(name="antdt", cls=_Main)
+@click.option("-v", "--verbose", count=True,
+              help="Show the libraries' logs and warnings: -v info, -vv debug.")
+def cli(verbose: int) -> None:
+    """antdt: straggler-tolerant training of ranking models on Dask."""
+    terminal.configure(verbose)
+
+
+@cli.group()
+def data() -> None:
+    """Generate and validate Parquet datasets."""
+
+
+@data.command("synth")
+@click.argument("out")
+@click.option("--rows", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+              help="Rows in all, over all days.")
+@click.option("--days", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--row-group-rows", type=click.IntRange(min=1), default=65536, show_default=True)
+@click.option("--files-per-day", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+def data_synth(out: str, rows: int, days: int, seed: int, row_group_rows: int,
+               files_per_day: int, as_json: bool) -> None:
+    """Write Criteo-like synthetic data with a hidden true model to OUT (plus schema and oracle)."""
+    from data.synth import generate
+
+    with progress_bar("synthesising rows", rows, enabled=not as_json) as bar:
+        result = generate(out, rows=rows, days=days, seed=seed, row_group_rows=row_group_rows,
+                          files_per_day=files_per_day, progress=bar.advance)
+    oracle_auc = {d: v["auc"] for d, v in result.oracle["per_day"].items()}
+    if as_json:
+        click.echo(json.dumps({"out": out, "rows": result.rows, "files": len(result.files),
+                               "oracle_auc": oracle_auc}, sort_keys=True))
+    else:
+        click.echo(f"wrote {result.rows:,} rows in {len(result.files)} files to {out}")
+        for day, auc in oracle_auc.items():
+            click.echo(f"  {day}: oracle AUC {auc:.4f}")
+
+
+@data.command("validate")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--schema", "schema_path", required=True, help="The schema YAML.")
+@click.option("--json", "as_json", is_flag=True, help="Print the problems as JSON.")
+def data_validate(paths: tuple[str, ...], schema_path: str, as_json: bool) -> None:
+    """Check every file's schema, readability and label values; exit 1 when any is bad."""
+    from data.files import expand
+    from data.schema import Schema
+    from data.validate import validate
+
+    schema = Schema.from_yaml(schema_path)
+    files = expand(list(paths))
+    report = validate(files, schema)
+    if as_json:
+        click.echo(json.dumps({"ok": report.ok, "files": len(files),
+                               "good_rows": report.good_rows, "bad_rows": report.bad_rows,
+                               "problems": [p._asdict() for p in report.problems]},
+                              sort_keys=True))
+    else:
+        for problem in report.problems:
+            click.echo(str(problem), err=True)
+        verdict = "ok" if report.ok else f"{len(report.problems)} problem(s)"
+        click.echo(f"{len(files)} file(s), {report.good_rows:,} good rows, "
+                   f"{report.bad_rows:,} bad rows: {verdict}")
+    sys.exit(0 if report.ok else 1)
+
+
+@cli.command()
+@click.argument("job_path", metavar="JOB.yaml")
+@click.option("--mode", type=click.Choice(["async", "local"]), default=None,
+              help="async: a Dask cluster, one replica per worker (default: the job's "
+                   "train.mode, async); local: this process, the reference path.")
+@click.option("--local", "local_alias", is_flag=True, help="Alias of --mode local.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Workers of the LocalCluster to start (default: the job's train.workers).")
+@cluster_options
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config value, e.g. --set train.epochs=2 (repeatable).")
+@click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: the job's, "
+              "else MLflow's default store).")
+@click.option("--job-id", default=None, help="The job's id (async mode).")
+@resume_option
+@register_option
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def train(job_path: str, mode: str | None, local_alias: bool, workers: int | None,
+          cluster: Cluster, overrides: tuple[str, ...], tracking_uri: str | None,
+          job_id: str | None, resume: str | None, register: str | None, as_json: bool) -> None:
+    """Train the model of JOB.yaml, evaluate it and track the run in MLflow: on a new
+    LocalCluster, or on the Dask cluster at --scheduler (the same as ``antdt submit``)."""
+    from pipeline.job.config import load_job
+
+    scheduler = cluster.given
+    if local_alias and mode not in (None, "local"):
+        raise click.UsageError(f"--local contradicts --mode {mode}")
+    if workers is not None and scheduler is not None:
+        raise click.UsageError("--workers starts a LocalCluster; with --scheduler the "
+                               "cluster's own workers train: give one or the other")
+    if tracking_uri:
+        overrides = (*overrides, f"mlflow.tracking_uri={tracking_uri}")
+    job = registering(load_job(job_path, overrides), register)
+    chosen = "local" if local_alias else mode or job.train.mode
+    if chosen == "local" and (workers is not None or scheduler is not None
+                              or resume is not None):
+        raise click.UsageError("--workers/--scheduler/--resume need --mode async")
+    if chosen == "local":
+        from pipeline.training.local import train_local
+
+        with progress_bar("training (local)", enabled=not as_json) as bar:
+            summary = train_local(job, progress=bar)
+        click.echo(summary.to_json() if as_json else "\n".join(summary.lines()))
+        return
+    from antdt.jobs import JobClient
+    from pipeline.training.cluster import connect, job_spec
+
+    spec = job_spec(job)  # bad data is refused before a cluster starts
+    if resume is not None:
+        spec, job_id = resume_spec(job, spec, resume, job_id)
+    if scheduler is not None:
+        with cluster.jobs() as jobs:
+            submitted = jobs.submit(spec, job_id=job_id)["job"]["job_id"]
+            follow_and_report(jobs, submitted, scheduler, as_json, "training (async)")
+        return
+    with connect(workers or job.train.workers) as client, JobClient(client) as jobs:
+        submitted = jobs.submit(spec, job_id=job_id)["job"]["job_id"]
+        follow_and_report(jobs, submitted, None, as_json, "training (async)")
+
+
+for command in (bench, simulate, *JOB_COMMANDS, *EXPERIMENT_COMMANDS):
+    cli.add_command(command)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli()

@@ -1,0 +1,243 @@
+"""A training job on a Dask cluster, from the application's side: the spec it hands AntDT's
+master (:mod:`antdt.jobs`), and submit-and-follow. ``antdt train`` (a LocalCluster it starts),
+``antdt submit`` (a long-lived cluster), the benchmarks and the Airflow DAG all go through here::
+
+    validate the data, here (a bad file is refused before anything starts on the cluster)
+      ─► job_spec: the plan (row groups, sizes, epochs, sync period, sharding, faults) and the
+         code (the trainer and reader recipes, the tracking hooks), with the tracking URI as it
+         resolves here
+      ─► JobClient.submit (an existing job id attaches instead) ─► follow: progress from the
+         job's record ─► the summary the hooks returned
+
+The job's control runs on the cluster's scheduler, its heavy work in tasks on the workers: a
+client that goes away (``--no-wait``, a killed process, Ctrl-C) leaves the job running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import posixpath
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import dask.config
+import torch
+from distributed import Client, LocalCluster
+from distributed.security import Security
+
+from antdt import config
+from antdt.errors import CheckpointError, ConfigError, DataError, JobError
+from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec, checkpoints
+from antdt.jobs.checkpoints import Manifest
+from antdt.sharding import QuarantineSpec
+from data.files import RowGroup, expand, row_groups
+from data.schema import Schema
+from pipeline.job.config import JobConfig
+from pipeline.job.report import JobSummary, ProgressSink
+from pipeline.tracking.tracking import experiment, redact, resolved_uri, store_modules
+from pipeline.training.following import follow, outcome
+from pipeline.training.hooks import RankingHooks
+from pipeline.training.local import PreparedData, prepare_data
+from pipeline.training.recipes import ReaderRecipe, TrainerRecipe
+
+logger = logging.getLogger(__name__)
+
+
+# ---- the spec ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LedgerPlan:
+    """What the sharding service is told: every training row group (bad ones included, so
+    their rows are counted) and the bad units of the training files."""
+
+    row_groups: list[tuple[str, int, int]]
+    quarantine: list[QuarantineSpec]
+
+
+def ledger_plan(job: JobConfig, data: PreparedData) -> LedgerPlan:
+    """Row groups and quarantine of ``job``'s training files for the job's ledger.
+
+    The validator's bad units of the training files become the ledger's quarantine: a bad row
+    group by itself, a bad file with every row group its footer lists (none when it has no
+    readable footer: the ledger then records the file with 0 rows).
+    """
+    train_files = set(expand(list(job.data.train)))
+    quarantine: list[QuarantineSpec] = [(p, g, r) for p, g, r in data.quarantine
+                                        if p in train_files]
+    bad_files = {p for p, g, _ in quarantine if g is None}
+    bad_groups = {(p, g) for p, g, _ in quarantine if g is not None}
+    extra: list[RowGroup] = []
+    for path in sorted({p for p, _, _ in quarantine}):
+        try:
+            listed = row_groups([path])
+        except DataError:
+            continue  # no readable footer: the ledger records the file with 0 rows
+        extra.extend(g for g in listed if path in bad_files or (path, g.index) in bad_groups)
+    groups = [(g.path, g.index, g.num_rows) for g in [*data.train, *extra]]
+    return LedgerPlan(groups, quarantine)
+
+
+def fingerprint(job: JobConfig, schema: Schema, row_groups: Sequence[tuple[str, int, int]]
+                ) -> dict[str, str]:
+    """What a job resumed from a checkpoint must keep (keys as in the job file): its training
+    row groups, schema, model shape, optimiser kinds, and what the ledger was built with.
+    Learning rates, workers and the sync period may change."""
+    def short(value: object) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+    train = job.train
+    files = {path for path, _, _ in row_groups}
+    rows = sum(n for _, _, n in row_groups)
+    return {
+        "data.train": f"{len(files)} files, {rows:,} rows, digest {short(list(row_groups))}",
+        "data.schema": f"digest {short(schema.to_dict())}",
+        **{f"model.{key}": str(value) for key, value in job.model.to_dict().items()},
+        "train.epochs": str(train.epochs), "train.batch_size": str(train.batch_size),
+        "train.shard_rows": str(train.shard_rows), "train.seed": str(train.seed),
+        "train.sparse_optimizer": train.optim.sparse_optimizer,
+        "train.dense_optimizer": train.optim.dense_optimizer,
+    }
+
+
+def resume_point(job: JobConfig, spec: JobSpec, ref: str,
+                 warn: Callable[[str], None] = logger.warning) -> Manifest:
+    """The checkpoint ``--resume ref`` names (a job id under the job's ``train.checkpoint_dir``,
+    a job's checkpoint folder or one checkpoint), newer torn or corrupt ones skipped with
+    ``warn``; refused when the job had finished or when ``spec`` changes what the checkpoint
+    fixed (the message names the key)."""
+    manifest = checkpoints.resolve(ref, job.train.checkpoint_dir, warn)
+    note = checkpoints.read_note(posixpath.dirname(manifest.path))
+    if note is not None and note.get("job_id") == manifest.job_id \
+            and note.get("state") == "finished":
+        run = (note.get("run") or {}).get("run_id")
+        raise CheckpointError(f"--resume {ref}: job {manifest.job_id} finished; its model is in "
+                              f"MLflow run {run}")
+    checkpoints.check_fingerprint(manifest, spec.plan.fingerprint)
+    return manifest
+
+
+def resumed(spec: JobSpec, manifest: Manifest) -> JobSpec:
+    """``spec`` starting from the checkpoint ``manifest``."""
+    return dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, resume=manifest.path))
+
+
+def job_spec(job: JobConfig, data: PreparedData | None = None, *,
+             deadline_s: float | None = None, workers: int | None = None,
+             run_tags: Mapping[str, str] | None = None, run_name: str | None = None) -> JobSpec:
+    """What AntDT's master runs for ``job`` (validated here first unless ``data`` is given).
+    ``deadline_s``: stop the job if training takes longer (benchmarks' baselines that never
+    finish); ``workers``: train on that many of the cluster's workers, the least busy (default:
+    every worker); ``run_tags``, ``run_name``: what its MLflow run starts with."""
+    data = data if data is not None else prepare_data(job)
+    plan = ledger_plan(job, data)
+    train = job.train
+    uri = resolved_uri(job)
+    hooks = RankingHooks(job, data.schema, data.validation,
+                         example=(data.validation or data.train)[0], tracking_uri=uri,
+                         experiment_id=experiment(uri, job.mlflow.experiment),
+                         quarantine=[(p, g, r) for p, g, r in plan.quarantine],
+                         run_tags=dict(run_tags or {}), run_name=run_name)
+    faults = {f.worker: {"slowdown": f.slowdown, "hang_after_rows": f.hang_after_rows,
+                         "crash_after_rows": f.crash_after_rows,
+                         "slow_for_rows": f.slow_for_rows, "pause_until": f.pause_until,
+                         "pause_after_rows": f.pause_after_rows} for f in job.faults}
+    return JobSpec(
+        JobPlan(name=job.name, row_groups=plan.row_groups, batch_rows=train.batch_size,
+                shard_rows=train.shard_rows, epochs=train.epochs, seed=train.seed,
+                sync_period=str(train.sync_period), sharding=train.sharding,
+                threads=train.threads, quarantine=list(plan.quarantine), faults=faults,
+                deadline_s=deadline_s, workers=workers,
+                min_batches_per_worker=train.min_batches_per_worker,
+                preload=["pipeline.training.recipes", *store_modules(uri)],
+                tags={"experiment": job.mlflow.experiment, "tracking_uri": redact(uri)},
+                checkpoint_dir=train.checkpoint_dir, checkpoint_every=train.checkpoint_every,
+                checkpoint_keep=train.checkpoint_keep,
+                fingerprint=fingerprint(job, data.schema, plan.row_groups)),
+        JobCode.of(TrainerRecipe(data.schema, job.model, train.optim, train.seed),
+                   ReaderRecipe(data.schema, train.threads), hooks))
+
+
+# ---- the cluster ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def connect(workers: int | None = None, scheduler: str | None = None, *,
+            security: Security | None = None) -> Iterator[Client]:
+    """A client of the scheduler at ``scheduler``, or of a new LocalCluster of ``workers``
+    Nanny-managed worker processes with one thread each (a GPU resource each when this machine
+    has CUDA), closed at the end. The cluster's processes log ``distributed`` at this process's
+    level (quiet unless ``-v``: :mod:`pipeline.terminal`)."""
+    if scheduler is not None:
+        with Client(scheduler, security=security, set_as_default=False) as client:
+            yield client
+        return
+    if workers is None:
+        raise JobError("connect: give the workers of a LocalCluster to start, or a scheduler")
+    resources = {"GPU": 1} if torch.cuda.is_available() else None
+    level = logging.getLogger("distributed").getEffectiveLevel()
+    with dask.config.set(local_cluster_settings()):  # read as the servers start
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                               dashboard_address=":0", resources=resources, silence_logs=level)
+    with cluster, Client(cluster, set_as_default=False) as client:
+        # The cluster's own view of its workers can miss one that registered while it started;
+        # a worker that then dies makes the cluster fail on close (KeyError). Refresh the view.
+        cluster.wait_for_workers(workers)
+        logger.info("LocalCluster of %d workers, dashboard %s", workers, client.dashboard_link)
+        yield client
+
+
+def local_cluster_settings() -> dict[str, Any]:
+    """The Dask settings ``antdt.local-cluster`` gives the LocalCluster :func:`connect` starts:
+    slower housekeeping than Dask's defaults, which take CPU from training (see antdt.yaml)."""
+    settings = config.get("antdt.local-cluster")
+    if settings is None:
+        return {}
+    if not isinstance(settings, Mapping):
+        raise ConfigError("dask config antdt.local-cluster: expected a mapping of Dask settings "
+                          "like {'distributed.admin.tick.interval': '500ms'}, found "
+                          f"{settings!r}")
+    for key in settings:
+        if not (isinstance(key, str) and key.startswith("distributed.")):
+            raise ConfigError(f"dask config antdt.local-cluster: {key!r} is not a Dask setting; "
+                              "expected a key like 'distributed.admin.tick.interval'")
+    return dict(settings)
+
+
+# ---- submit and follow -------------------------------------------------------------------------
+
+
+def run(job: JobConfig, *, workers: int | None = None, scheduler: str | None = None,
+        security: Security | None = None, progress: ProgressSink | None = None,
+        job_id: str | None = None, deadline_s: float | None = None,
+        resume: str | None = None) -> dict[str, Any]:
+    """Submit ``job`` to the cluster at ``scheduler`` (or to a new LocalCluster of ``workers``,
+    default ``train.workers``) and follow it to its end; its final record. ``resume``: start
+    from that checkpoint (:func:`resume_point`), as the job that wrote it."""
+    data = prepare_data(job)  # fail on bad data before anything starts on a cluster
+    spec = job_spec(job, data, deadline_s=deadline_s)
+    if resume is not None:
+        manifest = resume_point(job, spec, resume)
+        spec, job_id = resumed(spec, manifest), manifest.job_id
+    local = None
+    if scheduler is None:  # no process started for a worker the job would leave idle
+        asked = workers or job.train.workers
+        spec = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, workers=asked))
+        local, _ = spec.plan.fitted_workers(asked)
+    with connect(local, scheduler, security=security) as client, JobClient(client) as jobs:
+        submitted = jobs.submit(spec, job_id=job_id)
+        return follow(jobs, submitted["job"]["job_id"], progress)
+
+
+def train_async(job: JobConfig, *, workers: int | None = None, scheduler: str | None = None,
+                security: Security | None = None, progress: ProgressSink | None = None,
+                job_id: str | None = None, resume: str | None = None) -> JobSummary:
+    """:func:`run`, then the job's summary; :class:`JobFailed` or :class:`JobCancelled` when it
+    did not finish."""
+    return outcome(run(job, workers=workers, scheduler=scheduler, security=security,
+                       progress=progress, job_id=job_id, resume=resume))

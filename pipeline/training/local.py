@@ -1,0 +1,148 @@
+"""The single-process reference trainer (`antdt train JOB --local`).
+
+Every distributed mode is compared against this path: same reader, same :class:`TrainStep`,
+same evaluation. It reads top to bottom: validate the data, train the epochs, evaluate, log.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Iterator, Mapping
+
+import numpy as np
+from torchrec.datasets.utils import Batch
+
+from antdt.device import FROZEN_HEAP, prepare_process
+from antdt.prefetch import Prefetcher
+from data.files import RowGroup, expand, row_groups
+from data.reader import ShardReader
+from data.schema import Schema
+from data.validate import validate
+from models.evaluate import evaluate
+from models.train_step import TrainStep
+from pipeline.job.config import JobConfig
+from pipeline.job.report import JobSummary, ProgressSink, oracle_auc
+from pipeline.tracking.registry import data_window, log_and_register
+from pipeline.tracking.tracking import Tracker
+
+logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class PreparedData:
+    """What the validator let through, and what it set aside."""
+
+    schema: Schema
+    train: list[RowGroup]
+    validation: list[RowGroup]
+    quarantined_rows: int
+    quarantine: list[tuple[str, int | None, str]]
+
+
+def prepare_data(job: JobConfig) -> PreparedData:
+    """Expand the job's paths and validate every file before any training starts.
+
+    With ``on_bad_data: fail`` the first report with problems raises a ``DataError`` listing
+    each of them; with ``quarantine`` the bad row groups (or whole files) are set aside and
+    their rows counted, never dropped silently.
+    """
+    schema = Schema.from_yaml(job.data.schema)
+    train_files = expand(list(job.data.train))
+    validation_files = expand(list(job.data.validation))
+    report = validate(train_files + validation_files, schema)
+    if job.data.on_bad_data == "fail":
+        report.raise_if_bad()
+    bad = report.bad_units()
+    bad_files = {path for path, group, _ in bad if group is None}
+    bad_groups = {(path, group) for path, group, _ in bad if group is not None}
+    for path, group, reason in bad:
+        where = f"{path}" if group is None else f"{path} row group {group}"
+        logger.warning("quarantined %s: %s", where, reason)
+
+    def usable(files: list[str]) -> list[RowGroup]:
+        readable = [f for f in files if f not in bad_files]
+        return [g for g in row_groups(readable) if (g.path, g.index) not in bad_groups]
+
+    train = usable(train_files)
+    validation = usable(validation_files)
+    return PreparedData(schema=schema, train=train, validation=validation,
+                        quarantined_rows=report.bad_rows, quarantine=bad)
+
+
+def iterate_batches(reader: ShardReader, groups: list[RowGroup], batch_size: int) -> Iterator[Batch]:
+    """Every row of ``groups`` in order, in batches of ``batch_size`` (the last of each group
+    may be shorter)."""
+    for group in groups:
+        yield from reader.batches(group.path, group.index, 0, group.num_rows, batch_size)
+
+
+def epoch_order(groups: list[RowGroup], seed: int, epoch: int) -> list[RowGroup]:
+    """The row groups of one epoch in a shuffled order, reproducible from (seed, epoch)."""
+    order = np.random.default_rng([seed, epoch]).permutation(len(groups))
+    return [groups[i] for i in order]
+
+
+def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
+                tags: Mapping[str, str] | None = None, run_name: str | None = None
+                ) -> JobSummary:
+    """Train ``job`` in this process, evaluate it, and track it in MLflow (a run named
+    ``run_name``, with ``tags`` besides antdt's own, and its data window's); register the
+    model when the job names a registered model (:mod:`pipeline.tracking.registry`)."""
+    started = time.perf_counter()
+    prepare_process(job.train.threads)
+    data = prepare_data(job)
+    data_tags = data_window(job.data).tags()  # the files as training starts to read them
+    total_rows = sum(g.num_rows for g in data.train) * job.train.epochs
+    logger.info("training on %d rows (%d row groups x %d epochs), validating on %d rows",
+                total_rows, len(data.train), job.train.epochs,
+                sum(g.num_rows for g in data.validation))
+    if progress is not None:
+        progress.total(total_rows)
+    step = TrainStep(data.schema, job.model, job.train.optim, seed=job.train.seed)
+    reader = ShardReader(data.schema)
+    # the run records what ran: this process, not the job file's mode and workers
+    tracked = replace(job, train=replace(job.train, mode="local", workers=1))
+    with Tracker.start(tracked, mode="local", tags={**data_tags, **(tags or {})},
+                       run_name=run_name) as tracker:
+        tracker.artifact_yaml(data.schema.to_dict(), "schema.yaml")
+        rows, steps, train_s = 0, 0, 0.0
+        window_loss, window_start = 0.0, time.perf_counter()
+        with FROZEN_HEAP:
+            for epoch in range(job.train.epochs):
+                groups = epoch_order(data.train, job.train.seed, epoch)
+                epoch_start = time.perf_counter()
+                with Prefetcher(iterate_batches(reader, groups, job.train.batch_size)) as batches:
+                    for batch in batches:
+                        window_loss += step.step(batch)
+                        n = int(batch.labels.shape[0])
+                        rows += n
+                        steps += 1
+                        if progress is not None:
+                            progress.advance(n)
+                        if steps % job.train.log_every == 0:
+                            now = time.perf_counter()
+                            tracker.metrics({"train.loss": window_loss / job.train.log_every,
+                                             "train.samples_per_s":
+                                                 job.train.log_every * job.train.batch_size
+                                                 / max(now - window_start, 1e-9),
+                                             "train.rows_trained": rows}, step=steps)
+                            window_loss, window_start = 0.0, now
+                train_s += time.perf_counter() - epoch_start
+        metrics = evaluate(step.predict, iterate_batches(reader, data.validation,
+                                                         job.train.batch_size))
+        summary = JobSummary(
+            run_id=tracker.run_id, mode="local", workers=1,
+            auc=metrics["auc"], logloss=metrics["logloss"],
+            oracle_auc=oracle_auc(job.data.schema, [g.path for g in data.validation]),
+            rows_trained=rows, rows_lost=0, rows_retrained=0,
+            rows_quarantined=data.quarantined_rows,
+            wall_s=time.perf_counter() - started, train_s=train_s,
+            samples_per_s=rows / max(train_s, 1e-9),
+            tracking_uri=tracker.tracking_uri, experiment_id=tracker.experiment_id,
+        )
+        tracker.summary(summary.metrics())
+        # the model is the last thing logged: the run ends with it
+        summary = log_and_register(tracker, step, data.schema, job,
+                                   example=(data.validation or data.train)[0], summary=summary)
+    return summary

@@ -1,0 +1,319 @@
+"""Cluster jobs from the application's side, end to end: LocalClusters of Nanny-managed worker
+processes with the job service on their scheduler, real Parquet, TorchRec, a real MLflow store;
+a worker process killed for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dask.config
+import mlflow
+import psutil
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from click.testing import CliRunner
+from dask.utils import parse_timedelta
+from distributed import Client, Event, LocalCluster
+
+from antdt import agent
+from antdt.errors import ConfigError, DataError
+from antdt.sharding.service import PLUGIN_NAME
+from broken_files import break_label
+from data.files import expand, row_groups
+from data.synth import SynthResult
+from models.evaluate import auc
+from pipeline.cli.main import cli
+from pipeline.job.config import load_job
+from pipeline.training.cluster import connect, local_cluster_settings, train_async
+from waits import bounded
+
+TRAIN_ROWS = 16_000
+"""Rows of the two training days of ``small_data``."""
+
+FAST = {"antdt.sharding.lease-wait": "200ms", "antdt.agent.report-interval": "200ms"}
+"""Quicker end of job and progress reports than the defaults (tiny data, short jobs)."""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """Two single-thread Nanny workers, shared by the tests that pass ``--scheduler``."""
+    with dask.config.set(FAST), LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                             dashboard_address=":0") as local:
+        local.wait_for_workers(2)  # the cluster's view must hold every worker a test may kill
+        yield local
+
+
+def scheduler_workers(client: Client) -> list[str]:
+    return sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
+def workers_of(cluster: LocalCluster) -> list[str]:
+    with Client(cluster.scheduler_address) as client:
+        client.wait_for_workers(2, timeout=60)
+        return scheduler_workers(client)
+
+
+@pytest.mark.slow
+def test_cli_trains_async_on_two_workers_and_tracks_the_run(cluster_job: Path) -> None:
+    with dask.config.set(FAST):
+        result = bounded.call(CliRunner().invoke, cli, [
+            "train", str(cluster_job), "--workers", "2", "--json", "--set", "train.epochs=2",
+            "--set", "train.sync_period=2 batches", "--register", "small-async"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {"run_id", "auc", "logloss", "oracle_auc", "rows_trained", "rows_lost",
+            "rows_retrained", "rows_quarantined", "wall_s", "samples_per_s", "workers",
+            "straggler_actions"} <= set(summary)
+    assert (summary["registered_model"], summary["registered_version"]) == ("small-async", "1")
+    assert summary["mode"] == "async" and summary["workers"] == 2
+    assert summary["rows_trained"] == 2 * TRAIN_ROWS
+    assert summary["rows_lost"] == summary["rows_retrained"] == summary["rows_quarantined"] == 0
+    assert summary["auc"] > 0.6
+    assert summary["samples_per_s"] > 0 and summary["wall_s"] > 0
+
+    job = load_job(cluster_job)
+    mlflow.set_tracking_uri(job.mlflow.tracking_uri)
+    run = mlflow.get_run(summary["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.mode"] == "async"
+    assert run.data.metrics["auc"] == pytest.approx(summary["auc"])
+    assert run.data.metrics["ledger.rows_done"] == 2 * TRAIN_ROWS
+    assert run.data.metrics["agents_dead"] == 0
+    assert run.data.metrics["straggler_actions"] == summary["straggler_actions"]
+    # the summary figures are the job's own, never a tick's (the last tick trains nothing)
+    assert run.data.metrics["samples_per_s"] == pytest.approx(summary["samples_per_s"])
+    assert run.data.metrics["rows_trained"] == summary["rows_trained"]
+    history = mlflow.MlflowClient().get_metric_history(summary["run_id"], "train.rows_done")
+    assert len(history) >= 2 and history[-1].value == 2 * TRAIN_ROWS
+    actions = mlflow.MlflowClient().get_metric_history(summary["run_id"], "controller.actions")
+    assert actions and actions[-1].value == summary["straggler_actions"]
+    assert_timeline(summary["run_id"])
+    assert mlflow.MlflowClient().get_metric_history(summary["run_id"], "train.loss")
+    assert {"train.samples_per_s.worker0", "train.samples_per_s.worker1"} & set(run.data.metrics)
+    assert {"worker0.rows", "worker1.rows"} <= set(run.data.metrics)
+    assert run.data.metrics["worker0.rows"] + run.data.metrics["worker1.rows"] == 2 * TRAIN_ROWS
+    assert run.data.params["train.sync_period"] == "2 batches"
+    assert run.data.metrics["worker0.batches"] + run.data.metrics["worker1.batches"] >= \
+        2 * TRAIN_ROWS / job.train.batch_size
+    # rounds started by trained batches, plus the final round
+    assert min(run.data.metrics[f"worker{i}.sync_exchanges"] for i in (0, 1)) >= 2
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(summary["run_id"])}
+    assert {"job.yaml", "schema.yaml"} <= artifacts
+    model = mlflow.pyfunc.load_model(f"runs:/{summary['run_id']}/model")
+    frame = pq.read_table(expand(list(job.data.validation))).to_pandas()
+    assert auc(frame["label"].to_numpy(), model.predict(frame)) == pytest.approx(summary["auc"],
+                                                                                 abs=1e-4)
+    # registered from the worker that finished the job, tagged with its figures and data
+    version = mlflow.MlflowClient().get_model_version("small-async", "1")
+    assert version.run_id == summary["run_id"]
+    assert float(version.tags["antdt.auc"]) == pytest.approx(summary["auc"])
+    assert (version.tags["antdt.mode"], version.tags["antdt.workers"]) == ("async", "2")
+    assert int(version.tags["antdt.rows_trained"]) == 2 * TRAIN_ROWS
+    assert json.loads(version.tags["antdt.data.validation"]) == list(job.data.validation)
+    assert version.tags["antdt.data.train_files"] == "4"
+    assert version.tags["antdt.data.fingerprint"] == run.data.tags["antdt.data.fingerprint"]
+
+
+def assert_timeline(run_id: str) -> None:
+    """The run has its timeline PNG."""
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run_id)}
+    assert "timeline.png" in artifacts
+    png = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="timeline.png")
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+STRAGGLER_CONTROL = {
+    **FAST,
+    "antdt.monitor.window": "150ms", "antdt.monitor.persistent-windows": 2,
+    "antdt.sharding.commit-interval": "50ms",
+    "antdt.controller.interval": "200ms", "antdt.controller.min-workers": 2,
+    "antdt.controller.policies": [
+        {"class": "antdt.controller.RevokeHung"}, {"class": "antdt.controller.ReassignStragglers"},
+        {"class": "antdt.controller.RetirePersistent", "max_fraction": 1.0}],
+}
+"""Windows and commits short enough for a job of seconds, and persistent stragglers
+retired."""
+
+
+@pytest.mark.slow
+def test_a_persistent_straggler_loses_its_rows_and_is_retired(cluster_job: Path) -> None:
+    """Worker 0 is 6x slower: the controller moves its rows and retires it (its process really
+    exits); the others finish the job without losing a row."""
+    with dask.config.set(STRAGGLER_CONTROL), \
+            LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                         dashboard_address=":0") as local, Client(local) as client:
+        local.wait_for_workers(3)
+        pids = client.run(os.getpid)
+        victim = sorted(pids)[0]
+        job = load_job(cluster_job, ["train.epochs=6", "train.batch_size=256",
+                                     "train.shard_rows=2048", "faults=[{worker: 0, slowdown: 6}]"])
+        summary = bounded.call(train_async, job, scheduler=local.scheduler_address)
+        survivors = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+    assert summary.rows_lost == 0
+    assert summary.rows_trained == 6 * TRAIN_ROWS + summary.rows_retrained
+    mlflow.set_tracking_uri(job.mlflow.tracking_uri)
+    path = mlflow.artifacts.download_artifacts(run_id=summary.run_id,
+                                               artifact_path="straggler_actions.yaml")
+    actions = yaml.safe_load(Path(path).read_text())
+    assert summary.straggler_actions == len(actions) >= 1
+    # the run records the cluster's 3 workers, not the job file's train.workers (2)
+    assert mlflow.get_run(summary.run_id).data.params["train.workers"] == "3"
+    # others may be flagged for a window on a loaded machine, but only the victim is retired
+    assert [(a["worker"], "persistent" in a["reason"]) for a in actions
+            if a["action"] == "retire"] == [(victim, True)]
+    assert victim not in survivors
+    assert not psutil.pid_exists(pids[victim]) or \
+        psutil.Process(pids[victim]).status() == psutil.STATUS_ZOMBIE
+    assert_timeline(summary.run_id)
+
+
+@pytest.mark.slow
+def test_a_worker_process_killed_mid_job_costs_no_row(cluster: LocalCluster,
+                                                      cluster_job: Path) -> None:
+    victim = workers_of(cluster)[0]
+    gone = f"victim-gone-{uuid.uuid4().hex}"
+    job = load_job(cluster_job, [
+        "train.epochs=2",
+        # worker 0's process exits after two batches; worker 1 waits until it is gone, so that
+        # worker 0 surely gets that far
+        f"faults=[{{worker: 0, crash_after_rows: 1024}}, {{worker: 1, pause_until: {gone}}}]"])
+    run = bounded.start(train_async, job, scheduler=cluster.scheduler_address)
+    with Client(cluster.scheduler_address) as client:
+        bounded.until(lambda: victim not in scheduler_workers(client), "the victim's death")
+        Event(gone, client=client).set()
+    summary = run.result()
+
+    assert summary.rows_lost == 0
+    assert summary.rows_trained == 2 * TRAIN_ROWS + summary.rows_retrained
+    assert summary.auc > 0.55
+    mlflow.set_tracking_uri(job.mlflow.tracking_uri)
+    run = mlflow.get_run(summary.run_id)
+    assert run.data.metrics["agents_dead"] == 1
+    # the survivor (and the nanny's replacement, if it joined in time) trained everything the
+    # ledger counts, except what the victim committed of its 1,024 rows before it died
+    reported = sum(v for k, v in run.data.metrics.items() if k.endswith(".rows"))
+    assert 0 <= summary.rows_trained - reported <= 1024
+    assert victim not in workers_of(cluster)  # the nanny restarted it under a new address
+
+
+@pytest.mark.slow
+def test_bad_rows_are_quarantined_in_the_ledger_and_the_rest_trained(
+        cluster: LocalCluster, cluster_job: Path, small_data: SynthResult,
+        tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(small_data.out, copy)
+    raw = yaml.safe_load(cluster_job.read_text())
+    raw["data"].update(train=[str(copy / "date=2026-11-01"), str(copy / "date=2026-11-02")],
+                       validation=str(copy / "date=2026-11-03"), schema=str(copy / "schema.yaml"))
+    cluster_job.write_text(yaml.safe_dump(raw))
+    bad = sorted(expand(str(copy / "date=2026-11-02")))[1]
+    break_label(bad, 2048)
+    bad_rows = row_groups([bad])[0].num_rows
+
+    with pytest.raises(DataError) as info:
+        bounded.call(train_async, load_job(cluster_job), scheduler=cluster.scheduler_address)
+    assert Path(bad).name in str(info.value) and "label" in str(info.value)
+
+    job = load_job(cluster_job, ["data.on_bad_data=quarantine"])
+    summary = bounded.call(train_async, job, scheduler=cluster.scheduler_address)
+    assert summary.rows_quarantined == bad_rows
+    assert summary.rows_trained == TRAIN_ROWS - bad_rows
+    assert summary.rows_lost == summary.rows_retrained == 0
+    mlflow.set_tracking_uri(job.mlflow.tracking_uri)
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(summary.run_id)}
+    assert "quarantine.yaml" in artifacts
+
+
+@pytest.mark.slow
+def test_a_worker_added_mid_job_joins_and_trains(cluster: LocalCluster, cluster_job: Path) -> None:
+    """The first two workers pause after 1,024 rows each; a third worker joins the running job,
+    copies the model and trains 2,048 rows before they go on."""
+    go = f"joiner-trained-{uuid.uuid4().hex}"
+    job = load_job(cluster_job, [
+        "train.epochs=2", "train.shard_rows=512",
+        f"faults=[{{worker: 0, pause_after_rows: 1024, pause_until: {go}}}, "
+        f"{{worker: 1, pause_after_rows: 1024, pause_until: {go}}}]"])
+    run = bounded.start(train_async, job, scheduler=cluster.scheduler_address)
+    jobs = cluster.scheduler.plugins[PLUGIN_NAME].jobs
+    (job_id,) = bounded.until(lambda: list(jobs), "the job's registration")
+    with Client(cluster.scheduler_address) as client:
+        bounded.until(lambda: sum(m.get("fault") == "pause" for _, m in
+                                  client.get_events(agent.event_topic(job_id))) == 2,
+                      "both workers paused")
+        before = jobs[job_id].rows_trained
+        cluster.scale(3)
+        bounded.until(lambda: jobs[job_id].rows_trained >= before + 2048,
+                      "the joiner trained 2,048 rows")
+        Event(go, client=client).set()
+        summary = run.result()
+    cluster.scale(2)
+
+    assert summary.workers == 3
+    assert summary.rows_lost == 0
+    assert summary.rows_trained == 2 * TRAIN_ROWS + summary.rows_retrained
+    mlflow.set_tracking_uri(job.mlflow.tracking_uri)
+    metrics = mlflow.get_run(summary.run_id).data.metrics
+    assert metrics["agents_joined"] == 1 and metrics["agents_dead"] == 0
+    assert metrics["worker2.rows"] >= 2048  # the joiner copied the model and trained
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--local", "--mode", "async"], "--local contradicts --mode async"),
+    (["--workers", "2", "--scheduler", "tcp://127.0.0.1:1"], "give one or the other"),
+    (["--mode", "local", "--workers", "2"], "need --mode async"),
+])
+def test_cli_refuses_contradictory_options(cluster_job: Path, args: list[str],
+                                           message: str) -> None:
+    result = CliRunner().invoke(cli, ["train", str(cluster_job), *args])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def housekeeping(client: Client) -> dict[str, list[float]]:
+    """Every server's event-loop tick and every memory monitor's interval, in seconds."""
+    def tick(dask_scheduler: Any = None, dask_worker: Any = None) -> float:
+        server = dask_scheduler if dask_scheduler is not None else dask_worker
+        return float(server.periodic_callbacks["tick"].callback_time) / 1000
+
+    def monitor(dask_worker: Any) -> float:
+        return float(dask_worker.memory_manager.memory_monitor_interval)
+
+    return {"tick": [client.run_on_scheduler(tick), *client.run(tick).values(),
+                     *client.run(tick, nanny=True).values()],
+            "memory-monitor": [*client.run(monitor).values(),
+                               *client.run(monitor, nanny=True).values()]}
+
+
+def test_the_local_cluster_takes_its_housekeeping_settings_from_antdt_config() -> None:
+    shipped = local_cluster_settings()
+    tick = parse_timedelta(shipped["distributed.admin.tick.interval"])
+    monitor = parse_timedelta(shipped["distributed.worker.memory.monitor-interval"])
+    assert tick > parse_timedelta(dask.config.get("distributed.admin.tick.interval"))
+    with connect(1) as client:
+        assert housekeeping(client) == {"tick": [tick] * 3, "memory-monitor": [monitor] * 2}
+    assert dask.config.get("distributed.admin.tick.interval") != shipped[
+        "distributed.admin.tick.interval"]  # the settings only reached the cluster
+    with dask.config.set({"antdt.local-cluster": {}}), connect(1) as client:
+        dask_default = housekeeping(client)
+    assert dask_default == {
+        "tick": [parse_timedelta(dask.config.get("distributed.admin.tick.interval"))] * 3,
+        "memory-monitor": [parse_timedelta(
+            dask.config.get("distributed.worker.memory.monitor-interval"))] * 2}
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["500ms"], "antdt.local-cluster: expected a mapping of Dask settings"),
+    ({"admin.tick.interval": "500ms"}, "'admin.tick.interval' is not a Dask setting"),
+])
+def test_bad_local_cluster_settings_are_refused(settings: object, message: str) -> None:
+    with dask.config.set({"antdt.local-cluster": settings}), \
+            pytest.raises(ConfigError, match=message):
+        local_cluster_settings()
