@@ -157,3 +157,36 @@ def test_antdt_has_no_import_circle() -> None:
 def test_the_circle_finder_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
     assert circles(graph) == [["a", "b", "c"]]
+
+
+INSIDE_PIPELINE: dict[str, set[str]] = {
+    # a part of pipeline: the other parts it may import (docs/architecture.md draws the order)
+    "pipeline.job": set(),
+    "pipeline.terminal": set(),
+    "pipeline.serving": {"pipeline.job"},
+    "pipeline.tracking": {"pipeline.job", "pipeline.serving"},
+    "pipeline.training": {"pipeline.job", "pipeline.serving", "pipeline.tracking"},
+    "pipeline.workflows": {"pipeline.job", "pipeline.serving", "pipeline.tracking",
+                           "pipeline.training", "pipeline.terminal"},
+    "pipeline.bench": {"pipeline.job", "pipeline.training"},
+    "pipeline.cli": {"pipeline.job", "pipeline.serving", "pipeline.tracking", "pipeline.training",
+                     "pipeline.workflows", "pipeline.bench", "pipeline.terminal"},
+}
+
+
+@pytest.mark.parametrize("part", sorted(INSIDE_PIPELINE))
+def test_the_parts_of_pipeline_keep_their_order(part: str) -> None:
+    may = INSIDE_PIPELINE[part] | {part}
+    wrong = [f"{path.relative_to(ROOT)}:{line}: {module}"
+             for path in modules() if (module_name(path) + ".").startswith(part + ".")
+             for line, module in project_imports(path)
+             if module.startswith("pipeline.") and not any(
+                 module == name or module.startswith(name + ".") for name in may)]
+    assert not wrong, f"{part} may import only {sorted(may)} of pipeline, found {wrong}"
+
+
+def test_every_part_of_pipeline_has_its_rule() -> None:
+    top = ROOT / "pipeline"
+    parts = {f"pipeline.{path.relative_to(top).parts[0].removesuffix('.py')}"
+             for path in top.rglob("*.py") if path != top / "__init__.py"}
+    assert parts == set(INSIDE_PIPELINE)

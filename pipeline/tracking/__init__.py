@@ -1,3 +1,3 @@
 """MLflow: a job's run (:mod:`pipeline.tracking.tracking`), its timeline PNG, the logged model
-(:mod:`pipeline.tracking.serving`), the registry's versions and champion, runs compared side by
-side. Imports only :mod:`pipeline.job`."""
+(:mod:`pipeline.serving`), the registry's versions and champion, runs compared side by
+side. Imports only :mod:`pipeline.job` and the logged model's module."""

@@ -69,7 +69,7 @@ from models import evaluate
 from models.train_step import TrainStep
 from pipeline.job.config import DataConfig, JobConfig, check_model_name
 from pipeline.job.report import JobSummary, higher_is_better
-from pipeline.tracking.serving import RankingModel, log_ranking_model
+from pipeline.serving import RankingModel, log_ranking_model
 from pipeline.tracking.tracking import Tracker, fluent, redact
 
 logger = logging.getLogger(__name__)

@@ -3,6 +3,10 @@
 What is logged is what a serving system needs and nothing it does not: the model weights (no
 optimizer state), the schema and the model config. Scoring runs the same reader code as training
 (dense transform, hashing, null buckets), so a row scores the same online as in evaluation.
+
+This module's path is part of every model logged: MLflow pickles :class:`RankingModel` by
+reference, so ``pipeline.serving`` stays where it is (at the top of ``pipeline/``, whatever the
+folders around it) or every champion logged before the move stops loading.
 """
 
 from __future__ import annotations
