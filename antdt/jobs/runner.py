@@ -16,8 +16,11 @@ job it runs::
 
 It runs as a coroutine on the scheduler's event loop and never blocks it: tasks go to workers
 through the :class:`~antdt.jobs.service.JobService`'s own client, and the services are read in
-place. Nothing here runs the application's code: the hooks and the agents' factories are
-pickles only workers open.
+place. The runner never imports that service: the service hands each runner a
+:class:`JobContext` of what it uses (the scheduler, the client, the three services a job lives
+in, the other jobs' placements and a way to forget the job), as Ray's job supervisor is handed
+its storage client. Nothing here runs the application's code: the hooks and the agents'
+factories are pickles only workers open.
 """
 
 from __future__ import annotations
@@ -28,27 +31,27 @@ import logging
 import math
 import posixpath
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from distributed import Client, Future
+from distributed import Client, Future, Scheduler
 from distributed.client import FutureCancelledError
 from distributed.metrics import time
 from distributed.scheduler import KilledWorker
 
 from antdt import config
 from antdt.agent import AgentReport, AgentSpec, Faults, cancel_here, forget_here
+from antdt.controller import ControllerPlugin
 from antdt.device import FROZEN_HEAP
 from antdt.errors import AntdtError, JobError, LedgerError
 from antdt.jobs import checkpoints, tasks
 from antdt.jobs.checkpoints import Manifest
 from antdt.jobs.keeper import Checkpointer
 from antdt.jobs.spec import JobSpec, JobState
+from antdt.sharding.service import ShardingService
 from antdt.sync import SyncPeriod
-
-if TYPE_CHECKING:
-    from antdt.jobs.service import JobService
+from antdt.sync.service import SyncService
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,23 @@ names, and never shadowed by a tick's value."""
 POLL_S = 0.05
 """How often the runner looks at its agents' futures between ticks: a job's end waits at most
 this long to be noticed."""
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What a job's runner uses of the scheduler it runs on, built by the job service: the
+    services that hold the job's ledger, controller and sync groups (read in place), the
+    service's client of the scheduler, the workers the scheduler's other unfinished jobs
+    placed agents on (one collection per job: a job placed on fewer workers chooses the least
+    busy), and ``forget(job)``, which drops the job from those services."""
+
+    scheduler: Scheduler
+    client: Client
+    sharding: ShardingService
+    controller: ControllerPlugin
+    sync: SyncService
+    others: Callable[[], Iterable[Collection[str]]]
+    forget: Callable[[str], None]
 
 
 class Cancelled(AntdtError):
@@ -116,14 +136,12 @@ class JobRunner:
     """The control of job ``job_id`` (see the module docstring). :meth:`record` is its state
     as clients see it; :attr:`version` grows with every change they should see."""
 
-    def __init__(self, service: JobService, job_id: str, spec: JobSpec, client: Client) -> None:
-        assert service.scheduler is not None
-        self.service = service
-        self.scheduler = service.scheduler
+    def __init__(self, job_id: str, spec: JobSpec, ctx: JobContext) -> None:
+        self.ctx = ctx
         self.job_id = job_id
         self.plan = spec.plan
         self.code = spec.code
-        self.client = client
+        self.client = ctx.client
         self.state = JobState.STARTING
         self.version = 0
         self.submitted_at = time()
@@ -231,10 +249,10 @@ class JobRunner:
         self._cancel = reason
         self._set_state(JobState.CANCELLING)
         self.log("warning", f"cancelling: {reason}")
-        ledger = self.service.sharding.jobs.get(self.job_id)
+        ledger = self.ctx.sharding.jobs.get(self.job_id)
         if ledger is not None:
             ledger.stop(reason)
-            self.service.sharding.notify(self.job_id)
+            self.ctx.sharding.notify(self.job_id)
         self._wake.set()
         return True
 
@@ -287,11 +305,11 @@ class JobRunner:
 
     async def _begin(self) -> None:
         plan = self.plan
-        fitted, self.adapted = plan.fitted_workers(len(self.scheduler.workers))
+        fitted, self.adapted = plan.fitted_workers(len(self.ctx.scheduler.workers))
         if self.adapted is not None:
             self.cap = fitted
             self.log("info", f"adapted: {self.adapted}")
-        initial = self._choose(self.scheduler.workers, self.cap)
+        initial = self._choose(self.ctx.scheduler.workers, self.cap)
         if not initial:
             raise JobError("the cluster has no workers; expected at least one")
         unknown = sorted(i for i in plan.faults if i >= len(initial))
@@ -303,19 +321,19 @@ class JobRunner:
         if plan.sharding == "static" and (plan.checkpoint_dir or plan.resume):
             raise JobError("static sharding (the baseline) cannot be checkpointed or resumed; "
                            "drop train.checkpoint_dir or use the antdt sharding")
-        self.service.controller.enabled[self.job_id] = plan.sharding == "antdt"
+        self.ctx.controller.enabled[self.job_id] = plan.sharding == "antdt"
         resume: dict[str, Any] | None = None
         if plan.resume is not None:
             resume = await self._resume(plan.resume)
         else:
-            reply = await self.service.sharding.register_job(
+            reply = await self.ctx.sharding.register_job(
                 job=self.job_id, row_groups=plan.row_groups,
                 shard_rows=plan.shard_rows, batch_rows=plan.batch_rows, epochs=plan.epochs,
                 seed=plan.seed, quarantine=plan.quarantine,
                 static=len(initial) if plan.sharding == "static" else None)
             if reply["status"] != "OK":
                 raise JobError(reply["message"])
-        self.service.sync.start_job(self.job_id, initial)
+        self.ctx.sync.start_job(self.job_id, initial)
         self._read_ledger()
         self.log("info", f"registered: {self._rows['expected']:,} rows over {plan.epochs} "
                          f"epoch(s), {len(initial)} worker(s), sharding {plan.sharding}")
@@ -355,16 +373,16 @@ class JobRunner:
         """The job's ledger as the checkpoint has it (replacing the current one, if any); its
         row groups must be the plan's."""
         data = await asyncio.to_thread(checkpoints.load_ledger, manifest)
-        self.service.sharding.forget(self.job_id)
+        self.ctx.sharding.forget(self.job_id)
         try:
-            ledger = self.service.sharding.restore_bytes(self.job_id, data)
+            ledger = self.ctx.sharding.restore_bytes(self.job_id, data)
         except LedgerError as exc:
             raise JobError(f"checkpoint {manifest.path}: {exc}") from exc
         state = ledger.to_state()
         groups = [(state.paths[f], int(g), int(n)) for f, g, n in
                   zip(state.rg_file, state.rg_group, state.rg_rows)]
         if groups != [tuple(g) for g in self.plan.row_groups]:
-            self.service.sharding.forget(self.job_id)
+            self.ctx.sharding.forget(self.job_id)
             raise JobError(f"cannot resume from {manifest.path}: data.train differs (the "
                            f"checkpoint has {len(groups)} row groups of "
                            f"{sum(n for *_, n in groups):,} rows, the job "
@@ -380,7 +398,7 @@ class JobRunner:
         period = SyncPeriod.parse(self.plan.sync_period, where="job plan sync_period")
         while True:
             await self._sleep()
-            workers = self.scheduler.workers
+            workers = self.ctx.scheduler.workers
             for slot in self.slots:
                 if slot.live:
                     await self._check(slot, workers)
@@ -398,8 +416,8 @@ class JobRunner:
                     and time() - self._train_started > deadline:
                 self.stopped = f"the deadline of {deadline:.0f}s of training passed"
                 self.log("warning", f"{self.stopped}; stopping the job")
-                self.service.sharding.jobs[self.job_id].stop(self.stopped)
-                self.service.sharding.notify(self.job_id)
+                self.ctx.sharding.jobs[self.job_id].stop(self.stopped)
+                self.ctx.sharding.notify(self.job_id)
                 await self._cancel_agents()
             if self._cancel is not None and any(s.live for s in self.slots):
                 await self._cancel_agents()
@@ -430,24 +448,24 @@ class JobRunner:
         timeout = config.seconds("antdt.sharding.no-workers-timeout")
         self.log("warning", f"{lost}; waiting up to {timeout:g}s for workers, to restart from "
                             f"checkpoint {manifest.path}")
-        await _until(lambda: bool(self.scheduler.workers) or self._cancel is not None, timeout)
+        await _until(lambda: bool(self.ctx.scheduler.workers) or self._cancel is not None, timeout)
         self._check_cancel()
-        if not self.scheduler.workers:
+        if not self.ctx.scheduler.workers:
             raise JobError(
                 f"no worker joined within {timeout:g}s (antdt.sharding.no-workers-timeout) "
                 f"after every worker left; the job's last checkpoint is {manifest.path}: "
                 f"resume it with `antdt submit JOB.yaml --resume {self.job_id} --scheduler "
                 "ADDR`")
-        ledger = self.service.sharding.jobs.get(self.job_id)
+        ledger = self.ctx.sharding.jobs.get(self.job_id)
         trained = ledger.summary()["rows_trained"] if ledger is not None else rows["trained"]
         replayed = max(0, trained - manifest.rows["trained"])
         self.rows_replayed += replayed
         self.resumes += 1
         self._trained_before -= replayed  # trained here, then rolled back with the ledger
         await self._restore_ledger(manifest)
-        workers = self._choose(self.scheduler.workers, self.cap)
-        self.service.sync.stop_job(self.job_id)
-        self.service.sync.start_job(self.job_id, workers)
+        workers = self._choose(self.ctx.scheduler.workers, self.cap)
+        self.ctx.sync.stop_job(self.job_id)
+        self.ctx.sync.start_job(self.job_id, workers)
         self._read_ledger()
         self.log("warning", f"restarting from checkpoint {manifest.path} on {len(workers)} "
                             f"worker(s): {manifest.rows['done']:,} rows done; {replayed:,} "
@@ -469,7 +487,7 @@ class JobRunner:
                    and s.report.outcome == "finished"] if self.stopped is None else []
         failures = []
         for worker in holders:
-            if worker not in self.scheduler.workers:
+            if worker not in self.ctx.scheduler.workers:
                 failures.append(f"{worker}: gone")
                 continue
             self.log("info", f"finishing: the final model is evaluated and logged on {worker}")
@@ -499,10 +517,9 @@ class JobRunner:
             chosen = sorted(workers)
         else:
             jobs: dict[str, int] = {}
-            for runner in self.service.runners.values():
-                if runner is not self and not runner.state.final:
-                    for worker in runner.placed:
-                        jobs[worker] = jobs.get(worker, 0) + 1
+            for placed in self.ctx.others():
+                for worker in placed:
+                    jobs[worker] = jobs.get(worker, 0) + 1
             by_load = sorted(workers, key=lambda w: (jobs.get(w, 0), self._tasks_on(w), w))
             chosen = sorted(by_load[:wanted])
         self._chosen.update(chosen)
@@ -513,7 +530,7 @@ class JobRunner:
         the job has fewer agents training or finished than its plan's ``workers`` (one died or
         was retired), the least busy. None once the final sync round formed: every row is
         trained, a joiner would train nothing."""
-        sync = self.service.sync.jobs.get(self.job_id)
+        sync = self.ctx.sync.jobs.get(self.job_id)
         if sync is not None and sync.final is not None:
             return []
         free = set(workers) - {s.worker for s in self.slots}
@@ -525,7 +542,7 @@ class JobRunner:
         return self._choose(free, wanted) if wanted > 0 and free else []
 
     def _tasks_on(self, worker: str) -> int:
-        state = self.scheduler.workers.get(worker)
+        state = self.ctx.scheduler.workers.get(worker)
         return 0 if state is None else len(state.processing)
 
     @property
@@ -602,7 +619,7 @@ class JobRunner:
         """Counters from the ledger, the controller's new actions, the agents' events; one step
         of metrics for the tracking run (sent every ``antdt.jobs.metrics-interval``)."""
         self._read_ledger()
-        control = self.service.controller.jobs.get(self.job_id)
+        control = self.ctx.controller.jobs.get(self.job_id)
         counts: dict[str, int] = {}
         if control is not None:
             actions = control.controller.actions(since=len(self._actions))
@@ -675,7 +692,7 @@ class JobRunner:
         if not self.checkpoints.enabled:
             return
         self.checkpoints.note(self._progress())
-        ledger = self.service.sharding.jobs.get(self.job_id)
+        ledger = self.ctx.sharding.jobs.get(self.job_id)
         if self.state is not JobState.RUNNING or self.stopped is not None or ledger is None:
             return
         rows = ledger.summary()
@@ -685,7 +702,7 @@ class JobRunner:
         if rows["rows_done"] + rows["rows_quarantined"] >= rows["rows_expected"]:
             return  # nothing left to train: the job's end comes first
         writer = next((s.worker for s in self.slots if s.live and s.rows > 0
-                       and s.worker in self.scheduler.workers), None)
+                       and s.worker in self.ctx.scheduler.workers), None)
         if writer is None:
             return
         self.checkpoints.take(writer, int(rows["rows_trained"]), self._step, self.run,
@@ -717,7 +734,7 @@ class JobRunner:
         return result
 
     def _read_ledger(self) -> None:
-        ledger = self.service.sharding.jobs.get(self.job_id)
+        ledger = self.ctx.sharding.jobs.get(self.job_id)
         if ledger is None:
             return
         summary = ledger.summary()
@@ -760,7 +777,7 @@ class JobRunner:
             self._steps, self._in_flight = self._in_flight + self._steps, []
 
     def _hooks_worker_left(self) -> bool:
-        return self._hooks_on is not None and self._hooks_on not in self.scheduler.workers
+        return self._hooks_on is not None and self._hooks_on not in self.ctx.scheduler.workers
 
     async def _flush_metrics(self) -> None:
         """Send the buffered metrics after the one on its way and wait (a minute at most each)
@@ -813,7 +830,7 @@ class JobRunner:
         future = self.client.submit(function, *args, pure=False)
         try:
             result = await future
-            task = self.scheduler.tasks.get(future.key)
+            task = self.ctx.scheduler.tasks.get(future.key)
             if task is not None and task.who_has:
                 self._hooks_on = next(iter(task.who_has)).address
             return result
@@ -833,7 +850,7 @@ class JobRunner:
         result would never end)."""
         fetch = asyncio.ensure_future(_fetch(future))
         try:
-            await _until(lambda: fetch.done() or worker not in self.scheduler.workers, math.inf)
+            await _until(lambda: fetch.done() or worker not in self.ctx.scheduler.workers, math.inf)
             if not fetch.done():
                 await self.client.cancel([future])  # ends the fetch
                 with contextlib.suppress(FutureCancelledError):
@@ -855,7 +872,7 @@ class JobRunner:
         never hides the job's own outcome."""
         if self.run is None:
             return
-        if not self.scheduler.workers:
+        if not self.ctx.scheduler.workers:
             self.log("warning", f"the tracking run stays open: no worker left to close it as "
                                 f"{status}")
             return
@@ -873,10 +890,10 @@ class JobRunner:
     async def _clean_up(self, final: JobState) -> None:
         """Stop what still runs, keep the last counters, forget the job in the services and
         on the workers (other jobs are left alone)."""
-        ledger = self.service.sharding.jobs.get(self.job_id)
+        ledger = self.ctx.sharding.jobs.get(self.job_id)
         if ledger is not None and final is not JobState.FINISHED:
             ledger.stop(self.error or self._cancel or "the job ended")
-            self.service.sharding.notify(self.job_id)
+            self.ctx.sharding.notify(self.job_id)
         if any(s.live for s in self.slots):
             await self._cancel_agents()
         self._read_ledger()
@@ -884,7 +901,7 @@ class JobRunner:
             slot.future.release()
         with contextlib.suppress(OSError):
             await self.client.run(forget_here, self.job_id, on_error="ignore")
-        self.service.forget(self.job_id)
+        self.ctx.forget(self.job_id)
         await self.checkpoints.close(self._progress(final))
 
     # ---- helpers ------------------------------------------------------------------------------

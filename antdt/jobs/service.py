@@ -37,7 +37,7 @@ from antdt.agent import event_topic
 from antdt.controller import ControllerPlugin
 from antdt.controller import PLUGIN_NAME as CONTROLLER
 from antdt.errors import JobError
-from antdt.jobs.runner import JobRunner
+from antdt.jobs.runner import JobContext, JobRunner
 from antdt.jobs.spec import JobCode, JobPlan, JobSpec
 from antdt.rpc import Reply
 from antdt.sharding.service import PLUGIN_NAME as SHARDING
@@ -133,7 +133,7 @@ class JobService(SchedulerPlugin):
             job_id = f"{spec.plan.name}-{uuid.uuid4().hex[:8]}"
             if not JOB_ID.fullmatch(job_id):
                 job_id = f"job-{uuid.uuid4().hex[:8]}"
-        runner = JobRunner(self, job_id, spec, await self._own_client())
+        runner = JobRunner(job_id, spec, self._context(job_id, await self._own_client()))
         self.runners[job_id] = runner
         self._trim_history()
         runner.start()
@@ -180,6 +180,16 @@ class JobService(SchedulerPlugin):
         if runner is None:
             raise JobError(f"unknown job {job_id!r}; jobs here: {sorted(self.runners)[-20:]}")
         return runner
+
+    def _context(self, job_id: str, client: Client) -> JobContext:
+        """What job ``job_id``'s runner uses of the scheduler and its services."""
+        assert self.scheduler is not None
+        return JobContext(
+            scheduler=self.scheduler, client=client, sharding=self.sharding,
+            controller=self.controller, sync=self.sync,
+            others=lambda: [runner.placed for job, runner in self.runners.items()
+                            if job != job_id and not runner.state.final],
+            forget=self.forget)
 
     def _plugins(self) -> None:
         """Raise a :class:`JobError` naming a service a job needs that is not registered."""
