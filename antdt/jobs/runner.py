@@ -48,6 +48,7 @@ from antdt.errors import AntdtError, JobError, LedgerError
 from antdt.jobs import checkpoints, tasks
 from antdt.jobs.checkpoints import Manifest
 from antdt.jobs.keeper import Checkpointer
+from antdt.jobs.placement import Placement, Slot
 from antdt.jobs.spec import JobSpec, JobState
 from antdt.sharding.service import ShardingService
 from antdt.sync import SyncPeriod
@@ -89,49 +90,6 @@ class Cancelled(AntdtError):
     """The job was cancelled (raised inside the runner to unwind to its end)."""
 
 
-@dataclass
-class Slot:
-    """One agent of the job: its worker, number (faults refer to it), when it started and
-    ended (seconds after training started; None: still running), its rows, busy seconds and
-    the training thread's CPU seconds in them (from its report, or its latest progress event if
-    it died), its latest samples/s."""
-
-    worker: str
-    index: int
-    future: Future
-    join: bool
-    started: float
-    ended: float | None = None
-    rows: int = 0
-    busy_s: float = 0.0
-    cpu_s: float = 0.0
-    rate: float = 0.0
-    report: AgentReport | None = None
-    dead: bool = False
-
-    @property
-    def live(self) -> bool:
-        return self.report is None and not self.dead
-
-    @property
-    def label(self) -> str:
-        return f"worker{self.index}"
-
-    def as_dict(self) -> dict[str, Any]:
-        report = self.report
-        return {"worker": self.worker, "index": self.index, "label": self.label,
-                "join": self.join, "started": self.started, "ended": self.ended,
-                "rows": self.rows, "busy_s": self.busy_s, "cpu_s": self.cpu_s,
-                "samples_per_s": self.rate,
-                "dead": self.dead, "outcome": report.outcome if report else
-                ("dead" if self.dead else "running"),
-                "batches": report.batches if report else None,
-                "loss": report.loss if report and not math.isnan(report.loss) else None,
-                "exchanges": report.exchanges if report else None,
-                "joined_from": report.joined_from if report else None,
-                "sync_wait_s": report.sync_wait_s if report else None}
-
-
 class JobRunner:
     """The control of job ``job_id`` (see the module docstring). :meth:`record` is its state
     as clients see it; :attr:`version` grows with every change they should see."""
@@ -150,13 +108,9 @@ class JobRunner:
         self.error: str | None = None
         self.run: dict[str, Any] | None = None
         self.summary: dict[str, Any] | None = None
-        self.slots: list[Slot] = []
-        self._chosen: set[str] = set()
-        """The workers chosen for the job's agents (placed before they start)."""
-        self.cap = spec.plan.workers
-        """The most workers the job trains on: its plan's, or fewer for a small job."""
-        self.adapted: str | None = None
-        """Why the job trains on fewer workers than it asked for (None: it does not)."""
+        self.placement = Placement(spec.plan, self._elapsed, ctx.others, self._tasks_on)
+        self._agents: dict[int, Future] = {}
+        """The agents' tasks, by slot index."""
         self.stopped: str | None = None
         """Why the job was stopped before its end (a deadline, a cancellation), or None."""
         self.inbox: deque[tuple[float, dict[str, Any]]] = deque()
@@ -204,12 +158,12 @@ class JobRunner:
 
     def record(self) -> dict[str, Any]:
         """The job as ``status`` and ``follow`` show it (plain, msgpack-able)."""
-        live = {s.worker for s in self.slots if s.live}
+        live = {s.worker for s in self.placement.live}
         workers = [{"worker": s.worker, "label": s.label, "rows": s.rows,
                     "samples_per_s": round(s.rate, 1) if s.worker in live else 0.0,
                     "state": s.as_dict()["outcome"],
                     "health": self._health.get(s.worker, "normal") if s.worker in live else "-"}
-                   for s in self.slots]
+                   for s in self.placement.slots]
         return {"job_id": self.job_id, "name": self.plan.name, "state": self.state.value,
                 "version": self.version, "submitted_at": self.submitted_at,
                 "started_at": self.started_at, "ended_at": self.ended_at, "error": self.error,
@@ -217,12 +171,12 @@ class JobRunner:
                 "workers": workers, "actions": self._actions[-LAST_ACTIONS:],
                 "actions_total": len(self._actions), "summary": self.summary,
                 "tags": dict(self.plan.tags), "sharding": self.plan.sharding,
-                "agents": [s.as_dict() for s in self.slots],
+                "agents": [s.as_dict() for s in self.placement.slots],
                 "first_lease": dict(self._first_lease),
                 "last_row": self._last_row - self._train_started if self._last_row else None,
                 "checkpoint": self._last_checkpoint(),
                 "checkpoints": self._checkpoints(), "rows_replayed": self.rows_replayed,
-                "resumes": self.resumes, "adapted": self.adapted}
+                "resumes": self.resumes, "adapted": self.placement.adapted}
 
     def log_records(self, since: int) -> list[dict[str, Any]]:
         """The job's log records with ``seq >= since``, oldest first."""
@@ -305,11 +259,9 @@ class JobRunner:
 
     async def _begin(self) -> None:
         plan = self.plan
-        fitted, self.adapted = plan.fitted_workers(len(self.ctx.scheduler.workers))
-        if self.adapted is not None:
-            self.cap = fitted
-            self.log("info", f"adapted: {self.adapted}")
-        initial = self._choose(self.ctx.scheduler.workers, self.cap)
+        initial = self.placement.initial(self.ctx.scheduler.workers)
+        if self.placement.adapted is not None:
+            self.log("info", f"adapted: {self.placement.adapted}")
         if not initial:
             raise JobError("the cluster has no workers; expected at least one")
         unknown = sorted(i for i in plan.faults if i >= len(initial))
@@ -346,8 +298,8 @@ class JobRunner:
         self._trained_before = self._rows["trained"]
         self.started_at = self._train_started = time()
         self._set_state(JobState.RUNNING)
-        for index, worker in enumerate(initial):
-            self._start_agent(worker, index, period, restore=plan.resume)
+        for worker in initial:
+            self._start_agent(worker, period, restore=plan.resume)
 
     async def _resume(self, path: str) -> dict[str, Any]:
         """Start from the checkpoint version folder ``path`` (a job resubmitted with
@@ -399,17 +351,16 @@ class JobRunner:
         while True:
             await self._sleep()
             workers = self.ctx.scheduler.workers
-            for slot in self.slots:
-                if slot.live:
-                    await self._check(slot, workers)
+            for slot in self.placement.live:
+                await self._check(slot, workers)
             if self._every_worker_lost():
                 await self._restart(period)
                 continue
-            if self._cancel is None and self.stopped is None:
-                for worker in self._joiners(workers):
-                    self._start_agent(worker, len(self.slots), period, join=True)
+            if self._cancel is None and self.stopped is None and not self._sync_over():
+                for worker in self.placement.joiners(workers):
+                    self._start_agent(worker, period, join=True)
             self._tick()
-            if not any(s.live for s in self.slots):
+            if not self.placement.live:
                 break
             deadline = self.plan.deadline_s
             if deadline is not None and self.stopped is None and self._cancel is None \
@@ -419,19 +370,17 @@ class JobRunner:
                 self.ctx.sharding.jobs[self.job_id].stop(self.stopped)
                 self.ctx.sharding.notify(self.job_id)
                 await self._cancel_agents()
-            if self._cancel is not None and any(s.live for s in self.slots):
+            if self._cancel is not None and self.placement.live:
                 await self._cancel_agents()
         self._tick()  # the agents' last events
-        if not any(s.report is not None for s in self.slots):
+        if not any(s.report is not None for s in self.placement.slots):
             rows = self._rows
-            raise JobError(f"every agent's worker died ({len(self.slots)} agents); "
+            raise JobError(f"every agent's worker died ({len(self.placement.slots)} agents); "
                            f"{rows.get('done', 0):,} of {rows.get('expected', 0):,} rows done")
 
     def _every_worker_lost(self) -> bool:
         """Every agent died before the job's end (none finished), and it was not stopped."""
-        return bool(self.slots) and self._cancel is None and self.stopped is None \
-            and not any(s.live or (s.report is not None and s.report.outcome == "finished")
-                        for s in self.slots)
+        return self._cancel is None and self.stopped is None and self.placement.every_lost()
 
     async def _restart(self, period: SyncPeriod) -> None:
         """Every worker is gone, and the model with them: wait for new workers (up to
@@ -439,7 +388,7 @@ class JobRunner:
         fail naming the checkpoint to resume from when none join, or at once when there is
         no checkpoint."""
         rows = self._rows
-        lost = f"every agent's worker died ({len(self.slots)} agents); " \
+        lost = f"every agent's worker died ({len(self.placement.slots)} agents); " \
                f"{rows.get('done', 0):,} of {rows.get('expected', 0):,} rows done"
         manifest = await self.checkpoints.latest()
         if manifest is None:
@@ -463,7 +412,7 @@ class JobRunner:
         self.resumes += 1
         self._trained_before -= replayed  # trained here, then rolled back with the ledger
         await self._restore_ledger(manifest)
-        workers = self._choose(self.ctx.scheduler.workers, self.cap)
+        workers = self.placement.restart(self.ctx.scheduler.workers)
         self.ctx.sync.stop_job(self.job_id)
         self.ctx.sync.start_job(self.job_id, workers)
         self._read_ledger()
@@ -474,7 +423,7 @@ class JobRunner:
                                     self._resume_info(manifest, self._step))
         self.checkpoints.restart_interval(manifest.rows["trained"])
         for worker in workers:
-            self._start_agent(worker, len(self.slots), period, restore=manifest.path)
+            self._start_agent(worker, period, restore=manifest.path)
 
     async def _finish(self) -> None:
         """The consensus model from a worker whose agent finished (identical on each after the
@@ -483,8 +432,8 @@ class JobRunner:
         self._set_state(JobState.FINISHING)
         await self._flush_metrics()
         report = self._report()
-        holders = [s.worker for s in self.slots if s.report is not None
-                   and s.report.outcome == "finished"] if self.stopped is None else []
+        holders = [s.worker for s in self.placement.slots if s.finished] \
+            if self.stopped is None else []
         failures = []
         for worker in holders:
             if worker not in self.ctx.scheduler.workers:
@@ -508,58 +457,27 @@ class JobRunner:
 
     # ---- agents -----------------------------------------------------------------------------
 
-    def _choose(self, workers: Collection[str], wanted: int | None) -> list[str]:
-        """The workers to train on, sorted: all of ``workers``, or the ``wanted`` least busy of
-        them (fewest other unfinished jobs placed on a worker, then fewest tasks running
-        there: a sweep's trials side by side). Recorded at once, before anything awaits, so two
-        jobs starting together choose apart."""
-        if wanted is None:
-            chosen = sorted(workers)
-        else:
-            jobs: dict[str, int] = {}
-            for placed in self.ctx.others():
-                for worker in placed:
-                    jobs[worker] = jobs.get(worker, 0) + 1
-            by_load = sorted(workers, key=lambda w: (jobs.get(w, 0), self._tasks_on(w), w))
-            chosen = sorted(by_load[:wanted])
-        self._chosen.update(chosen)
-        return chosen
-
-    def _joiners(self, workers: Collection[str]) -> list[str]:
-        """Workers without an agent of this job that get one now: every new worker, or while
-        the job has fewer agents training or finished than its plan's ``workers`` (one died or
-        was retired), the least busy. None once the final sync round formed: every row is
-        trained, a joiner would train nothing."""
+    def _sync_over(self) -> bool:
+        """The job's final sync round formed: every row is trained, a joiner would train
+        nothing."""
         sync = self.ctx.sync.jobs.get(self.job_id)
-        if sync is not None and sync.final is not None:
-            return []
-        free = set(workers) - {s.worker for s in self.slots}
-        if self.cap is None:
-            return sorted(free)
-        wanted = self.cap - sum(
-            s.live or (s.report is not None and s.report.outcome == "finished")
-            for s in self.slots)
-        return self._choose(free, wanted) if wanted > 0 and free else []
+        return sync is not None and sync.final is not None
 
     def _tasks_on(self, worker: str) -> int:
         state = self.ctx.scheduler.workers.get(worker)
         return 0 if state is None else len(state.processing)
 
-    @property
-    def placed(self) -> set[str]:
-        """The workers this job has chosen or runs agents on."""
-        return self._chosen | {s.worker for s in self.slots}
-
-    def _start_agent(self, worker: str, index: int, period: SyncPeriod,
-                     join: bool = False, restore: str | None = None) -> None:
+    def _start_agent(self, worker: str, period: SyncPeriod, join: bool = False,
+                     restore: str | None = None) -> None:
+        index = self.placement.add(worker, join).index
         faults = Faults(**self.plan.faults[index]) if index in self.plan.faults and not join \
             else Faults()
         spec = AgentSpec(job=self.job_id, batch_rows=self.plan.batch_rows, sync_period=period,
                          join=join, threads=self.plan.threads, faults=faults)
-        future = self.client.submit(tasks.agent_task, spec, self.code.trainer, self.code.reader,
-                                    restore, workers=[worker], allow_other_workers=False,
-                                    pure=False, key=f"antdt-agent-{self.job_id}-{index}")
-        self.slots.append(Slot(worker, index, future, join, started=self._elapsed()))
+        self._agents[index] = self.client.submit(
+            tasks.agent_task, spec, self.code.trainer, self.code.reader, restore,
+            workers=[worker], allow_other_workers=False, pure=False,
+            key=f"antdt-agent-{self.job_id}-{index}")
         self.log("info", f"agent {index} started on {worker}" + " (joining)" * join
                  + f" with faults {faults}" * faults.active)
 
@@ -569,28 +487,28 @@ class JobRunner:
         fetches a result, and a fetch abandoned half-way can cancel another one of the same
         client."""
         await _until(lambda: self._wake.is_set()
-                     or any(s.future.done() for s in self.slots if s.live), self._tick_s)
+                     or any(self._agents[s.index].done() for s in self.placement.live),
+                     self._tick_s)
         self._wake.clear()
 
     async def _check(self, slot: Slot, workers: Mapping[str, Any]) -> None:
         """Record a returned agent; write off one whose worker left the cluster; fail the job
         with the error of one that failed on a live worker (a bug or bad data, not a death)."""
-        status = slot.future.status
+        future = self._agents[slot.index]
+        status = future.status
         if status == "finished":
-            slot.report = await slot.future
-            slot.ended = self._elapsed()
-            slot.rows, slot.busy_s, slot.cpu_s = (slot.report.rows, slot.report.busy_s,
-                                                  slot.report.cpu_s)
-            if slot.report.outcome == "declined":
+            report: AgentReport = await future
+            self.placement.returned(slot, report)
+            if report.outcome == "declined":
                 self.log("info", f"agent {slot.index} on {slot.worker} declined: the job's sync "
                                  "was over")
             else:
-                self.log("info", f"agent {slot.index} on {slot.worker} {slot.report.outcome}: "
-                                 f"{slot.rows:,} rows in {slot.report.batches} batches")
+                self.log("info", f"agent {slot.index} on {slot.worker} {report.outcome}: "
+                                 f"{slot.rows:,} rows in {report.batches} batches")
             return
         gone = slot.worker not in workers
         if status == "error":
-            error = await slot.future.exception()
+            error = await future.exception()
             if gone or isinstance(error, KilledWorker):
                 self._write_off(slot, f"its worker died ({error!r})")
                 return
@@ -599,9 +517,8 @@ class JobRunner:
             self._write_off(slot, "its worker left the cluster")
 
     def _write_off(self, slot: Slot, why: str) -> None:
-        slot.dead = True
-        slot.ended = self._elapsed()
-        slot.future.release()
+        self.placement.write_off(slot)
+        self._agents[slot.index].release()
         now = time()
         for worker, lease_id in [key for key in self._leasing if key[0] == slot.worker]:
             start = self._leasing.pop((worker, lease_id))
@@ -631,7 +548,7 @@ class JobRunner:
             counts = actions["counts"]
             self._health = {w: _health(h["state"]) for w, h in
                             control.monitor.summary()["workers"].items()}
-        by_worker = {s.worker: s for s in self.slots}
+        by_worker = {s.worker: s for s in self.placement.slots}
         fresh: dict[str, float] = {}
         losses: list[float] = []
         while self.inbox:
@@ -664,7 +581,7 @@ class JobRunner:
                          source=worker, at=at)
         for worker, rate in fresh.items():
             by_worker[worker].rate = rate
-        live = [s for s in self.slots if s.live]
+        live = [s for s in self.placement.slots if s.live]
         rows = self._rows
         metrics: dict[str, float] = {
             f"{SERIES}rows_done": rows["done"], f"{SERIES}rows_trained": rows["trained"],
@@ -696,12 +613,12 @@ class JobRunner:
         if self.state is not JobState.RUNNING or self.stopped is not None or ledger is None:
             return
         rows = ledger.summary()
-        rate = sum(s.rate for s in self.slots if s.live)
+        rate = sum(s.rate for s in self.placement.slots if s.live)
         if not self.checkpoints.due(rows["rows_trained"], rate, self._tick_s):
             return
         if rows["rows_done"] + rows["rows_quarantined"] >= rows["rows_expected"]:
             return  # nothing left to train: the job's end comes first
-        writer = next((s.worker for s in self.slots if s.live and s.rows > 0
+        writer = next((s.worker for s in self.placement.slots if s.live and s.rows > 0
                        and s.worker in self.ctx.scheduler.workers), None)
         if writer is None:
             return
@@ -797,10 +714,10 @@ class JobRunner:
         starts with its checkpoint's), timings, agents, controller actions and lease spans
         (seconds since training started)."""
         self._read_ledger()
-        ended = [s.ended for s in self.slots if s.ended is not None]
+        ended = [s.ended for s in self.placement.slots if s.ended is not None]
         train_s = max(ended, default=self._elapsed())
         t0 = self._train_started
-        labels = {s.worker: s.label for s in self.slots}
+        labels = {s.worker: s.label for s in self.placement.slots}
         split = {a["lease_id"] for a in self._actions if a["action"] == "split"}
         spans = [{"worker": labels.get(w, w), "lease_id": lease, "start": start - t0,
                   "end": end - t0, "rows": rows,
@@ -813,11 +730,11 @@ class JobRunner:
         return {"job_id": self.job_id, "name": self.plan.name, "rows": dict(self._rows),
                 "rows_trained_here": self._rows["trained"] - self._trained_before,
                 "train_s": train_s, "wall_s": time() - self.submitted_at,
-                "stopped": self.stopped, "agents": [s.as_dict() for s in self.slots],
+                "stopped": self.stopped, "agents": [s.as_dict() for s in self.placement.slots],
                 "actions": list(self._actions), "spans": spans, "marks": marks,
                 "first_lease": dict(self._first_lease), "sharding": self.plan.sharding,
                 "rows_replayed": self.rows_replayed, "resumes": self.resumes,
-                "checkpoints": self._checkpoints(), "adapted": self.adapted}
+                "checkpoints": self._checkpoints(), "adapted": self.placement.adapted}
 
     # ---- tasks on workers -------------------------------------------------------------------
 
@@ -894,11 +811,11 @@ class JobRunner:
         if ledger is not None and final is not JobState.FINISHED:
             ledger.stop(self.error or self._cancel or "the job ended")
             self.ctx.sharding.notify(self.job_id)
-        if any(s.live for s in self.slots):
+        if self.placement.live:
             await self._cancel_agents()
         self._read_ledger()
-        for slot in self.slots:
-            slot.future.release()
+        for future in self._agents.values():
+            future.release()
         with contextlib.suppress(OSError):
             await self.client.run(forget_here, self.job_id, on_error="ignore")
         self.ctx.forget(self.job_id)

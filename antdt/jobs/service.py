@@ -187,7 +187,7 @@ class JobService(SchedulerPlugin):
         return JobContext(
             scheduler=self.scheduler, client=client, sharding=self.sharding,
             controller=self.controller, sync=self.sync,
-            others=lambda: [runner.placed for job, runner in self.runners.items()
+            others=lambda: [runner.placement.placed for job, runner in self.runners.items()
                             if job != job_id and not runner.state.final],
             forget=self.forget)
 
