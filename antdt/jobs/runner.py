@@ -30,7 +30,6 @@ import contextlib
 import logging
 import math
 import posixpath
-from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +46,7 @@ from antdt.device import FROZEN_HEAP
 from antdt.errors import AntdtError, JobError, LedgerError
 from antdt.jobs import checkpoints, tasks
 from antdt.jobs.checkpoints import Manifest
+from antdt.jobs.journal import Journal
 from antdt.jobs.keeper import Checkpointer
 from antdt.jobs.placement import Placement, Slot
 from antdt.jobs.spec import JobSpec, JobState
@@ -55,14 +55,6 @@ from antdt.sync import SyncPeriod
 from antdt.sync.service import SyncService
 
 logger = logging.getLogger(__name__)
-
-LAST_ACTIONS = 10
-"""Controller actions a job's record shows."""
-
-SERIES = "train."
-"""Prefix of the metrics the master logs every tick (rows, samples/s, loss over time): a run's
-final figures (``samples_per_s``, ``rows_trained``, ...) are the job's own, under their plain
-names, and never shadowed by a tick's value."""
 
 POLL_S = 0.05
 """How often the runner looks at its agents' futures between ticks: a job's end waits at most
@@ -108,24 +100,17 @@ class JobRunner:
         self.error: str | None = None
         self.run: dict[str, Any] | None = None
         self.summary: dict[str, Any] | None = None
-        self.placement = Placement(spec.plan, self._elapsed, ctx.others, self._tasks_on)
+        self.journal = Journal(
+            job_id, time, self._bump,
+            log_length=int(config.number("antdt.jobs.log-length", low=1, integer=True)))
+        """The agents' events (handed to it by the service) and the controller's actions in;
+        the job's log, record and report out."""
+        self.log = self.journal.log
+        self.placement = Placement(spec.plan, self.journal.elapsed, ctx.others, self._tasks_on)
         self._agents: dict[int, Future] = {}
         """The agents' tasks, by slot index."""
         self.stopped: str | None = None
         """Why the job was stopped before its end (a deadline, a cancellation), or None."""
-        self.inbox: deque[tuple[float, dict[str, Any]]] = deque()
-        """The agents' events, appended by the service as they are logged."""
-        self.logs: deque[dict[str, Any]] = deque(
-            maxlen=int(config.number("antdt.jobs.log-length", low=1, integer=True)))
-        self._log_seq = 0
-        self._rows: dict[str, Any] = {}
-        self._health: dict[str, str] = {}
-        self._actions: list[dict[str, Any]] = []
-        self._leasing: dict[tuple[str, int], float] = {}
-        self._spans: list[tuple[str, int, float, float, int, str]] = []
-        self._first_lease: dict[str, float] = {}
-        """Per worker, when its first lease started (seconds after training started)."""
-        self._last_row = 0.0  # when the last lease that trained rows ended (time())
         self._steps: list[tuple[int, dict[str, float]]] = []
         self._step = 0
         self._pending_metrics: list[Future] = []
@@ -139,7 +124,6 @@ class JobRunner:
         self._changed = asyncio.Event()
         self._wake = asyncio.Event()
         self._cancel: str | None = None
-        self._train_started = 0.0
         self._tick_s = config.seconds("antdt.jobs.tick")
         self._metrics_every = config.seconds("antdt.jobs.metrics-interval")
         self._last_metrics = 0.0
@@ -158,29 +142,19 @@ class JobRunner:
 
     def record(self) -> dict[str, Any]:
         """The job as ``status`` and ``follow`` show it (plain, msgpack-able)."""
-        live = {s.worker for s in self.placement.live}
-        workers = [{"worker": s.worker, "label": s.label, "rows": s.rows,
-                    "samples_per_s": round(s.rate, 1) if s.worker in live else 0.0,
-                    "state": s.as_dict()["outcome"],
-                    "health": self._health.get(s.worker, "normal") if s.worker in live else "-"}
-                   for s in self.placement.slots]
         return {"job_id": self.job_id, "name": self.plan.name, "state": self.state.value,
                 "version": self.version, "submitted_at": self.submitted_at,
                 "started_at": self.started_at, "ended_at": self.ended_at, "error": self.error,
-                "stopped": self.stopped, "run": self.run, "rows": dict(self._rows),
-                "workers": workers, "actions": self._actions[-LAST_ACTIONS:],
-                "actions_total": len(self._actions), "summary": self.summary,
+                "stopped": self.stopped, "run": self.run, "summary": self.summary,
                 "tags": dict(self.plan.tags), "sharding": self.plan.sharding,
-                "agents": [s.as_dict() for s in self.placement.slots],
-                "first_lease": dict(self._first_lease),
-                "last_row": self._last_row - self._train_started if self._last_row else None,
+                **self.journal.record(self.placement.slots),
                 "checkpoint": self._last_checkpoint(),
                 "checkpoints": self._checkpoints(), "rows_replayed": self.rows_replayed,
                 "resumes": self.resumes, "adapted": self.placement.adapted}
 
     def log_records(self, since: int) -> list[dict[str, Any]]:
         """The job's log records with ``seq >= since``, oldest first."""
-        return [record for record in self.logs if record["seq"] >= since]
+        return self.journal.log_records(since)
 
     async def changed(self, version: int, timeout_s: float) -> None:
         """Return once :attr:`version` differs from ``version``, or after ``timeout_s``."""
@@ -219,14 +193,6 @@ class JobRunner:
     async def wait(self) -> None:
         if self._task is not None:
             await asyncio.shield(self._task)
-
-    def log(self, level: str, message: str, source: str = "job", at: float | None = None) -> None:
-        self._log_seq += 1
-        self.logs.append({"seq": self._log_seq, "time": time() if at is None else at,
-                          "level": level, "source": source, "message": message})
-        getattr(logger, "warning" if level == "warning" else "error" if level == "error"
-                else "info")("job %s: %s", self.job_id, message)
-        self._bump()
 
     # ---- the job, top to bottom ---------------------------------------------------------------
 
@@ -287,16 +253,17 @@ class JobRunner:
                 raise JobError(reply["message"])
         self.ctx.sync.start_job(self.job_id, initial)
         self._read_ledger()
-        self.log("info", f"registered: {self._rows['expected']:,} rows over {plan.epochs} "
+        self.log("info", f"registered: {self.journal.rows['expected']:,} rows over {plan.epochs} "
                          f"epoch(s), {len(initial)} worker(s), sharding {plan.sharding}")
         self._check_cancel()
         self.run = await self._hook("start", self.job_id, len(initial), resume)
         if resume is not None:
             self._step = int(resume["step"])
         self._check_cancel()
-        await self.checkpoints.open(self._rows["trained"])
-        self._trained_before = self._rows["trained"]
-        self.started_at = self._train_started = time()
+        await self.checkpoints.open(self.journal.rows["trained"])
+        self._trained_before = self.journal.rows["trained"]
+        self.started_at = time()
+        self.journal.began(self.started_at)
         self._set_state(JobState.RUNNING)
         for worker in initial:
             self._start_agent(worker, period, restore=plan.resume)
@@ -364,7 +331,7 @@ class JobRunner:
                 break
             deadline = self.plan.deadline_s
             if deadline is not None and self.stopped is None and self._cancel is None \
-                    and time() - self._train_started > deadline:
+                    and self.journal.elapsed() > deadline:
                 self.stopped = f"the deadline of {deadline:.0f}s of training passed"
                 self.log("warning", f"{self.stopped}; stopping the job")
                 self.ctx.sharding.jobs[self.job_id].stop(self.stopped)
@@ -374,7 +341,7 @@ class JobRunner:
                 await self._cancel_agents()
         self._tick()  # the agents' last events
         if not any(s.report is not None for s in self.placement.slots):
-            rows = self._rows
+            rows = self.journal.rows
             raise JobError(f"every agent's worker died ({len(self.placement.slots)} agents); "
                            f"{rows.get('done', 0):,} of {rows.get('expected', 0):,} rows done")
 
@@ -387,7 +354,7 @@ class JobRunner:
         ``antdt.sharding.no-workers-timeout``) and restart from the newest good checkpoint;
         fail naming the checkpoint to resume from when none join, or at once when there is
         no checkpoint."""
-        rows = self._rows
+        rows = self.journal.rows
         lost = f"every agent's worker died ({len(self.placement.slots)} agents); " \
                f"{rows.get('done', 0):,} of {rows.get('expected', 0):,} rows done"
         manifest = await self.checkpoints.latest()
@@ -519,10 +486,7 @@ class JobRunner:
     def _write_off(self, slot: Slot, why: str) -> None:
         self.placement.write_off(slot)
         self._agents[slot.index].release()
-        now = time()
-        for worker, lease_id in [key for key in self._leasing if key[0] == slot.worker]:
-            start = self._leasing.pop((worker, lease_id))
-            self._spans.append((worker, lease_id, start, now, 0, "lost"))
+        self.journal.lost(slot.worker)
         self.log("warning", f"agent {slot.index} on {slot.worker} is gone: {why}; the ledger "
                             "re-queued its unsynced rows")
 
@@ -537,63 +501,9 @@ class JobRunner:
         of metrics for the tracking run (sent every ``antdt.jobs.metrics-interval``)."""
         self._read_ledger()
         control = self.ctx.controller.jobs.get(self.job_id)
-        counts: dict[str, int] = {}
-        if control is not None:
-            actions = control.controller.actions(since=len(self._actions))
-            for record in actions["records"]:
-                self._actions.append(record)
-                lease = "" if record["lease_id"] is None else f" lease {record['lease_id']}"
-                self.log("info", f"controller: {record['action']} {record['worker']}{lease} "
-                                 f"({record['reason']})")
-            counts = actions["counts"]
-            self._health = {w: _health(h["state"]) for w, h in
-                            control.monitor.summary()["workers"].items()}
-        by_worker = {s.worker: s for s in self.placement.slots}
-        fresh: dict[str, float] = {}
-        losses: list[float] = []
-        while self.inbox:
-            at, msg = self.inbox.popleft()
-            kind, worker = msg.get("kind"), str(msg.get("worker"))
-            if kind == "lease":
-                key = (worker, int(msg["lease_id"]))
-                if msg["phase"] == "start":
-                    self._leasing[key] = float(msg["time"])
-                    self._first_lease.setdefault(worker,
-                                                 float(msg["time"]) - self._train_started)
-                elif self._leasing.pop(key, None) is not None:
-                    self._spans.append((*key, float(msg["start"]), float(msg["time"]),
-                                        int(msg["rows"]), str(msg["outcome"])))
-                    if int(msg["rows"]):
-                        self._last_row = max(self._last_row, float(msg["time"]))
-            elif kind == "progress":
-                fresh[worker] = float(msg["samples_per_s"])
-                if msg.get("loss") is not None:
-                    losses.append(float(msg["loss"]))
-                slot = by_worker.get(worker)
-                if slot is not None and slot.report is None:
-                    slot.rows, slot.busy_s = int(msg["rows"]), float(msg["busy_s"])
-                    slot.cpu_s = float(msg["cpu_s"])
-            elif kind == "fault":
-                self.log("warning", f"injected {msg.get('fault')} after {msg.get('rows')} rows",
-                         source=worker, at=at)
-            elif kind == "log":
-                self.log(str(msg.get("level", "warning")), str(msg.get("message")),
-                         source=worker, at=at)
-        for worker, rate in fresh.items():
-            by_worker[worker].rate = rate
-        live = [s for s in self.placement.slots if s.live]
-        rows = self._rows
-        metrics: dict[str, float] = {
-            f"{SERIES}rows_done": rows["done"], f"{SERIES}rows_trained": rows["trained"],
-            f"{SERIES}rows_retrained": rows["retrained"],
-            f"{SERIES}samples_per_s": sum(s.rate for s in live),
-            f"{SERIES}workers": len(live)}
-        metrics.update({f"{SERIES}samples_per_s.{by_worker[w].label}": r
-                        for w, r in fresh.items()})
-        if losses:
-            metrics[f"{SERIES}loss"] = sum(losses) / len(losses)
-        metrics["controller.actions"] = len(self._actions)
-        metrics.update({f"controller.{kind}": n for kind, n in counts.items()})
+        counts = {} if control is None else self.journal.read_controller(
+            control.controller.actions, control.monitor.summary()["workers"])
+        metrics = self.journal.read_events(self.placement.slots, counts)
         if self.state is JobState.RUNNING or self.state is JobState.CANCELLING:
             self._steps.append((self._step, metrics))
             self._step += 1
@@ -630,7 +540,7 @@ class JobRunner:
         return {"job_id": self.job_id, "state": (state or self.state).value, "time": time(),
                 "step": self._step, "error": self.error, "run": self.run,
                 "checkpoint": self._last_checkpoint(),
-                "rows": {k: self._rows.get(k) for k in ("done", "trained", "retrained",
+                "rows": {k: self.journal.rows.get(k) for k in ("done", "trained", "retrained",
                                                         "expected")}}
 
     def _checkpoints(self) -> dict[str, Any]:
@@ -654,12 +564,7 @@ class JobRunner:
         ledger = self.ctx.sharding.jobs.get(self.job_id)
         if ledger is None:
             return
-        summary = ledger.summary()
-        self._rows = {key.removeprefix("rows_"): summary[key] for key in (
-            "rows_expected", "rows_done", "rows_trained", "rows_todo", "rows_leased",
-            "rows_lost", "rows_retrained", "rows_quarantined")}
-        self._rows.update(epoch=summary["epoch"], epochs=summary["epochs"],
-                          done_by_epoch=summary["rows_done_by_epoch"])
+        self.journal.read_ledger(ledger.summary())
 
     def _send_metrics(self) -> None:
         """Send the buffered steps in one metrics task, unless the previous one is still on its
@@ -714,27 +619,13 @@ class JobRunner:
         starts with its checkpoint's), timings, agents, controller actions and lease spans
         (seconds since training started)."""
         self._read_ledger()
-        ended = [s.ended for s in self.placement.slots if s.ended is not None]
-        train_s = max(ended, default=self._elapsed())
-        t0 = self._train_started
-        labels = {s.worker: s.label for s in self.placement.slots}
-        split = {a["lease_id"] for a in self._actions if a["action"] == "split"}
-        spans = [{"worker": labels.get(w, w), "lease_id": lease, "start": start - t0,
-                  "end": end - t0, "rows": rows,
-                  "outcome": "split" if outcome == "finished" and lease in split
-                  else outcome if outcome in ("finished", "revoked") else "lost"}
-                 for w, lease, start, end, rows, outcome in self._spans]
-        marks = [{"time": a["time"] - t0, "worker": labels.get(a["worker"], a["worker"]),
-                  "action": a["action"], "rows": a["rows"], "reason": a["reason"]}
-                 for a in self._actions]
-        return {"job_id": self.job_id, "name": self.plan.name, "rows": dict(self._rows),
-                "rows_trained_here": self._rows["trained"] - self._trained_before,
-                "train_s": train_s, "wall_s": time() - self.submitted_at,
-                "stopped": self.stopped, "agents": [s.as_dict() for s in self.placement.slots],
-                "actions": list(self._actions), "spans": spans, "marks": marks,
-                "first_lease": dict(self._first_lease), "sharding": self.plan.sharding,
-                "rows_replayed": self.rows_replayed, "resumes": self.resumes,
-                "checkpoints": self._checkpoints(), "adapted": self.placement.adapted}
+        return {"job_id": self.job_id, "name": self.plan.name,
+                **self.journal.report(self.placement.slots),
+                "rows_trained_here": self.journal.rows["trained"] - self._trained_before,
+                "wall_s": time() - self.submitted_at, "stopped": self.stopped,
+                "sharding": self.plan.sharding, "rows_replayed": self.rows_replayed,
+                "resumes": self.resumes, "checkpoints": self._checkpoints(),
+                "adapted": self.placement.adapted}
 
     # ---- tasks on workers -------------------------------------------------------------------
 
@@ -827,9 +718,6 @@ class JobRunner:
         if self._cancel is not None:
             raise Cancelled(self._cancel)
 
-    def _elapsed(self) -> float:
-        return time() - self._train_started if self._train_started else 0.0
-
     def _set_state(self, state: JobState) -> None:
         self.state = state
         self._bump()
@@ -838,11 +726,6 @@ class JobRunner:
         self.version += 1
         self._changed.set()
         self._changed = asyncio.Event()
-
-
-def _health(state: str) -> str:
-    """A monitor verdict as ``status`` names it."""
-    return {"ok": "normal", "hung": "hung"}.get(state, "straggler")
 
 
 async def _fetch(future: Future) -> Any:

@@ -29,7 +29,6 @@ from typing import Any
 
 from distributed import Client, Scheduler
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.metrics import time
 from distributed.security import Security
 
 from antdt import config, rpc
@@ -92,7 +91,7 @@ class JobService(SchedulerPlugin):
         if isinstance(topic, str) and topic.startswith(AGENT_TOPIC) and isinstance(msg, dict):
             runner = self.runners.get(topic[len(AGENT_TOPIC):])
             if runner is not None and not runner.state.final:
-                runner.inbox.append((time(), msg))
+                runner.journal.received(msg)
 
     # ---- the services a job uses ------------------------------------------------------------
 
