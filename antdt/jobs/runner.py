@@ -48,6 +48,7 @@ from antdt.jobs import checkpoints, tasks
 from antdt.jobs.checkpoints import Manifest
 from antdt.jobs.journal import Journal
 from antdt.jobs.keeper import Checkpointer
+from antdt.jobs.metrics import MetricsShipper, Step
 from antdt.jobs.placement import Placement, Slot
 from antdt.jobs.spec import JobSpec, JobState
 from antdt.sharding.service import ShardingService
@@ -111,22 +112,12 @@ class JobRunner:
         """The agents' tasks, by slot index."""
         self.stopped: str | None = None
         """Why the job was stopped before its end (a deadline, a cancellation), or None."""
-        self._steps: list[tuple[int, dict[str, float]]] = []
-        self._step = 0
-        self._pending_metrics: list[Future] = []
-        self._in_flight: list[tuple[int, dict[str, float]]] = []
-        """The steps of the pending metrics task: sent again if its worker leaves first."""
-        self._hooks_on: str | None = None
-        """The worker that ran the last hook: the metrics tasks go there and nowhere else
-        while it lives (Dask would run them on, or steal them for, an idle worker), since a
-        worker using the tracking store for the first time (about 0.45 s of CPU) takes it from
-        its agent's training, and its sync partners wait for it."""
+        self.metrics = MetricsShipper(time, config.seconds("antdt.jobs.metrics-interval"),
+                                      self._send_metrics, self._alive, self.log)
         self._changed = asyncio.Event()
         self._wake = asyncio.Event()
         self._cancel: str | None = None
         self._tick_s = config.seconds("antdt.jobs.tick")
-        self._metrics_every = config.seconds("antdt.jobs.metrics-interval")
-        self._last_metrics = 0.0
         self._task: asyncio.Task[None] | None = None
         self.checkpoints = Checkpointer(job_id, spec.plan, self._write_model, self.log,
                                         written=self._wake.set)
@@ -258,7 +249,7 @@ class JobRunner:
         self._check_cancel()
         self.run = await self._hook("start", self.job_id, len(initial), resume)
         if resume is not None:
-            self._step = int(resume["step"])
+            self.metrics.step = int(resume["step"])
         self._check_cancel()
         await self.checkpoints.open(self.journal.rows["trained"])
         self._trained_before = self.journal.rows["trained"]
@@ -387,7 +378,7 @@ class JobRunner:
                             f"worker(s): {manifest.rows['done']:,} rows done; {replayed:,} "
                             "rows trained past it are trained again")
         self.run = await self._hook("start", self.job_id, len(workers),
-                                    self._resume_info(manifest, self._step))
+                                    self._resume_info(manifest, self.metrics.step))
         self.checkpoints.restart_interval(manifest.rows["trained"])
         for worker in workers:
             self._start_agent(worker, period, restore=manifest.path)
@@ -505,11 +496,8 @@ class JobRunner:
             control.controller.actions, control.monitor.summary()["workers"])
         metrics = self.journal.read_events(self.placement.slots, counts)
         if self.state is JobState.RUNNING or self.state is JobState.CANCELLING:
-            self._steps.append((self._step, metrics))
-            self._step += 1
-        if time() - self._last_metrics >= self._metrics_every:
-            self._send_metrics()
-        self._check_metrics()
+            self.metrics.add(metrics)
+        self.metrics.tick(self.run)
         self._checkpoint()
         self._bump()
 
@@ -532,13 +520,13 @@ class JobRunner:
                        and s.worker in self.ctx.scheduler.workers), None)
         if writer is None:
             return
-        self.checkpoints.take(writer, int(rows["rows_trained"]), self._step, self.run,
+        self.checkpoints.take(writer, int(rows["rows_trained"]), self.metrics.step, self.run,
                               {"rows_replayed": self.rows_replayed, "resumes": self.resumes})
 
     def _progress(self, state: JobState | None = None) -> dict[str, Any]:
         """What ``progress.json`` says of the job (see :mod:`antdt.jobs.keeper`)."""
         return {"job_id": self.job_id, "state": (state or self.state).value, "time": time(),
-                "step": self._step, "error": self.error, "run": self.run,
+                "step": self.metrics.step, "error": self.error, "run": self.run,
                 "checkpoint": self._last_checkpoint(),
                 "rows": {k: self.journal.rows.get(k) for k in ("done", "trained", "retrained",
                                                         "expected")}}
@@ -566,52 +554,24 @@ class JobRunner:
             return
         self.journal.read_ledger(ledger.summary())
 
-    def _send_metrics(self) -> None:
-        """Send the buffered steps in one metrics task, unless the previous one is still on its
-        way: one at a time, the run gets its steps in order, and a slow tracking store gets
-        fewer, larger batches instead of a queue of tasks."""
-        self._last_metrics = time()
-        if not self._steps or self.run is None or self._pending_metrics:
-            return
-        steps, self._steps = self._steps, []
-        self._in_flight = steps
-        self._pending_metrics.append(self.client.submit(
-            tasks.hook_task, self.code.hooks, "metrics", self.run, steps, pure=False,
-            workers=None if self._hooks_on is None else [self._hooks_on]))
+    def _send_metrics(self, run: Mapping[str, Any], steps: list[Step],
+                      worker: str | None) -> Future:
+        return self.client.submit(tasks.hook_task, self.code.hooks, "metrics", run, steps,
+                                  pure=False, workers=None if worker is None else [worker])
 
-    def _check_metrics(self) -> None:
-        """Release the metrics tasks that ended; log the ones that failed (metrics that do not
-        reach the tracking run are a loss to report, not a reason to stop training). When the
-        worker they were bound to left, the pending one is dropped and its steps go again,
-        to any worker (those it logged before it died, twice)."""
-        for future in [f for f in self._pending_metrics if f.status != "pending"]:
-            self._pending_metrics.remove(future)
-            self._in_flight = []
-            if future.status == "error":
-                self.log("warning", "metrics did not reach the tracking run (see the worker's "
-                                    f"log for task {future.key})")
-            future.release()
-        if self._hooks_worker_left():
-            self._hooks_on = None
-            for future in self._pending_metrics:
-                future.release()
-            self._pending_metrics.clear()
-            self._steps, self._in_flight = self._in_flight + self._steps, []
-
-    def _hooks_worker_left(self) -> bool:
-        return self._hooks_on is not None and self._hooks_on not in self.ctx.scheduler.workers
+    def _alive(self, worker: str) -> bool:
+        return worker in self.ctx.scheduler.workers
 
     async def _flush_metrics(self) -> None:
         """Send the buffered metrics after the one on its way and wait (a minute at most each)
         until they arrived: the run's history is complete before it is closed."""
         await self._metrics_arrived()
-        self._send_metrics()
+        self.metrics.send(self.run)
         await self._metrics_arrived()
 
     async def _metrics_arrived(self) -> None:
-        await _until(lambda: all(f.done() for f in self._pending_metrics)
-                     or self._hooks_worker_left(), 60.0)
-        self._check_metrics()
+        await _until(self.metrics.settled, 60.0)
+        self.metrics.check()
 
     def _report(self) -> dict[str, Any]:
         """The master's account of the job, for ``hooks.finish``: its counters (and the rows
@@ -640,7 +600,7 @@ class JobRunner:
             result = await future
             task = self.ctx.scheduler.tasks.get(future.key)
             if task is not None and task.who_has:
-                self._hooks_on = next(iter(task.who_has)).address
+                self.metrics.hooks_on = next(iter(task.who_has)).address
             return result
         except KilledWorker as exc:
             raise JobError(f"the workers running {function.__name__} kept dying: {exc}") from exc
