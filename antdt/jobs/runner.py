@@ -139,8 +139,8 @@ class JobRunner:
                 "stopped": self.stopped, "run": self.run, "summary": self.summary,
                 "tags": dict(self.plan.tags), "sharding": self.plan.sharding,
                 **self.journal.record(self.placement.slots),
-                "checkpoint": self._last_checkpoint(),
-                "checkpoints": self._checkpoints(), "rows_replayed": self.rows_replayed,
+                "checkpoint": self.checkpoints.last_path,
+                "checkpoints": self.checkpoints.summary(), "rows_replayed": self.rows_replayed,
                 "resumes": self.resumes, "adapted": self.placement.adapted}
 
     def log_records(self, since: int) -> list[dict[str, Any]]:
@@ -527,19 +527,9 @@ class JobRunner:
         """What ``progress.json`` says of the job (see :mod:`antdt.jobs.keeper`)."""
         return {"job_id": self.job_id, "state": (state or self.state).value, "time": time(),
                 "step": self.metrics.step, "error": self.error, "run": self.run,
-                "checkpoint": self._last_checkpoint(),
+                "checkpoint": self.checkpoints.last_path,
                 "rows": {k: self.journal.rows.get(k) for k in ("done", "trained", "retrained",
                                                         "expected")}}
-
-    def _checkpoints(self) -> dict[str, Any]:
-        """The checkpoints this master wrote: how many, the last one's bytes and path, and the
-        seconds each took."""
-        return {"written": self.checkpoints.written, "bytes": self.checkpoints.bytes,
-                "seconds": list(self.checkpoints.seconds), "last": self._last_checkpoint()}
-
-    def _last_checkpoint(self) -> str | None:
-        last = self.checkpoints.last
-        return None if last is None else last.path
 
     async def _write_model(self, worker: str, path: str) -> dict[str, Any] | None:
         future = self.client.submit(tasks.checkpoint_task, self.job_id, path, workers=[worker],
@@ -584,7 +574,7 @@ class JobRunner:
                 "rows_trained_here": self.journal.rows["trained"] - self._trained_before,
                 "wall_s": time() - self.submitted_at, "stopped": self.stopped,
                 "sharding": self.plan.sharding, "rows_replayed": self.rows_replayed,
-                "resumes": self.resumes, "checkpoints": self._checkpoints(),
+                "resumes": self.resumes, "checkpoints": self.checkpoints.summary(),
                 "adapted": self.placement.adapted}
 
     # ---- tasks on workers -------------------------------------------------------------------
