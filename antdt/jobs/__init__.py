@@ -4,7 +4,8 @@ client that submitted it and several jobs share one cluster.
 
 =============================  ====================================================================
 :mod:`antdt.jobs.spec`         what a client submits (:class:`JobSpec`: a plan of plain values and
-                               the application's code as pickles) and :class:`JobState`
+                               the application's code as pickles); where a job stands is
+                               :class:`JobState`, shared with the ledger (:mod:`antdt.sharding`)
 :mod:`antdt.jobs.runner`       one job's control loop on the scheduler
 :mod:`antdt.jobs.service`      :class:`~antdt.jobs.service.JobService`, the scheduler plugin
 :mod:`antdt.jobs.tasks`        the tasks the master runs on workers (agents, the hooks)
@@ -15,7 +16,8 @@ client that submitted it and several jobs share one cluster.
 from __future__ import annotations
 
 from antdt.jobs.client import JobClient, ensure_plugins
-from antdt.jobs.spec import JobCode, JobHooks, JobPlan, JobSpec, JobState
+from antdt.jobs.spec import JobCode, JobHooks, JobPlan, JobSpec
+from antdt.sharding import JobState
 
 __all__ = ["JobClient", "JobCode", "JobHooks", "JobPlan", "JobSpec", "JobState",
            "ensure_plugins"]

@@ -24,7 +24,8 @@ from distributed.security import Security
 
 from antdt import rpc
 from antdt.errors import JobError
-from antdt.jobs.spec import JobSpec, JobState
+from antdt.jobs.spec import JobSpec
+from antdt.sharding import JobState
 
 FINAL = {state.value for state in JobState if state.final}
 WAIT_S = 10.0

@@ -50,7 +50,8 @@ from antdt.jobs.journal import Journal
 from antdt.jobs.keeper import Checkpointer
 from antdt.jobs.metrics import MetricsShipper, Step
 from antdt.jobs.placement import Placement, Slot
-from antdt.jobs.spec import JobSpec, JobState
+from antdt.jobs.spec import JobSpec
+from antdt.sharding import JobState
 from antdt.sharding.service import ShardingService
 from antdt.sync import SyncPeriod
 from antdt.sync.service import SyncService
