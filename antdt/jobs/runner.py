@@ -41,7 +41,7 @@ from distributed.scheduler import KilledWorker
 
 from antdt import config
 from antdt.agent import AgentReport, AgentSpec, Faults, cancel_here, forget_here
-from antdt.controller import ControllerPlugin
+from antdt.controller import ControllerService
 from antdt.device import FROZEN_HEAP
 from antdt.errors import AntdtError, JobError, LedgerError
 from antdt.jobs import checkpoints, tasks
@@ -74,7 +74,7 @@ class JobContext:
     scheduler: Scheduler
     client: Client
     sharding: ShardingService
-    controller: ControllerPlugin
+    controller: ControllerService
     sync: SyncService
     others: Callable[[], Iterable[Collection[str]]]
     forget: Callable[[str], None]
@@ -231,7 +231,7 @@ class JobRunner:
         if plan.sharding == "static" and (plan.checkpoint_dir or plan.resume):
             raise JobError("static sharding (the baseline) cannot be checkpointed or resumed; "
                            "drop train.checkpoint_dir or use the antdt sharding")
-        self.ctx.controller.enabled[self.job_id] = plan.sharding == "antdt"
+        self.ctx.controller.enable(self.job_id, plan.sharding == "antdt")
         resume: dict[str, Any] | None = None
         if plan.resume is not None:
             resume = await self._resume(plan.resume)

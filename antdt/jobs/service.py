@@ -33,7 +33,7 @@ from distributed.security import Security
 
 from antdt import config, rpc
 from antdt.agent import event_topic
-from antdt.controller import ControllerPlugin
+from antdt.controller import ControllerService
 from antdt.controller import PLUGIN_NAME as CONTROLLER
 from antdt.errors import JobError
 from antdt.jobs.runner import JobContext, JobRunner
@@ -100,8 +100,8 @@ class JobService(SchedulerPlugin):
         return self._plugin(SHARDING, ShardingService)
 
     @property
-    def controller(self) -> ControllerPlugin:
-        return self._plugin(CONTROLLER, ControllerPlugin)
+    def controller(self) -> ControllerService:
+        return self._plugin(CONTROLLER, ControllerService)
 
     @property
     def sync(self) -> SyncService:
@@ -112,7 +112,7 @@ class JobService(SchedulerPlugin):
         record)."""
         self.sharding.forget(job)
         self.sync.stop_job(job)
-        self.controller.enabled.pop(job, None)
+        self.controller.forget(job)
 
     # ---- handlers ----------------------------------------------------------------------------
 
@@ -193,7 +193,7 @@ class JobService(SchedulerPlugin):
     def _plugins(self) -> None:
         """Raise a :class:`JobError` naming a service a job needs that is not registered."""
         self._plugin(SHARDING, ShardingService)
-        self._plugin(CONTROLLER, ControllerPlugin)
+        self._plugin(CONTROLLER, ControllerService)
         self._plugin(SYNC, SyncService)
 
     def _plugin(self, name: str, kind: type[Any]) -> Any:
