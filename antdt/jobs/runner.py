@@ -28,14 +28,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import posixpath
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from distributed import Client, Future, Scheduler
-from distributed.client import FutureCancelledError
 from distributed.metrics import time
 from distributed.scheduler import KilledWorker
 
@@ -44,7 +42,7 @@ from antdt.agent import AgentReport, AgentSpec, Faults, cancel_here, forget_here
 from antdt.controller import ControllerService
 from antdt.device import FROZEN_HEAP
 from antdt.errors import AntdtError, JobError, LedgerError
-from antdt.jobs import checkpoints, tasks
+from antdt.jobs import calls, checkpoints, tasks
 from antdt.jobs.checkpoints import Manifest
 from antdt.jobs.journal import Journal
 from antdt.jobs.keeper import Checkpointer
@@ -57,10 +55,6 @@ from antdt.sync import SyncPeriod
 from antdt.sync.service import SyncService
 
 logger = logging.getLogger(__name__)
-
-POLL_S = 0.05
-"""How often the runner looks at its agents' futures between ticks: a job's end waits at most
-this long to be noticed."""
 
 
 @dataclass(frozen=True)
@@ -356,7 +350,8 @@ class JobRunner:
         timeout = config.seconds("antdt.sharding.no-workers-timeout")
         self.log("warning", f"{lost}; waiting up to {timeout:g}s for workers, to restart from "
                             f"checkpoint {manifest.path}")
-        await _until(lambda: bool(self.ctx.scheduler.workers) or self._cancel is not None, timeout)
+        await calls.until(lambda: bool(self.ctx.scheduler.workers) or self._cancel is not None,
+                          timeout)
         self._check_cancel()
         if not self.ctx.scheduler.workers:
             raise JobError(
@@ -402,7 +397,8 @@ class JobRunner:
             future = self.client.submit(tasks.finish_task, self.job_id, self.code.hooks,
                                         self.run, report, True, workers=[worker],
                                         allow_other_workers=False, pure=False)
-            outcome = await self._result_on(future, worker, "finishing the job")
+            outcome = await calls.result_on(self.client, self._alive, future, worker,
+                                           "finishing the job")
             if outcome is not None:
                 self.summary = outcome
                 return
@@ -442,12 +438,12 @@ class JobRunner:
 
     async def _sleep(self) -> None:
         """Until an agent returns, something wakes the runner (a cancellation), or a tick
-        passed. The agents' futures are polled (every :data:`POLL_S`), not awaited: awaiting
-        fetches a result, and a fetch abandoned half-way can cancel another one of the same
-        client."""
-        await _until(lambda: self._wake.is_set()
-                     or any(self._agents[s.index].done() for s in self.placement.live),
-                     self._tick_s)
+        passed. The agents' futures are polled (every :data:`~antdt.jobs.calls.POLL_S`), not
+        awaited: awaiting fetches a result, and a fetch abandoned half-way can cancel another
+        one of the same client."""
+        await calls.until(lambda: self._wake.is_set()
+                          or any(self._agents[s.index].done() for s in self.placement.live),
+                          self._tick_s)
         self._wake.clear()
 
     async def _check(self, slot: Slot, workers: Mapping[str, Any]) -> None:
@@ -535,8 +531,8 @@ class JobRunner:
     async def _write_model(self, worker: str, path: str) -> dict[str, Any] | None:
         future = self.client.submit(tasks.checkpoint_task, self.job_id, path, workers=[worker],
                                     allow_other_workers=False, pure=False)
-        result: dict[str, Any] | None = await self._result_on(future, worker,
-                                                              "writing a checkpoint")
+        result: dict[str, Any] | None = await calls.result_on(
+            self.client, self._alive, future, worker, "writing a checkpoint")
         return result
 
     def _read_ledger(self) -> None:
@@ -561,7 +557,7 @@ class JobRunner:
         await self._metrics_arrived()
 
     async def _metrics_arrived(self) -> None:
-        await _until(self.metrics.settled, 60.0)
+        await calls.until(self.metrics.settled, 60.0)
         self.metrics.check()
 
     def _report(self) -> dict[str, Any]:
@@ -586,44 +582,12 @@ class JobRunner:
         return await self._hook_on_any(tasks.hook_task, self.code.hooks, method, *args)
 
     async def _hook_on_any(self, function: Callable[..., Any], *args: Any) -> Any:
-        future = self.client.submit(function, *args, pure=False)
-        try:
-            result = await future
-            task = self.ctx.scheduler.tasks.get(future.key)
-            if task is not None and task.who_has:
-                self.metrics.hooks_on = next(iter(task.who_has)).address
-            return result
-        except KilledWorker as exc:
-            raise JobError(f"the workers running {function.__name__} kept dying: {exc}") from exc
-        except AntdtError:
-            raise
-        except Exception as exc:  # the application's error, raised on a worker
-            raise JobError(f"{function.__name__} failed on a worker: {exc!r}") from exc
-        finally:
-            future.release()
-
-    async def _result_on(self, future: Future, worker: str, what: str) -> Any:
-        """``future``'s result, or None if its (pinned) worker leaves the cluster before the
-        result is fetched: a finished task's result lives on its worker, and once that worker
-        is gone Dask would run the task again there, which never comes back (a wait for the
-        result would never end)."""
-        fetch = asyncio.ensure_future(_fetch(future))
-        try:
-            await _until(lambda: fetch.done() or worker not in self.ctx.scheduler.workers, math.inf)
-            if not fetch.done():
-                await self.client.cancel([future])  # ends the fetch
-                with contextlib.suppress(FutureCancelledError):
-                    await fetch
-                return None
-            return fetch.result()
-        except KilledWorker:
-            return None
-        except AntdtError:
-            raise
-        except Exception as exc:  # the application's error, raised on the worker
-            raise JobError(f"{what} failed on {worker}: {exc!r}") from exc
-        finally:
-            future.release()
+        """``function(*args)`` on any worker; the metrics tasks follow the worker it ran on."""
+        result, holder = await calls.on_any_worker(self.client, self.ctx.scheduler, function,
+                                                   *args)
+        if holder is not None:
+            self.metrics.hooks_on = holder
+        return result
 
     async def _abort(self, status: str, reason: str) -> None:
         """Close the tracking run (if it was opened) as ``status``, after the metrics sent to
@@ -677,15 +641,3 @@ class JobRunner:
         self.version += 1
         self._changed.set()
         self._changed = asyncio.Event()
-
-
-async def _fetch(future: Future) -> Any:
-    return await future
-
-
-async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
-    """Return once ``condition()`` holds (checked every :data:`POLL_S`) or after
-    ``timeout_s``."""
-    deadline = time() + timeout_s
-    while not condition() and time() < deadline:
-        await asyncio.sleep(min(POLL_S, max(0.0, deadline - time())))
