@@ -6,7 +6,14 @@ client that submitted it and several jobs share one cluster.
 :mod:`antdt.jobs.spec`         what a client submits (:class:`JobSpec`: a plan of plain values and
                                the application's code as pickles); where a job stands is
                                :class:`JobState`, shared with the ledger (:mod:`antdt.sharding`)
-:mod:`antdt.jobs.runner`       one job's control loop on the scheduler
+:mod:`antdt.jobs.runner`       one job's control loop on the scheduler (its lifecycle), handed a
+                               :class:`~antdt.jobs.runner.JobContext` by the service
+:mod:`antdt.jobs.placement`    which workers get a job's agents: at the start, joiners, restarts
+:mod:`antdt.jobs.journal`      agents' events and controller actions in; log, record, report out
+:mod:`antdt.jobs.metrics`      a job's metrics on their way to its tracking run
+:mod:`antdt.jobs.keeper`       a job's checkpoints as its master takes them
+:mod:`antdt.jobs.checkpoints`  the checkpoints' files: versions, manifests, the progress note
+:mod:`antdt.jobs.calls`        the master's calls into workers (never blocking the scheduler)
 :mod:`antdt.jobs.service`      :class:`~antdt.jobs.service.JobService`, the scheduler plugin
 :mod:`antdt.jobs.tasks`        the tasks the master runs on workers (agents, the hooks)
 :mod:`antdt.jobs.client`       :class:`JobClient`: submit, follow, status, logs, cancel

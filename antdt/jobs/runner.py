@@ -4,10 +4,12 @@ job it runs::
     register the job: the ledger (sharding service), its controller, its sync group
       ─► the tracking run (hooks.start, a task on a worker)
       ─► one agent task per worker, and per worker that joins later
+         (:mod:`~antdt.jobs.placement`)
       ─► every tick: collect finished agents, write off those whose worker died (the ledger has
          re-queued their rows), start joiners, read the agents' events and the controller's
-         actions, buffer metrics (hooks.metrics, a task every few seconds); stop at a deadline
-         and take a checkpoint when one is due (:mod:`antdt.jobs.keeper`)
+         actions (:mod:`~antdt.jobs.journal`), buffer metrics (hooks.metrics, a task every few
+         seconds: :mod:`~antdt.jobs.metrics`); stop at a deadline and take a checkpoint when
+         one is due (:mod:`antdt.jobs.keeper`)
       ─► every worker gone: wait for new ones and restart from the last checkpoint (or fail,
          naming it, after ``antdt.sharding.no-workers-timeout``)
       ─► the end: hooks.finish on a worker holding the consensus model (another one if that
@@ -21,6 +23,13 @@ place. The runner never imports that service: the service hands each runner a
 in, the other jobs' placements and a way to forget the job), as Ray's job supervisor is handed
 its storage client. Nothing here runs the application's code: the hooks and the agents'
 factories are pickles only workers open.
+
+The runner holds the job's lifecycle (its :class:`~antdt.sharding.JobState`, the steps above);
+the rest are plain parts with their own state, each tested without a cluster:
+:class:`~antdt.jobs.placement.Placement` (which workers get agents),
+:class:`~antdt.jobs.journal.Journal` (events and actions in; the log, record and report out),
+:class:`~antdt.jobs.metrics.MetricsShipper` (metrics to the tracking run) and
+:class:`~antdt.jobs.keeper.Checkpointer` (checkpoints).
 """
 
 from __future__ import annotations
