@@ -41,27 +41,24 @@ config::
 :mod:`antdt.controller.policies`   :class:`Tick` (what a policy sees) and the built-in policies
 :mod:`antdt.controller.mechanism`  :class:`Controller`: a plain class (injected clock, no Dask)
                                    driven by the simulator and the tests
-:mod:`antdt.controller.plugin`     :class:`ControllerPlugin`: one controller per job on the
+:mod:`antdt.controller.service`    :class:`ControllerService`: one controller per job on the
                                    scheduler, next to the sharding service
 =================================  ==============================================================
 """
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 from antdt.controller.actions import (ACTION_NAMES, Action, ActionRecord, AdjustBatch, Evidence,
                                       LeaseAction, Pace, Reassign, Retire, Revoke, Split)
 from antdt.controller.mechanism import Controller
-from antdt.controller.plugin import (EVENT_TOPIC, PLUGIN_NAME, ControllerPlugin,
-                                     enable_controller)
 from antdt.controller.policies import (BalanceBatch, ControllerPolicy, PaceStragglers,
                                        ReassignStragglers, RetireHung, RetirePersistent,
                                        RevokeHung, SplitTail, Tick, load_policies)
+from antdt.controller.service import EVENT_TOPIC, PLUGIN_NAME, ControllerService, enable_controller
 
 __all__ = [
     "ACTION_NAMES", "EVENT_TOPIC", "PLUGIN_NAME", "Action", "ActionRecord", "AdjustBatch",
-    "BalanceBatch", "Controller", "ControllerPlugin", "ControllerPolicy", "Evidence",
+    "BalanceBatch", "Controller", "ControllerPolicy", "ControllerService", "Evidence",
     "LeaseAction", "Pace", "PaceStragglers", "Reassign", "ReassignStragglers", "Retire",
     "RetireHung", "RetirePersistent", "Revoke", "RevokeHung", "Split", "SplitTail", "Tick",
     "enable_controller", "load_policies",

@@ -2,7 +2,7 @@
 between their actions and applies the accepted ones through the ledger or a retire callback.
 
 ``Controller`` is a plain class (injected clock, no Dask) driven by the simulator and the tests;
-:mod:`antdt.controller.plugin` runs one per job on the scheduler.
+:mod:`antdt.controller.service` runs one per job on the scheduler.
 """
 
 from __future__ import annotations

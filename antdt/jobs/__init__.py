@@ -4,8 +4,16 @@ client that submitted it and several jobs share one cluster.
 
 =============================  ====================================================================
 :mod:`antdt.jobs.spec`         what a client submits (:class:`JobSpec`: a plan of plain values and
-                               the application's code as pickles) and :class:`JobState`
-:mod:`antdt.jobs.runner`       one job's control loop on the scheduler
+                               the application's code as pickles); where a job stands is
+                               :class:`JobState`, shared with the ledger (:mod:`antdt.sharding`)
+:mod:`antdt.jobs.runner`       one job's control loop on the scheduler (its lifecycle), handed a
+                               :class:`~antdt.jobs.runner.JobContext` by the service
+:mod:`antdt.jobs.placement`    which workers get a job's agents: at the start, joiners, restarts
+:mod:`antdt.jobs.journal`      agents' events and controller actions in; log, record, report out
+:mod:`antdt.jobs.metrics`      a job's metrics on their way to its tracking run
+:mod:`antdt.jobs.keeper`       a job's checkpoints as its master takes them
+:mod:`antdt.jobs.checkpoints`  the checkpoints' files: versions, manifests, the progress note
+:mod:`antdt.jobs.calls`        the master's calls into workers (never blocking the scheduler)
 :mod:`antdt.jobs.service`      :class:`~antdt.jobs.service.JobService`, the scheduler plugin
 :mod:`antdt.jobs.tasks`        the tasks the master runs on workers (agents, the hooks)
 :mod:`antdt.jobs.client`       :class:`JobClient`: submit, follow, status, logs, cancel
@@ -15,7 +23,8 @@ client that submitted it and several jobs share one cluster.
 from __future__ import annotations
 
 from antdt.jobs.client import JobClient, ensure_plugins
-from antdt.jobs.spec import JobCode, JobHooks, JobPlan, JobSpec, JobState
+from antdt.jobs.spec import JobCode, JobHooks, JobPlan, JobSpec
+from antdt.sharding import JobState
 
 __all__ = ["JobClient", "JobCode", "JobHooks", "JobPlan", "JobSpec", "JobState",
            "ensure_plugins"]

@@ -24,7 +24,8 @@ from distributed.security import Security
 
 from antdt import rpc
 from antdt.errors import JobError
-from antdt.jobs.spec import JobSpec, JobState
+from antdt.jobs.spec import JobSpec
+from antdt.sharding import JobState
 
 FINAL = {state.value for state in JobState if state.final}
 WAIT_S = 10.0
@@ -37,12 +38,12 @@ def ensure_plugins(client: Client) -> None:
     every worker, present and future."""
     # here, not above: their modules need torch, which reading or cancelling a job does not
     from antdt import agent
-    from antdt.controller import ControllerPlugin
+    from antdt.controller import ControllerService
     from antdt.jobs.service import JobService
     from antdt.sharding.service import ShardingService
     from antdt.sync.service import SyncService
 
-    for plugin in (ShardingService(), ControllerPlugin(), SyncService(), JobService()):
+    for plugin in (ShardingService(), ControllerService(), SyncService(), JobService()):
         plugin.idempotent = True
         client.register_plugin(plugin)
     agent.register(client)

@@ -73,6 +73,17 @@ class Checkpointer:
     def enabled(self) -> bool:
         return self.folder is not None
 
+    @property
+    def last_path(self) -> str | None:
+        """The folder of the newest good checkpoint (None: none yet)."""
+        return None if self.last is None else self.last.path
+
+    def summary(self) -> dict[str, Any]:
+        """The checkpoints this master wrote: how many, the last one's bytes and path, and the
+        seconds each took."""
+        return {"written": self.written, "bytes": self.bytes, "seconds": list(self.seconds),
+                "last": self.last_path}
+
     async def open(self, rows_trained: int) -> None:
         """Learn the versions already in the job's folder (a resumed job numbers on) and start
         the first interval."""

@@ -4,10 +4,12 @@ job it runs::
     register the job: the ledger (sharding service), its controller, its sync group
       ─► the tracking run (hooks.start, a task on a worker)
       ─► one agent task per worker, and per worker that joins later
+         (:mod:`~antdt.jobs.placement`)
       ─► every tick: collect finished agents, write off those whose worker died (the ledger has
          re-queued their rows), start joiners, read the agents' events and the controller's
-         actions, buffer metrics (hooks.metrics, a task every few seconds); stop at a deadline
-         and take a checkpoint when one is due (:mod:`antdt.jobs.keeper`)
+         actions (:mod:`~antdt.jobs.journal`), buffer metrics (hooks.metrics, a task every few
+         seconds: :mod:`~antdt.jobs.metrics`); stop at a deadline and take a checkpoint when
+         one is due (:mod:`antdt.jobs.keeper`)
       ─► every worker gone: wait for new ones and restart from the last checkpoint (or fail,
          naming it, after ``antdt.sharding.no-workers-timeout``)
       ─► the end: hooks.finish on a worker holding the consensus model (another one if that
@@ -16,8 +18,18 @@ job it runs::
 
 It runs as a coroutine on the scheduler's event loop and never blocks it: tasks go to workers
 through the :class:`~antdt.jobs.service.JobService`'s own client, and the services are read in
-place. Nothing here runs the application's code: the hooks and the agents' factories are
-pickles only workers open.
+place. The runner never imports that service: the service hands each runner a
+:class:`JobContext` of what it uses (the scheduler, the client, the three services a job lives
+in, the other jobs' placements and a way to forget the job), as Ray's job supervisor is handed
+its storage client. Nothing here runs the application's code: the hooks and the agents'
+factories are pickles only workers open.
+
+The runner holds the job's lifecycle (its :class:`~antdt.sharding.JobState`, the steps above);
+the rest are plain parts with their own state, each tested without a cluster:
+:class:`~antdt.jobs.placement.Placement` (which workers get agents),
+:class:`~antdt.jobs.journal.Journal` (events and actions in; the log, record and report out),
+:class:`~antdt.jobs.metrics.MetricsShipper` (metrics to the tracking run) and
+:class:`~antdt.jobs.keeper.Checkpointer` (checkpoints).
 """
 
 from __future__ import annotations
@@ -25,105 +37,66 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import posixpath
-from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from distributed import Client, Future
-from distributed.client import FutureCancelledError
+from distributed import Client, Future, Scheduler
 from distributed.metrics import time
 from distributed.scheduler import KilledWorker
 
 from antdt import config
 from antdt.agent import AgentReport, AgentSpec, Faults, cancel_here, forget_here
+from antdt.controller import ControllerService
 from antdt.device import FROZEN_HEAP
 from antdt.errors import AntdtError, JobError, LedgerError
-from antdt.jobs import checkpoints, tasks
+from antdt.jobs import calls, checkpoints, tasks
 from antdt.jobs.checkpoints import Manifest
+from antdt.jobs.journal import Journal
 from antdt.jobs.keeper import Checkpointer
-from antdt.jobs.spec import JobSpec, JobState
+from antdt.jobs.metrics import MetricsShipper, Step
+from antdt.jobs.placement import Placement, Slot
+from antdt.jobs.spec import JobSpec
+from antdt.sharding import JobState
+from antdt.sharding.service import ShardingService
 from antdt.sync import SyncPeriod
-
-if TYPE_CHECKING:
-    from antdt.jobs.service import JobService
+from antdt.sync.service import SyncService
 
 logger = logging.getLogger(__name__)
 
-LAST_ACTIONS = 10
-"""Controller actions a job's record shows."""
 
-SERIES = "train."
-"""Prefix of the metrics the master logs every tick (rows, samples/s, loss over time): a run's
-final figures (``samples_per_s``, ``rows_trained``, ...) are the job's own, under their plain
-names, and never shadowed by a tick's value."""
+@dataclass(frozen=True)
+class JobContext:
+    """What a job's runner uses of the scheduler it runs on, built by the job service: the
+    services that hold the job's ledger, controller and sync groups (read in place), the
+    service's client of the scheduler, the workers the scheduler's other unfinished jobs
+    placed agents on (one collection per job: a job placed on fewer workers chooses the least
+    busy), and ``forget(job)``, which drops the job from those services."""
 
-POLL_S = 0.05
-"""How often the runner looks at its agents' futures between ticks: a job's end waits at most
-this long to be noticed."""
+    scheduler: Scheduler
+    client: Client
+    sharding: ShardingService
+    controller: ControllerService
+    sync: SyncService
+    others: Callable[[], Iterable[Collection[str]]]
+    forget: Callable[[str], None]
 
 
 class Cancelled(AntdtError):
     """The job was cancelled (raised inside the runner to unwind to its end)."""
 
 
-@dataclass
-class Slot:
-    """One agent of the job: its worker, number (faults refer to it), when it started and
-    ended (seconds after training started; None: still running), its rows, busy seconds and
-    the training thread's CPU seconds in them (from its report, or its latest progress event if
-    it died), its latest samples/s."""
-
-    worker: str
-    index: int
-    future: Future
-    join: bool
-    started: float
-    ended: float | None = None
-    rows: int = 0
-    busy_s: float = 0.0
-    cpu_s: float = 0.0
-    rate: float = 0.0
-    report: AgentReport | None = None
-    dead: bool = False
-
-    @property
-    def live(self) -> bool:
-        return self.report is None and not self.dead
-
-    @property
-    def label(self) -> str:
-        return f"worker{self.index}"
-
-    def as_dict(self) -> dict[str, Any]:
-        report = self.report
-        return {"worker": self.worker, "index": self.index, "label": self.label,
-                "join": self.join, "started": self.started, "ended": self.ended,
-                "rows": self.rows, "busy_s": self.busy_s, "cpu_s": self.cpu_s,
-                "samples_per_s": self.rate,
-                "dead": self.dead, "outcome": report.outcome if report else
-                ("dead" if self.dead else "running"),
-                "batches": report.batches if report else None,
-                "loss": report.loss if report and not math.isnan(report.loss) else None,
-                "exchanges": report.exchanges if report else None,
-                "joined_from": report.joined_from if report else None,
-                "sync_wait_s": report.sync_wait_s if report else None}
-
-
 class JobRunner:
     """The control of job ``job_id`` (see the module docstring). :meth:`record` is its state
     as clients see it; :attr:`version` grows with every change they should see."""
 
-    def __init__(self, service: JobService, job_id: str, spec: JobSpec, client: Client) -> None:
-        assert service.scheduler is not None
-        self.service = service
-        self.scheduler = service.scheduler
+    def __init__(self, job_id: str, spec: JobSpec, ctx: JobContext) -> None:
+        self.ctx = ctx
         self.job_id = job_id
         self.plan = spec.plan
         self.code = spec.code
-        self.client = client
+        self.client = ctx.client
         self.state = JobState.STARTING
         self.version = 0
         self.submitted_at = time()
@@ -132,45 +105,23 @@ class JobRunner:
         self.error: str | None = None
         self.run: dict[str, Any] | None = None
         self.summary: dict[str, Any] | None = None
-        self.slots: list[Slot] = []
-        self._chosen: set[str] = set()
-        """The workers chosen for the job's agents (placed before they start)."""
-        self.cap = spec.plan.workers
-        """The most workers the job trains on: its plan's, or fewer for a small job."""
-        self.adapted: str | None = None
-        """Why the job trains on fewer workers than it asked for (None: it does not)."""
+        self.journal = Journal(
+            job_id, time, self._bump,
+            log_length=int(config.number("antdt.jobs.log-length", low=1, integer=True)))
+        """The agents' events (handed to it by the service) and the controller's actions in;
+        the job's log, record and report out."""
+        self.log = self.journal.log
+        self.placement = Placement(spec.plan, self.journal.elapsed, ctx.others, self._tasks_on)
+        self._agents: dict[int, Future] = {}
+        """The agents' tasks, by slot index."""
         self.stopped: str | None = None
         """Why the job was stopped before its end (a deadline, a cancellation), or None."""
-        self.inbox: deque[tuple[float, dict[str, Any]]] = deque()
-        """The agents' events, appended by the service as they are logged."""
-        self.logs: deque[dict[str, Any]] = deque(
-            maxlen=int(config.number("antdt.jobs.log-length", low=1, integer=True)))
-        self._log_seq = 0
-        self._rows: dict[str, Any] = {}
-        self._health: dict[str, str] = {}
-        self._actions: list[dict[str, Any]] = []
-        self._leasing: dict[tuple[str, int], float] = {}
-        self._spans: list[tuple[str, int, float, float, int, str]] = []
-        self._first_lease: dict[str, float] = {}
-        """Per worker, when its first lease started (seconds after training started)."""
-        self._last_row = 0.0  # when the last lease that trained rows ended (time())
-        self._steps: list[tuple[int, dict[str, float]]] = []
-        self._step = 0
-        self._pending_metrics: list[Future] = []
-        self._in_flight: list[tuple[int, dict[str, float]]] = []
-        """The steps of the pending metrics task: sent again if its worker leaves first."""
-        self._hooks_on: str | None = None
-        """The worker that ran the last hook: the metrics tasks go there and nowhere else
-        while it lives (Dask would run them on, or steal them for, an idle worker), since a
-        worker using the tracking store for the first time (about 0.45 s of CPU) takes it from
-        its agent's training, and its sync partners wait for it."""
+        self.metrics = MetricsShipper(time, config.seconds("antdt.jobs.metrics-interval"),
+                                      self._send_metrics, self._alive, self.log)
         self._changed = asyncio.Event()
         self._wake = asyncio.Event()
         self._cancel: str | None = None
-        self._train_started = 0.0
         self._tick_s = config.seconds("antdt.jobs.tick")
-        self._metrics_every = config.seconds("antdt.jobs.metrics-interval")
-        self._last_metrics = 0.0
         self._task: asyncio.Task[None] | None = None
         self.checkpoints = Checkpointer(job_id, spec.plan, self._write_model, self.log,
                                         written=self._wake.set)
@@ -186,29 +137,19 @@ class JobRunner:
 
     def record(self) -> dict[str, Any]:
         """The job as ``status`` and ``follow`` show it (plain, msgpack-able)."""
-        live = {s.worker for s in self.slots if s.live}
-        workers = [{"worker": s.worker, "label": s.label, "rows": s.rows,
-                    "samples_per_s": round(s.rate, 1) if s.worker in live else 0.0,
-                    "state": s.as_dict()["outcome"],
-                    "health": self._health.get(s.worker, "normal") if s.worker in live else "-"}
-                   for s in self.slots]
         return {"job_id": self.job_id, "name": self.plan.name, "state": self.state.value,
                 "version": self.version, "submitted_at": self.submitted_at,
                 "started_at": self.started_at, "ended_at": self.ended_at, "error": self.error,
-                "stopped": self.stopped, "run": self.run, "rows": dict(self._rows),
-                "workers": workers, "actions": self._actions[-LAST_ACTIONS:],
-                "actions_total": len(self._actions), "summary": self.summary,
+                "stopped": self.stopped, "run": self.run, "summary": self.summary,
                 "tags": dict(self.plan.tags), "sharding": self.plan.sharding,
-                "agents": [s.as_dict() for s in self.slots],
-                "first_lease": dict(self._first_lease),
-                "last_row": self._last_row - self._train_started if self._last_row else None,
-                "checkpoint": self._last_checkpoint(),
-                "checkpoints": self._checkpoints(), "rows_replayed": self.rows_replayed,
-                "resumes": self.resumes, "adapted": self.adapted}
+                **self.journal.record(self.placement.slots),
+                "checkpoint": self.checkpoints.last_path,
+                "checkpoints": self.checkpoints.summary(), "rows_replayed": self.rows_replayed,
+                "resumes": self.resumes, "adapted": self.placement.adapted}
 
     def log_records(self, since: int) -> list[dict[str, Any]]:
         """The job's log records with ``seq >= since``, oldest first."""
-        return [record for record in self.logs if record["seq"] >= since]
+        return self.journal.log_records(since)
 
     async def changed(self, version: int, timeout_s: float) -> None:
         """Return once :attr:`version` differs from ``version``, or after ``timeout_s``."""
@@ -231,10 +172,10 @@ class JobRunner:
         self._cancel = reason
         self._set_state(JobState.CANCELLING)
         self.log("warning", f"cancelling: {reason}")
-        ledger = self.service.sharding.jobs.get(self.job_id)
+        ledger = self.ctx.sharding.jobs.get(self.job_id)
         if ledger is not None:
             ledger.stop(reason)
-            self.service.sharding.notify(self.job_id)
+            self.ctx.sharding.notify(self.job_id)
         self._wake.set()
         return True
 
@@ -247,14 +188,6 @@ class JobRunner:
     async def wait(self) -> None:
         if self._task is not None:
             await asyncio.shield(self._task)
-
-    def log(self, level: str, message: str, source: str = "job", at: float | None = None) -> None:
-        self._log_seq += 1
-        self.logs.append({"seq": self._log_seq, "time": time() if at is None else at,
-                          "level": level, "source": source, "message": message})
-        getattr(logger, "warning" if level == "warning" else "error" if level == "error"
-                else "info")("job %s: %s", self.job_id, message)
-        self._bump()
 
     # ---- the job, top to bottom ---------------------------------------------------------------
 
@@ -287,11 +220,9 @@ class JobRunner:
 
     async def _begin(self) -> None:
         plan = self.plan
-        fitted, self.adapted = plan.fitted_workers(len(self.scheduler.workers))
-        if self.adapted is not None:
-            self.cap = fitted
-            self.log("info", f"adapted: {self.adapted}")
-        initial = self._choose(self.scheduler.workers, self.cap)
+        initial = self.placement.initial(self.ctx.scheduler.workers)
+        if self.placement.adapted is not None:
+            self.log("info", f"adapted: {self.placement.adapted}")
         if not initial:
             raise JobError("the cluster has no workers; expected at least one")
         unknown = sorted(i for i in plan.faults if i >= len(initial))
@@ -303,33 +234,34 @@ class JobRunner:
         if plan.sharding == "static" and (plan.checkpoint_dir or plan.resume):
             raise JobError("static sharding (the baseline) cannot be checkpointed or resumed; "
                            "drop train.checkpoint_dir or use the antdt sharding")
-        self.service.controller.enabled[self.job_id] = plan.sharding == "antdt"
+        self.ctx.controller.enable(self.job_id, plan.sharding == "antdt")
         resume: dict[str, Any] | None = None
         if plan.resume is not None:
             resume = await self._resume(plan.resume)
         else:
-            reply = await self.service.sharding.register_job(
+            reply = await self.ctx.sharding.register_job(
                 job=self.job_id, row_groups=plan.row_groups,
                 shard_rows=plan.shard_rows, batch_rows=plan.batch_rows, epochs=plan.epochs,
                 seed=plan.seed, quarantine=plan.quarantine,
                 static=len(initial) if plan.sharding == "static" else None)
             if reply["status"] != "OK":
                 raise JobError(reply["message"])
-        self.service.sync.start_job(self.job_id, initial)
+        self.ctx.sync.start_job(self.job_id, initial)
         self._read_ledger()
-        self.log("info", f"registered: {self._rows['expected']:,} rows over {plan.epochs} "
+        self.log("info", f"registered: {self.journal.rows['expected']:,} rows over {plan.epochs} "
                          f"epoch(s), {len(initial)} worker(s), sharding {plan.sharding}")
         self._check_cancel()
         self.run = await self._hook("start", self.job_id, len(initial), resume)
         if resume is not None:
-            self._step = int(resume["step"])
+            self.metrics.step = int(resume["step"])
         self._check_cancel()
-        await self.checkpoints.open(self._rows["trained"])
-        self._trained_before = self._rows["trained"]
-        self.started_at = self._train_started = time()
+        await self.checkpoints.open(self.journal.rows["trained"])
+        self._trained_before = self.journal.rows["trained"]
+        self.started_at = time()
+        self.journal.began(self.started_at)
         self._set_state(JobState.RUNNING)
-        for index, worker in enumerate(initial):
-            self._start_agent(worker, index, period, restore=plan.resume)
+        for worker in initial:
+            self._start_agent(worker, period, restore=plan.resume)
 
     async def _resume(self, path: str) -> dict[str, Any]:
         """Start from the checkpoint version folder ``path`` (a job resubmitted with
@@ -355,16 +287,16 @@ class JobRunner:
         """The job's ledger as the checkpoint has it (replacing the current one, if any); its
         row groups must be the plan's."""
         data = await asyncio.to_thread(checkpoints.load_ledger, manifest)
-        self.service.sharding.forget(self.job_id)
+        self.ctx.sharding.forget(self.job_id)
         try:
-            ledger = self.service.sharding.restore_bytes(self.job_id, data)
+            ledger = self.ctx.sharding.restore_bytes(self.job_id, data)
         except LedgerError as exc:
             raise JobError(f"checkpoint {manifest.path}: {exc}") from exc
         state = ledger.to_state()
         groups = [(state.paths[f], int(g), int(n)) for f, g, n in
                   zip(state.rg_file, state.rg_group, state.rg_rows)]
         if groups != [tuple(g) for g in self.plan.row_groups]:
-            self.service.sharding.forget(self.job_id)
+            self.ctx.sharding.forget(self.job_id)
             raise JobError(f"cannot resume from {manifest.path}: data.train differs (the "
                            f"checkpoint has {len(groups)} row groups of "
                            f"{sum(n for *_, n in groups):,} rows, the job "
@@ -380,48 +312,45 @@ class JobRunner:
         period = SyncPeriod.parse(self.plan.sync_period, where="job plan sync_period")
         while True:
             await self._sleep()
-            workers = self.scheduler.workers
-            for slot in self.slots:
-                if slot.live:
-                    await self._check(slot, workers)
+            workers = self.ctx.scheduler.workers
+            for slot in self.placement.live:
+                await self._check(slot, workers)
             if self._every_worker_lost():
                 await self._restart(period)
                 continue
-            if self._cancel is None and self.stopped is None:
-                for worker in self._joiners(workers):
-                    self._start_agent(worker, len(self.slots), period, join=True)
+            if self._cancel is None and self.stopped is None and not self._sync_over():
+                for worker in self.placement.joiners(workers):
+                    self._start_agent(worker, period, join=True)
             self._tick()
-            if not any(s.live for s in self.slots):
+            if not self.placement.live:
                 break
             deadline = self.plan.deadline_s
             if deadline is not None and self.stopped is None and self._cancel is None \
-                    and time() - self._train_started > deadline:
+                    and self.journal.elapsed() > deadline:
                 self.stopped = f"the deadline of {deadline:.0f}s of training passed"
                 self.log("warning", f"{self.stopped}; stopping the job")
-                self.service.sharding.jobs[self.job_id].stop(self.stopped)
-                self.service.sharding.notify(self.job_id)
+                self.ctx.sharding.jobs[self.job_id].stop(self.stopped)
+                self.ctx.sharding.notify(self.job_id)
                 await self._cancel_agents()
-            if self._cancel is not None and any(s.live for s in self.slots):
+            if self._cancel is not None and self.placement.live:
                 await self._cancel_agents()
         self._tick()  # the agents' last events
-        if not any(s.report is not None for s in self.slots):
-            rows = self._rows
-            raise JobError(f"every agent's worker died ({len(self.slots)} agents); "
+        if not any(s.report is not None for s in self.placement.slots):
+            rows = self.journal.rows
+            raise JobError(f"every agent's worker died ({len(self.placement.slots)} agents); "
                            f"{rows.get('done', 0):,} of {rows.get('expected', 0):,} rows done")
 
     def _every_worker_lost(self) -> bool:
         """Every agent died before the job's end (none finished), and it was not stopped."""
-        return bool(self.slots) and self._cancel is None and self.stopped is None \
-            and not any(s.live or (s.report is not None and s.report.outcome == "finished")
-                        for s in self.slots)
+        return self._cancel is None and self.stopped is None and self.placement.every_lost()
 
     async def _restart(self, period: SyncPeriod) -> None:
         """Every worker is gone, and the model with them: wait for new workers (up to
         ``antdt.sharding.no-workers-timeout``) and restart from the newest good checkpoint;
         fail naming the checkpoint to resume from when none join, or at once when there is
         no checkpoint."""
-        rows = self._rows
-        lost = f"every agent's worker died ({len(self.slots)} agents); " \
+        rows = self.journal.rows
+        lost = f"every agent's worker died ({len(self.placement.slots)} agents); " \
                f"{rows.get('done', 0):,} of {rows.get('expected', 0):,} rows done"
         manifest = await self.checkpoints.latest()
         if manifest is None:
@@ -430,33 +359,34 @@ class JobRunner:
         timeout = config.seconds("antdt.sharding.no-workers-timeout")
         self.log("warning", f"{lost}; waiting up to {timeout:g}s for workers, to restart from "
                             f"checkpoint {manifest.path}")
-        await _until(lambda: bool(self.scheduler.workers) or self._cancel is not None, timeout)
+        await calls.until(lambda: bool(self.ctx.scheduler.workers) or self._cancel is not None,
+                          timeout)
         self._check_cancel()
-        if not self.scheduler.workers:
+        if not self.ctx.scheduler.workers:
             raise JobError(
                 f"no worker joined within {timeout:g}s (antdt.sharding.no-workers-timeout) "
                 f"after every worker left; the job's last checkpoint is {manifest.path}: "
                 f"resume it with `antdt submit JOB.yaml --resume {self.job_id} --scheduler "
                 "ADDR`")
-        ledger = self.service.sharding.jobs.get(self.job_id)
+        ledger = self.ctx.sharding.jobs.get(self.job_id)
         trained = ledger.summary()["rows_trained"] if ledger is not None else rows["trained"]
         replayed = max(0, trained - manifest.rows["trained"])
         self.rows_replayed += replayed
         self.resumes += 1
         self._trained_before -= replayed  # trained here, then rolled back with the ledger
         await self._restore_ledger(manifest)
-        workers = self._choose(self.scheduler.workers, self.cap)
-        self.service.sync.stop_job(self.job_id)
-        self.service.sync.start_job(self.job_id, workers)
+        workers = self.placement.restart(self.ctx.scheduler.workers)
+        self.ctx.sync.stop_job(self.job_id)
+        self.ctx.sync.start_job(self.job_id, workers)
         self._read_ledger()
         self.log("warning", f"restarting from checkpoint {manifest.path} on {len(workers)} "
                             f"worker(s): {manifest.rows['done']:,} rows done; {replayed:,} "
                             "rows trained past it are trained again")
         self.run = await self._hook("start", self.job_id, len(workers),
-                                    self._resume_info(manifest, self._step))
+                                    self._resume_info(manifest, self.metrics.step))
         self.checkpoints.restart_interval(manifest.rows["trained"])
         for worker in workers:
-            self._start_agent(worker, len(self.slots), period, restore=manifest.path)
+            self._start_agent(worker, period, restore=manifest.path)
 
     async def _finish(self) -> None:
         """The consensus model from a worker whose agent finished (identical on each after the
@@ -465,18 +395,19 @@ class JobRunner:
         self._set_state(JobState.FINISHING)
         await self._flush_metrics()
         report = self._report()
-        holders = [s.worker for s in self.slots if s.report is not None
-                   and s.report.outcome == "finished"] if self.stopped is None else []
+        holders = [s.worker for s in self.placement.slots if s.finished] \
+            if self.stopped is None else []
         failures = []
         for worker in holders:
-            if worker not in self.scheduler.workers:
+            if worker not in self.ctx.scheduler.workers:
                 failures.append(f"{worker}: gone")
                 continue
             self.log("info", f"finishing: the final model is evaluated and logged on {worker}")
             future = self.client.submit(tasks.finish_task, self.job_id, self.code.hooks,
                                         self.run, report, True, workers=[worker],
                                         allow_other_workers=False, pure=False)
-            outcome = await self._result_on(future, worker, "finishing the job")
+            outcome = await calls.result_on(self.client, self._alive, future, worker,
+                                           "finishing the job")
             if outcome is not None:
                 self.summary = outcome
                 return
@@ -490,90 +421,58 @@ class JobRunner:
 
     # ---- agents -----------------------------------------------------------------------------
 
-    def _choose(self, workers: Collection[str], wanted: int | None) -> list[str]:
-        """The workers to train on, sorted: all of ``workers``, or the ``wanted`` least busy of
-        them (fewest other unfinished jobs placed on a worker, then fewest tasks running
-        there: a sweep's trials side by side). Recorded at once, before anything awaits, so two
-        jobs starting together choose apart."""
-        if wanted is None:
-            chosen = sorted(workers)
-        else:
-            jobs: dict[str, int] = {}
-            for runner in self.service.runners.values():
-                if runner is not self and not runner.state.final:
-                    for worker in runner.placed:
-                        jobs[worker] = jobs.get(worker, 0) + 1
-            by_load = sorted(workers, key=lambda w: (jobs.get(w, 0), self._tasks_on(w), w))
-            chosen = sorted(by_load[:wanted])
-        self._chosen.update(chosen)
-        return chosen
-
-    def _joiners(self, workers: Collection[str]) -> list[str]:
-        """Workers without an agent of this job that get one now: every new worker, or while
-        the job has fewer agents training or finished than its plan's ``workers`` (one died or
-        was retired), the least busy. None once the final sync round formed: every row is
-        trained, a joiner would train nothing."""
-        sync = self.service.sync.jobs.get(self.job_id)
-        if sync is not None and sync.final is not None:
-            return []
-        free = set(workers) - {s.worker for s in self.slots}
-        if self.cap is None:
-            return sorted(free)
-        wanted = self.cap - sum(
-            s.live or (s.report is not None and s.report.outcome == "finished")
-            for s in self.slots)
-        return self._choose(free, wanted) if wanted > 0 and free else []
+    def _sync_over(self) -> bool:
+        """The job's final sync round formed: every row is trained, a joiner would train
+        nothing."""
+        sync = self.ctx.sync.jobs.get(self.job_id)
+        return sync is not None and sync.final is not None
 
     def _tasks_on(self, worker: str) -> int:
-        state = self.scheduler.workers.get(worker)
+        state = self.ctx.scheduler.workers.get(worker)
         return 0 if state is None else len(state.processing)
 
-    @property
-    def placed(self) -> set[str]:
-        """The workers this job has chosen or runs agents on."""
-        return self._chosen | {s.worker for s in self.slots}
-
-    def _start_agent(self, worker: str, index: int, period: SyncPeriod,
-                     join: bool = False, restore: str | None = None) -> None:
+    def _start_agent(self, worker: str, period: SyncPeriod, join: bool = False,
+                     restore: str | None = None) -> None:
+        index = self.placement.add(worker, join).index
         faults = Faults(**self.plan.faults[index]) if index in self.plan.faults and not join \
             else Faults()
         spec = AgentSpec(job=self.job_id, batch_rows=self.plan.batch_rows, sync_period=period,
                          join=join, threads=self.plan.threads, faults=faults)
-        future = self.client.submit(tasks.agent_task, spec, self.code.trainer, self.code.reader,
-                                    restore, workers=[worker], allow_other_workers=False,
-                                    pure=False, key=f"antdt-agent-{self.job_id}-{index}")
-        self.slots.append(Slot(worker, index, future, join, started=self._elapsed()))
+        self._agents[index] = self.client.submit(
+            tasks.agent_task, spec, self.code.trainer, self.code.reader, restore,
+            workers=[worker], allow_other_workers=False, pure=False,
+            key=f"antdt-agent-{self.job_id}-{index}")
         self.log("info", f"agent {index} started on {worker}" + " (joining)" * join
                  + f" with faults {faults}" * faults.active)
 
     async def _sleep(self) -> None:
         """Until an agent returns, something wakes the runner (a cancellation), or a tick
-        passed. The agents' futures are polled (every :data:`POLL_S`), not awaited: awaiting
-        fetches a result, and a fetch abandoned half-way can cancel another one of the same
-        client."""
-        await _until(lambda: self._wake.is_set()
-                     or any(s.future.done() for s in self.slots if s.live), self._tick_s)
+        passed. The agents' futures are polled (every :data:`~antdt.jobs.calls.POLL_S`), not
+        awaited: awaiting fetches a result, and a fetch abandoned half-way can cancel another
+        one of the same client."""
+        await calls.until(lambda: self._wake.is_set()
+                          or any(self._agents[s.index].done() for s in self.placement.live),
+                          self._tick_s)
         self._wake.clear()
 
     async def _check(self, slot: Slot, workers: Mapping[str, Any]) -> None:
         """Record a returned agent; write off one whose worker left the cluster; fail the job
         with the error of one that failed on a live worker (a bug or bad data, not a death)."""
-        status = slot.future.status
+        future = self._agents[slot.index]
+        status = future.status
         if status == "finished":
-            slot.report = await slot.future
-            slot.ended = self._elapsed()
-            slot.rows, slot.busy_s, slot.cpu_s = (slot.report.rows, slot.report.busy_s,
-                                                  slot.report.cpu_s)
-            if slot.report.outcome == "declined":
+            report: AgentReport = await future
+            self.placement.returned(slot, report)
+            if report.outcome == "declined":
                 self.log("info", f"agent {slot.index} on {slot.worker} declined: the job's sync "
                                  "was over")
             else:
-                self.log("info", f"agent {slot.index} on {slot.worker} {slot.report.outcome}: "
-                                 f"{slot.rows:,} rows in {slot.report.batches} batches")
+                self.log("info", f"agent {slot.index} on {slot.worker} {report.outcome}: "
+                                 f"{slot.rows:,} rows in {report.batches} batches")
             return
         gone = slot.worker not in workers
         if status == "error":
-            error = await slot.future.exception()
+            error = await future.exception()
             if gone or isinstance(error, KilledWorker):
                 self._write_off(slot, f"its worker died ({error!r})")
                 return
@@ -582,13 +481,9 @@ class JobRunner:
             self._write_off(slot, "its worker left the cluster")
 
     def _write_off(self, slot: Slot, why: str) -> None:
-        slot.dead = True
-        slot.ended = self._elapsed()
-        slot.future.release()
-        now = time()
-        for worker, lease_id in [key for key in self._leasing if key[0] == slot.worker]:
-            start = self._leasing.pop((worker, lease_id))
-            self._spans.append((worker, lease_id, start, now, 0, "lost"))
+        self.placement.write_off(slot)
+        self._agents[slot.index].release()
+        self.journal.lost(slot.worker)
         self.log("warning", f"agent {slot.index} on {slot.worker} is gone: {why}; the ledger "
                             "re-queued its unsynced rows")
 
@@ -602,70 +497,13 @@ class JobRunner:
         """Counters from the ledger, the controller's new actions, the agents' events; one step
         of metrics for the tracking run (sent every ``antdt.jobs.metrics-interval``)."""
         self._read_ledger()
-        control = self.service.controller.jobs.get(self.job_id)
-        counts: dict[str, int] = {}
-        if control is not None:
-            actions = control.controller.actions(since=len(self._actions))
-            for record in actions["records"]:
-                self._actions.append(record)
-                lease = "" if record["lease_id"] is None else f" lease {record['lease_id']}"
-                self.log("info", f"controller: {record['action']} {record['worker']}{lease} "
-                                 f"({record['reason']})")
-            counts = actions["counts"]
-            self._health = {w: _health(h["state"]) for w, h in
-                            control.monitor.summary()["workers"].items()}
-        by_worker = {s.worker: s for s in self.slots}
-        fresh: dict[str, float] = {}
-        losses: list[float] = []
-        while self.inbox:
-            at, msg = self.inbox.popleft()
-            kind, worker = msg.get("kind"), str(msg.get("worker"))
-            if kind == "lease":
-                key = (worker, int(msg["lease_id"]))
-                if msg["phase"] == "start":
-                    self._leasing[key] = float(msg["time"])
-                    self._first_lease.setdefault(worker,
-                                                 float(msg["time"]) - self._train_started)
-                elif self._leasing.pop(key, None) is not None:
-                    self._spans.append((*key, float(msg["start"]), float(msg["time"]),
-                                        int(msg["rows"]), str(msg["outcome"])))
-                    if int(msg["rows"]):
-                        self._last_row = max(self._last_row, float(msg["time"]))
-            elif kind == "progress":
-                fresh[worker] = float(msg["samples_per_s"])
-                if msg.get("loss") is not None:
-                    losses.append(float(msg["loss"]))
-                slot = by_worker.get(worker)
-                if slot is not None and slot.report is None:
-                    slot.rows, slot.busy_s = int(msg["rows"]), float(msg["busy_s"])
-                    slot.cpu_s = float(msg["cpu_s"])
-            elif kind == "fault":
-                self.log("warning", f"injected {msg.get('fault')} after {msg.get('rows')} rows",
-                         source=worker, at=at)
-            elif kind == "log":
-                self.log(str(msg.get("level", "warning")), str(msg.get("message")),
-                         source=worker, at=at)
-        for worker, rate in fresh.items():
-            by_worker[worker].rate = rate
-        live = [s for s in self.slots if s.live]
-        rows = self._rows
-        metrics: dict[str, float] = {
-            f"{SERIES}rows_done": rows["done"], f"{SERIES}rows_trained": rows["trained"],
-            f"{SERIES}rows_retrained": rows["retrained"],
-            f"{SERIES}samples_per_s": sum(s.rate for s in live),
-            f"{SERIES}workers": len(live)}
-        metrics.update({f"{SERIES}samples_per_s.{by_worker[w].label}": r
-                        for w, r in fresh.items()})
-        if losses:
-            metrics[f"{SERIES}loss"] = sum(losses) / len(losses)
-        metrics["controller.actions"] = len(self._actions)
-        metrics.update({f"controller.{kind}": n for kind, n in counts.items()})
+        control = self.ctx.controller.jobs.get(self.job_id)
+        counts = {} if control is None else self.journal.read_controller(
+            control.controller.actions, control.monitor.summary()["workers"])
+        metrics = self.journal.read_events(self.placement.slots, counts)
         if self.state is JobState.RUNNING or self.state is JobState.CANCELLING:
-            self._steps.append((self._step, metrics))
-            self._step += 1
-        if time() - self._last_metrics >= self._metrics_every:
-            self._send_metrics()
-        self._check_metrics()
+            self.metrics.add(metrics)
+        self.metrics.tick(self.run)
         self._checkpoint()
         self._bump()
 
@@ -675,104 +513,61 @@ class JobRunner:
         if not self.checkpoints.enabled:
             return
         self.checkpoints.note(self._progress())
-        ledger = self.service.sharding.jobs.get(self.job_id)
+        ledger = self.ctx.sharding.jobs.get(self.job_id)
         if self.state is not JobState.RUNNING or self.stopped is not None or ledger is None:
             return
         rows = ledger.summary()
-        rate = sum(s.rate for s in self.slots if s.live)
+        rate = sum(s.rate for s in self.placement.slots if s.live)
         if not self.checkpoints.due(rows["rows_trained"], rate, self._tick_s):
             return
         if rows["rows_done"] + rows["rows_quarantined"] >= rows["rows_expected"]:
             return  # nothing left to train: the job's end comes first
-        writer = next((s.worker for s in self.slots if s.live and s.rows > 0
-                       and s.worker in self.scheduler.workers), None)
+        writer = next((s.worker for s in self.placement.slots if s.live and s.rows > 0
+                       and s.worker in self.ctx.scheduler.workers), None)
         if writer is None:
             return
-        self.checkpoints.take(writer, int(rows["rows_trained"]), self._step, self.run,
+        self.checkpoints.take(writer, int(rows["rows_trained"]), self.metrics.step, self.run,
                               {"rows_replayed": self.rows_replayed, "resumes": self.resumes})
 
     def _progress(self, state: JobState | None = None) -> dict[str, Any]:
         """What ``progress.json`` says of the job (see :mod:`antdt.jobs.keeper`)."""
         return {"job_id": self.job_id, "state": (state or self.state).value, "time": time(),
-                "step": self._step, "error": self.error, "run": self.run,
-                "checkpoint": self._last_checkpoint(),
-                "rows": {k: self._rows.get(k) for k in ("done", "trained", "retrained",
+                "step": self.metrics.step, "error": self.error, "run": self.run,
+                "checkpoint": self.checkpoints.last_path,
+                "rows": {k: self.journal.rows.get(k) for k in ("done", "trained", "retrained",
                                                         "expected")}}
-
-    def _checkpoints(self) -> dict[str, Any]:
-        """The checkpoints this master wrote: how many, the last one's bytes and path, and the
-        seconds each took."""
-        return {"written": self.checkpoints.written, "bytes": self.checkpoints.bytes,
-                "seconds": list(self.checkpoints.seconds), "last": self._last_checkpoint()}
-
-    def _last_checkpoint(self) -> str | None:
-        last = self.checkpoints.last
-        return None if last is None else last.path
 
     async def _write_model(self, worker: str, path: str) -> dict[str, Any] | None:
         future = self.client.submit(tasks.checkpoint_task, self.job_id, path, workers=[worker],
                                     allow_other_workers=False, pure=False)
-        result: dict[str, Any] | None = await self._result_on(future, worker,
-                                                              "writing a checkpoint")
+        result: dict[str, Any] | None = await calls.result_on(
+            self.client, self._alive, future, worker, "writing a checkpoint")
         return result
 
     def _read_ledger(self) -> None:
-        ledger = self.service.sharding.jobs.get(self.job_id)
+        ledger = self.ctx.sharding.jobs.get(self.job_id)
         if ledger is None:
             return
-        summary = ledger.summary()
-        self._rows = {key.removeprefix("rows_"): summary[key] for key in (
-            "rows_expected", "rows_done", "rows_trained", "rows_todo", "rows_leased",
-            "rows_lost", "rows_retrained", "rows_quarantined")}
-        self._rows.update(epoch=summary["epoch"], epochs=summary["epochs"],
-                          done_by_epoch=summary["rows_done_by_epoch"])
+        self.journal.read_ledger(ledger.summary())
 
-    def _send_metrics(self) -> None:
-        """Send the buffered steps in one metrics task, unless the previous one is still on its
-        way: one at a time, the run gets its steps in order, and a slow tracking store gets
-        fewer, larger batches instead of a queue of tasks."""
-        self._last_metrics = time()
-        if not self._steps or self.run is None or self._pending_metrics:
-            return
-        steps, self._steps = self._steps, []
-        self._in_flight = steps
-        self._pending_metrics.append(self.client.submit(
-            tasks.hook_task, self.code.hooks, "metrics", self.run, steps, pure=False,
-            workers=None if self._hooks_on is None else [self._hooks_on]))
+    def _send_metrics(self, run: Mapping[str, Any], steps: list[Step],
+                      worker: str | None) -> Future:
+        return self.client.submit(tasks.hook_task, self.code.hooks, "metrics", run, steps,
+                                  pure=False, workers=None if worker is None else [worker])
 
-    def _check_metrics(self) -> None:
-        """Release the metrics tasks that ended; log the ones that failed (metrics that do not
-        reach the tracking run are a loss to report, not a reason to stop training). When the
-        worker they were bound to left, the pending one is dropped and its steps go again,
-        to any worker (those it logged before it died, twice)."""
-        for future in [f for f in self._pending_metrics if f.status != "pending"]:
-            self._pending_metrics.remove(future)
-            self._in_flight = []
-            if future.status == "error":
-                self.log("warning", "metrics did not reach the tracking run (see the worker's "
-                                    f"log for task {future.key})")
-            future.release()
-        if self._hooks_worker_left():
-            self._hooks_on = None
-            for future in self._pending_metrics:
-                future.release()
-            self._pending_metrics.clear()
-            self._steps, self._in_flight = self._in_flight + self._steps, []
-
-    def _hooks_worker_left(self) -> bool:
-        return self._hooks_on is not None and self._hooks_on not in self.scheduler.workers
+    def _alive(self, worker: str) -> bool:
+        return worker in self.ctx.scheduler.workers
 
     async def _flush_metrics(self) -> None:
         """Send the buffered metrics after the one on its way and wait (a minute at most each)
         until they arrived: the run's history is complete before it is closed."""
         await self._metrics_arrived()
-        self._send_metrics()
+        self.metrics.send(self.run)
         await self._metrics_arrived()
 
     async def _metrics_arrived(self) -> None:
-        await _until(lambda: all(f.done() for f in self._pending_metrics)
-                     or self._hooks_worker_left(), 60.0)
-        self._check_metrics()
+        await calls.until(self.metrics.settled, 60.0)
+        self.metrics.check()
 
     def _report(self) -> dict[str, Any]:
         """The master's account of the job, for ``hooks.finish``: its counters (and the rows
@@ -780,27 +575,13 @@ class JobRunner:
         starts with its checkpoint's), timings, agents, controller actions and lease spans
         (seconds since training started)."""
         self._read_ledger()
-        ended = [s.ended for s in self.slots if s.ended is not None]
-        train_s = max(ended, default=self._elapsed())
-        t0 = self._train_started
-        labels = {s.worker: s.label for s in self.slots}
-        split = {a["lease_id"] for a in self._actions if a["action"] == "split"}
-        spans = [{"worker": labels.get(w, w), "lease_id": lease, "start": start - t0,
-                  "end": end - t0, "rows": rows,
-                  "outcome": "split" if outcome == "finished" and lease in split
-                  else outcome if outcome in ("finished", "revoked") else "lost"}
-                 for w, lease, start, end, rows, outcome in self._spans]
-        marks = [{"time": a["time"] - t0, "worker": labels.get(a["worker"], a["worker"]),
-                  "action": a["action"], "rows": a["rows"], "reason": a["reason"]}
-                 for a in self._actions]
-        return {"job_id": self.job_id, "name": self.plan.name, "rows": dict(self._rows),
-                "rows_trained_here": self._rows["trained"] - self._trained_before,
-                "train_s": train_s, "wall_s": time() - self.submitted_at,
-                "stopped": self.stopped, "agents": [s.as_dict() for s in self.slots],
-                "actions": list(self._actions), "spans": spans, "marks": marks,
-                "first_lease": dict(self._first_lease), "sharding": self.plan.sharding,
-                "rows_replayed": self.rows_replayed, "resumes": self.resumes,
-                "checkpoints": self._checkpoints(), "adapted": self.adapted}
+        return {"job_id": self.job_id, "name": self.plan.name,
+                **self.journal.report(self.placement.slots),
+                "rows_trained_here": self.journal.rows["trained"] - self._trained_before,
+                "wall_s": time() - self.submitted_at, "stopped": self.stopped,
+                "sharding": self.plan.sharding, "rows_replayed": self.rows_replayed,
+                "resumes": self.resumes, "checkpoints": self.checkpoints.summary(),
+                "adapted": self.placement.adapted}
 
     # ---- tasks on workers -------------------------------------------------------------------
 
@@ -810,44 +591,12 @@ class JobRunner:
         return await self._hook_on_any(tasks.hook_task, self.code.hooks, method, *args)
 
     async def _hook_on_any(self, function: Callable[..., Any], *args: Any) -> Any:
-        future = self.client.submit(function, *args, pure=False)
-        try:
-            result = await future
-            task = self.scheduler.tasks.get(future.key)
-            if task is not None and task.who_has:
-                self._hooks_on = next(iter(task.who_has)).address
-            return result
-        except KilledWorker as exc:
-            raise JobError(f"the workers running {function.__name__} kept dying: {exc}") from exc
-        except AntdtError:
-            raise
-        except Exception as exc:  # the application's error, raised on a worker
-            raise JobError(f"{function.__name__} failed on a worker: {exc!r}") from exc
-        finally:
-            future.release()
-
-    async def _result_on(self, future: Future, worker: str, what: str) -> Any:
-        """``future``'s result, or None if its (pinned) worker leaves the cluster before the
-        result is fetched: a finished task's result lives on its worker, and once that worker
-        is gone Dask would run the task again there, which never comes back (a wait for the
-        result would never end)."""
-        fetch = asyncio.ensure_future(_fetch(future))
-        try:
-            await _until(lambda: fetch.done() or worker not in self.scheduler.workers, math.inf)
-            if not fetch.done():
-                await self.client.cancel([future])  # ends the fetch
-                with contextlib.suppress(FutureCancelledError):
-                    await fetch
-                return None
-            return fetch.result()
-        except KilledWorker:
-            return None
-        except AntdtError:
-            raise
-        except Exception as exc:  # the application's error, raised on the worker
-            raise JobError(f"{what} failed on {worker}: {exc!r}") from exc
-        finally:
-            future.release()
+        """``function(*args)`` on any worker; the metrics tasks follow the worker it ran on."""
+        result, holder = await calls.on_any_worker(self.client, self.ctx.scheduler, function,
+                                                   *args)
+        if holder is not None:
+            self.metrics.hooks_on = holder
+        return result
 
     async def _abort(self, status: str, reason: str) -> None:
         """Close the tracking run (if it was opened) as ``status``, after the metrics sent to
@@ -855,7 +604,7 @@ class JobRunner:
         never hides the job's own outcome."""
         if self.run is None:
             return
-        if not self.scheduler.workers:
+        if not self.ctx.scheduler.workers:
             self.log("warning", f"the tracking run stays open: no worker left to close it as "
                                 f"{status}")
             return
@@ -873,18 +622,18 @@ class JobRunner:
     async def _clean_up(self, final: JobState) -> None:
         """Stop what still runs, keep the last counters, forget the job in the services and
         on the workers (other jobs are left alone)."""
-        ledger = self.service.sharding.jobs.get(self.job_id)
+        ledger = self.ctx.sharding.jobs.get(self.job_id)
         if ledger is not None and final is not JobState.FINISHED:
             ledger.stop(self.error or self._cancel or "the job ended")
-            self.service.sharding.notify(self.job_id)
-        if any(s.live for s in self.slots):
+            self.ctx.sharding.notify(self.job_id)
+        if self.placement.live:
             await self._cancel_agents()
         self._read_ledger()
-        for slot in self.slots:
-            slot.future.release()
+        for future in self._agents.values():
+            future.release()
         with contextlib.suppress(OSError):
             await self.client.run(forget_here, self.job_id, on_error="ignore")
-        self.service.forget(self.job_id)
+        self.ctx.forget(self.job_id)
         await self.checkpoints.close(self._progress(final))
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -892,9 +641,6 @@ class JobRunner:
     def _check_cancel(self) -> None:
         if self._cancel is not None:
             raise Cancelled(self._cancel)
-
-    def _elapsed(self) -> float:
-        return time() - self._train_started if self._train_started else 0.0
 
     def _set_state(self, state: JobState) -> None:
         self.state = state
@@ -904,20 +650,3 @@ class JobRunner:
         self.version += 1
         self._changed.set()
         self._changed = asyncio.Event()
-
-
-def _health(state: str) -> str:
-    """A monitor verdict as ``status`` names it."""
-    return {"ok": "normal", "hung": "hung"}.get(state, "straggler")
-
-
-async def _fetch(future: Future) -> Any:
-    return await future
-
-
-async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
-    """Return once ``condition()`` holds (checked every :data:`POLL_S`) or after
-    ``timeout_s``."""
-    deadline = time() + timeout_s
-    while not condition() and time() < deadline:
-        await asyncio.sleep(min(POLL_S, max(0.0, deadline - time())))

@@ -29,15 +29,14 @@ from typing import Any
 
 from distributed import Client, Scheduler
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.metrics import time
 from distributed.security import Security
 
 from antdt import config, rpc
 from antdt.agent import event_topic
-from antdt.controller import ControllerPlugin
+from antdt.controller import ControllerService
 from antdt.controller import PLUGIN_NAME as CONTROLLER
 from antdt.errors import JobError
-from antdt.jobs.runner import JobRunner
+from antdt.jobs.runner import JobContext, JobRunner
 from antdt.jobs.spec import JobCode, JobPlan, JobSpec
 from antdt.rpc import Reply
 from antdt.sharding.service import PLUGIN_NAME as SHARDING
@@ -92,7 +91,7 @@ class JobService(SchedulerPlugin):
         if isinstance(topic, str) and topic.startswith(AGENT_TOPIC) and isinstance(msg, dict):
             runner = self.runners.get(topic[len(AGENT_TOPIC):])
             if runner is not None and not runner.state.final:
-                runner.inbox.append((time(), msg))
+                runner.journal.received(msg)
 
     # ---- the services a job uses ------------------------------------------------------------
 
@@ -101,8 +100,8 @@ class JobService(SchedulerPlugin):
         return self._plugin(SHARDING, ShardingService)
 
     @property
-    def controller(self) -> ControllerPlugin:
-        return self._plugin(CONTROLLER, ControllerPlugin)
+    def controller(self) -> ControllerService:
+        return self._plugin(CONTROLLER, ControllerService)
 
     @property
     def sync(self) -> SyncService:
@@ -113,7 +112,7 @@ class JobService(SchedulerPlugin):
         record)."""
         self.sharding.forget(job)
         self.sync.stop_job(job)
-        self.controller.enabled.pop(job, None)
+        self.controller.forget(job)
 
     # ---- handlers ----------------------------------------------------------------------------
 
@@ -133,7 +132,7 @@ class JobService(SchedulerPlugin):
             job_id = f"{spec.plan.name}-{uuid.uuid4().hex[:8]}"
             if not JOB_ID.fullmatch(job_id):
                 job_id = f"job-{uuid.uuid4().hex[:8]}"
-        runner = JobRunner(self, job_id, spec, await self._own_client())
+        runner = JobRunner(job_id, spec, self._context(job_id, await self._own_client()))
         self.runners[job_id] = runner
         self._trim_history()
         runner.start()
@@ -181,10 +180,20 @@ class JobService(SchedulerPlugin):
             raise JobError(f"unknown job {job_id!r}; jobs here: {sorted(self.runners)[-20:]}")
         return runner
 
+    def _context(self, job_id: str, client: Client) -> JobContext:
+        """What job ``job_id``'s runner uses of the scheduler and its services."""
+        assert self.scheduler is not None
+        return JobContext(
+            scheduler=self.scheduler, client=client, sharding=self.sharding,
+            controller=self.controller, sync=self.sync,
+            others=lambda: [runner.placement.placed for job, runner in self.runners.items()
+                            if job != job_id and not runner.state.final],
+            forget=self.forget)
+
     def _plugins(self) -> None:
         """Raise a :class:`JobError` naming a service a job needs that is not registered."""
         self._plugin(SHARDING, ShardingService)
-        self._plugin(CONTROLLER, ControllerPlugin)
+        self._plugin(CONTROLLER, ControllerService)
         self._plugin(SYNC, SyncService)
 
     def _plugin(self, name: str, kind: type[Any]) -> Any:

@@ -12,12 +12,11 @@ data formats and tracking; the application hands it
   and logs the final model, and closes the run when the job fails or is cancelled.
 
 The master's view of a job travels as a plain dict (:meth:`antdt.jobs.runner.JobRunner.record`);
-:class:`JobState` names where it stands.
+:class:`antdt.sharding.JobState` names where it stands.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import pickle
 from collections.abc import Mapping, Sequence
@@ -39,22 +38,6 @@ FAULT_KEYS = frozenset({"slowdown", "hang_after_rows", "crash_after_rows", "slow
 
 MAX_ROW_GROUPS = 10_000_000
 MAX_CODE_BYTES = 64 * 2**20
-
-
-class JobState(enum.Enum):
-    """Where a job stands. ``finished``, ``failed`` and ``cancelled`` are final."""
-
-    STARTING = "starting"  # registering with the services, starting the tracking run
-    RUNNING = "running"  # agents train
-    FINISHING = "finishing"  # the final model is evaluated and logged
-    CANCELLING = "cancelling"  # agents are asked to stop at their next batch
-    FINISHED = "finished"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def final(self) -> bool:
-        return self in (JobState.FINISHED, JobState.FAILED, JobState.CANCELLED)
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,25 @@ class RowState(enum.Enum):
 
 
 class JobState(enum.Enum):
-    """``running`` until every row is DONE/QUARANTINED (``finished``) or :meth:`stop` is called."""
+    """Where a job stands, for its ledger and for its master (:mod:`antdt.jobs`, which imports
+    it from here: sharding never imports jobs). A ledger is ``running`` until every row is
+    DONE/QUARANTINED (``finished``) or :meth:`~antdt.sharding.ShardLedger.stop` is called
+    (``stopped``); a master also passes through ``starting``, ``finishing`` and ``cancelling``
+    and ends ``finished``, ``failed`` or ``cancelled``. Those ends and ``stopped`` are final."""
 
-    RUNNING = "running"
+    STARTING = "starting"  # the master registers the job, starts the tracking run
+    RUNNING = "running"  # agents train
+    FINISHING = "finishing"  # the final model is evaluated and logged
+    CANCELLING = "cancelling"  # agents are asked to stop at their next batch
     FINISHED = "finished"
-    STOPPED = "stopped"
+    STOPPED = "stopped"  # the ledger was stopped before every row was done
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def final(self) -> bool:
+        return self in (JobState.FINISHED, JobState.STOPPED, JobState.FAILED,
+                        JobState.CANCELLED)
 
 
 @dataclass(frozen=True, slots=True)

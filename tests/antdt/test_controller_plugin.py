@@ -1,4 +1,4 @@
-"""The ControllerPlugin on a real scheduler: ShardClients in tasks on two workers; one hangs (it
+"""The ControllerService on a real scheduler: ShardClients in tasks on two workers; one hangs (it
 waits on a Dask Event the test sets), the controller revokes its lease, the other worker leases
 the rows."""
 
@@ -9,7 +9,7 @@ from typing import Any
 from distributed import Client, Event, Scheduler, Worker
 from distributed.utils_test import gen_cluster
 
-from antdt.controller import PLUGIN_NAME, ControllerPlugin
+from antdt.controller import PLUGIN_NAME, ControllerService
 from antdt.sharding import Claim
 from antdt.sharding.client import ShardClient
 from antdt.sharding.service import ShardingService
@@ -60,16 +60,16 @@ def one_lease_agent(job: str) -> tuple[int, int, int, int]:
     return lease.row_group, lease.start, lease.stop, shards.trained_rows
 
 
-async def setup(c: Client, s: Scheduler, groups: int = 2) -> ControllerPlugin:
+async def setup(c: Client, s: Scheduler, groups: int = 2) -> ControllerService:
     """Plugins and job "j": ``groups`` row groups of one 100-row shard each."""
     await c.register_plugin(ShardingService())
-    await c.register_plugin(ControllerPlugin())
+    await c.register_plugin(ControllerService())
     reply = await c.scheduler.antdt_register_job(
         job="j", row_groups=[["f.parquet", g, 100] for g in range(groups)], shard_rows=100,
         batch_rows=10)
     assert reply["status"] == "OK", reply
     plugin = s.plugins[PLUGIN_NAME]
-    assert isinstance(plugin, ControllerPlugin)
+    assert isinstance(plugin, ControllerService)
     return plugin
 
 
@@ -190,7 +190,7 @@ async def test_worker_hung_in_the_tail_is_retired_and_its_claim_requeued(
 @gen_cluster(client=True, nthreads=[])
 async def test_plugin_needs_the_sharding_service(c: Client, s: Scheduler) -> None:
     try:
-        await c.register_plugin(ControllerPlugin())
+        await c.register_plugin(ControllerService())
     except Exception as e:  # the scheduler's error comes back to the client
         assert "register it first" in str(e)
     else:

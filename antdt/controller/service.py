@@ -1,4 +1,4 @@
-"""The controller on the Dask scheduler: :class:`ControllerPlugin` runs a monitor and a controller
+"""The controller on the Dask scheduler: :class:`ControllerService` runs a monitor and a controller
 per job of the sharding service, ticks them, carries out retirements, and publishes every applied
 action as a Dask event (topic :data:`EVENT_TOPIC`)."""
 
@@ -37,7 +37,7 @@ class _JobControl:
     controller: Controller
 
 
-class ControllerPlugin(SchedulerPlugin):
+class ControllerService(SchedulerPlugin):
     """Runs a :class:`Monitor` and a :class:`Controller` per job of the
     :class:`~antdt.sharding.service.ShardingService` (register that plugin first).
 
@@ -59,7 +59,7 @@ class ControllerPlugin(SchedulerPlugin):
         self.interval_s = interval_s
         self.min_workers = min_workers
         self.jobs: dict[str, _JobControl] = {}
-        self.enabled: dict[str, bool] = {}
+        self._enabled: dict[str, bool] = {}
         """Per-job switch; jobs not named follow ``antdt.controller.enabled``."""
         self.scheduler: Scheduler | None = None
         self._sharding: service.ShardingService | None = None
@@ -69,7 +69,7 @@ class ControllerPlugin(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         sharding = scheduler.plugins.get(service.PLUGIN_NAME)
         if not isinstance(sharding, service.ShardingService):
-            raise ConfigError(f"ControllerPlugin needs the ShardingService: register it first "
+            raise ConfigError(f"ControllerService needs the ShardingService: register it first "
                               f"(found plugins {sorted(scheduler.plugins)})")
         self.scheduler = scheduler
         self._sharding = sharding
@@ -102,6 +102,16 @@ class ControllerPlugin(SchedulerPlugin):
         """Every agent is gone: start every job's monitoring afresh."""
         self.jobs.clear()
 
+    def enable(self, job: str, on: bool = True) -> None:
+        """Switch ``job``'s controller on or off (before or after the job is registered); its
+        monitor keeps running either way."""
+        self._enabled[job] = on
+
+    def forget(self, job: str) -> None:
+        """Drop ``job``'s switch: a job registered again under its name follows
+        ``antdt.controller.enabled`` until it is switched."""
+        self._enabled.pop(job, None)
+
     def tick(self, job: str | None = None) -> list[ActionRecord]:
         """Tick ``job`` (even if disabled), or every enabled job (a disabled one only updates its
         monitor); returns the applied actions."""
@@ -133,7 +143,7 @@ class ControllerPlugin(SchedulerPlugin):
         job = rpc.name("job", job)
         if not isinstance(enabled, bool):
             raise LedgerError(f"enabled must be a bool, found {enabled!r}")
-        self.enabled[job] = enabled
+        self.enable(job, enabled)
         logger.info("job %s: controller %s", job, "enabled" if enabled else "disabled")
         return {"status": "OK", "job": job, "enabled": enabled}
 
@@ -155,7 +165,7 @@ class ControllerPlugin(SchedulerPlugin):
 
     def _is_enabled(self, job: str) -> bool:
         default = config.get("antdt.controller.enabled")
-        return self.enabled.get(job, bool(default))
+        return self._enabled.get(job, bool(default))
 
     def _known(self, job: object) -> _JobControl:
         name = rpc.name("job", job)
