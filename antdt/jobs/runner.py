@@ -1,7 +1,7 @@
 """One job's control on the scheduler (AntDT's master, per job): it reads top to bottom like the
 job it runs::
 
-    register the job: the ledger (sharding service), its controller, its sync group
+    register the job: the ledger (sharding service), its controller, its mode (the sync group)
       ─► the tracking run (hooks.start, a task on a worker)
       ─► one agent task per worker, and per worker that joins later
          (:mod:`~antdt.jobs.placement`)
@@ -48,6 +48,7 @@ from distributed.scheduler import KilledWorker
 
 from antdt import config
 from antdt.agent import AgentReport, AgentSpec, Faults, cancel_here, forget_here
+from antdt.agent.modes import MasterMode
 from antdt.controller import ControllerService
 from antdt.device import FROZEN_HEAP
 from antdt.errors import AntdtError, JobError, LedgerError
@@ -61,7 +62,6 @@ from antdt.jobs.spec import JobSpec
 from antdt.sharding import JobState
 from antdt.sharding.service import ShardingService
 from antdt.sync import SyncPeriod
-from antdt.sync.service import SyncService
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class JobContext:
     """What a job's runner uses of the scheduler it runs on, built by the job service: the
-    services that hold the job's ledger, controller and sync groups (read in place), the
+    services that hold the job's ledger and controller (read in place), the master's side of
+    the job's training mode (:class:`~antdt.agent.modes.MasterMode`: its model's groups), the
     service's client of the scheduler, the workers the scheduler's other unfinished jobs
     placed agents on (one collection per job: a job placed on fewer workers chooses the least
     busy), and ``forget(job)``, which drops the job from those services."""
@@ -78,7 +79,7 @@ class JobContext:
     client: Client
     sharding: ShardingService
     controller: ControllerService
-    sync: SyncService
+    mode: MasterMode
     others: Callable[[], Iterable[Collection[str]]]
     forget: Callable[[str], None]
 
@@ -246,7 +247,7 @@ class JobRunner:
                 static=len(initial) if plan.sharding == "static" else None)
             if reply["status"] != "OK":
                 raise JobError(reply["message"])
-        self.ctx.sync.start_job(self.job_id, initial)
+        self.ctx.mode.start(self.job_id, initial)
         self._read_ledger()
         self.log("info", f"registered: {self.journal.rows['expected']:,} rows over {plan.epochs} "
                          f"epoch(s), {len(initial)} worker(s), sharding {plan.sharding}")
@@ -318,7 +319,8 @@ class JobRunner:
             if self._every_worker_lost():
                 await self._restart(period)
                 continue
-            if self._cancel is None and self.stopped is None and not self._sync_over():
+            if self._cancel is None and self.stopped is None \
+                    and self.ctx.mode.accepts_joiners(self.job_id):
                 for worker in self.placement.joiners(workers):
                     self._start_agent(worker, period, join=True)
             self._tick()
@@ -376,8 +378,7 @@ class JobRunner:
         self._trained_before -= replayed  # trained here, then rolled back with the ledger
         await self._restore_ledger(manifest)
         workers = self.placement.restart(self.ctx.scheduler.workers)
-        self.ctx.sync.stop_job(self.job_id)
-        self.ctx.sync.start_job(self.job_id, workers)
+        self.ctx.mode.restart(self.job_id, workers)
         self._read_ledger()
         self.log("warning", f"restarting from checkpoint {manifest.path} on {len(workers)} "
                             f"worker(s): {manifest.rows['done']:,} rows done; {replayed:,} "
@@ -420,12 +421,6 @@ class JobRunner:
                                                self.run, report, False)
 
     # ---- agents -----------------------------------------------------------------------------
-
-    def _sync_over(self) -> bool:
-        """The job's final sync round formed: every row is trained, a joiner would train
-        nothing."""
-        sync = self.ctx.sync.jobs.get(self.job_id)
-        return sync is not None and sync.final is not None
 
     def _tasks_on(self, worker: str) -> int:
         state = self.ctx.scheduler.workers.get(worker)

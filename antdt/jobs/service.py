@@ -33,6 +33,7 @@ from distributed.security import Security
 
 from antdt import config, rpc
 from antdt.agent import event_topic
+from antdt.agent.modes import AsyncMaster
 from antdt.controller import ControllerService
 from antdt.controller import PLUGIN_NAME as CONTROLLER
 from antdt.errors import JobError
@@ -185,7 +186,7 @@ class JobService(SchedulerPlugin):
         assert self.scheduler is not None
         return JobContext(
             scheduler=self.scheduler, client=client, sharding=self.sharding,
-            controller=self.controller, sync=self.sync,
+            controller=self.controller, mode=AsyncMaster(self.sync),
             others=lambda: [runner.placement.placed for job, runner in self.runners.items()
                             if job != job_id and not runner.state.final],
             forget=self.forget)

@@ -154,6 +154,3 @@ class AsyncMaster:
     def accepts_joiners(self, job: str) -> bool:
         sync = self.service.jobs.get(job)
         return sync is None or sync.final is None
-
-    def stop(self, job: str) -> None:
-        self.service.stop_job(job)

@@ -88,8 +88,7 @@ class WorkerMode(Protocol):
 
 class MasterMode(Protocol):
     """The job master's side of a training mode: starts the job's model with its first
-    workers, forms it anew after a restart, tells whether a joiner is still welcome, and ends
-    it."""
+    workers, forms it anew after a restart and tells whether a joiner is still welcome."""
 
     def start(self, job: str, workers: Collection[str]) -> None:
         """The job's model begins with ``workers``."""
@@ -100,6 +99,3 @@ class MasterMode(Protocol):
     def accepts_joiners(self, job: str) -> bool:
         """Whether a worker that arrives now can still join (False once the final state is
         forming: a joiner would train nothing)."""
-
-    def stop(self, job: str) -> None:
-        """The job is over: forget its model's bookkeeping."""
