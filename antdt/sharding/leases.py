@@ -162,3 +162,23 @@ class QuarantineRecord(NamedTuple):
     stop: int | None
     rows: int
     reason: str
+
+
+@dataclass(slots=True)
+class LiveLease:
+    """The ledger's own, mutable state of a lease:
+    ``start <= synced <= offset <= claim_stop <= stop``."""
+
+    lease_id: int
+    token: str
+    worker: str
+    epoch: int
+    shard: int
+    start: int
+    stop: int
+    offset: int
+    synced: int
+    claim_stop: int
+    revoked: bool
+    leased_at: float
+    committed_at: float

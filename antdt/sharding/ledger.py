@@ -69,8 +69,9 @@ and claims are at most ``rows`` rows (a new lease takes the front of a piece, th
 the queue front for the others), and with ``rows == 0`` it gets no new lease ("wait") and a
 commit of one of its leases revokes the unclaimed rows. So, as the job's rows run out, a slow
 worker takes only what it finishes before the others do, and the last rows of the job are never
-in a straggler's claim. Paces are the controller's to set and lift; a checkpoint does not keep
-them.
+in a straggler's claim. The controller may also set a worker's **batch size**
+(:meth:`ShardLedger.set_batch_rows`): its leases carry it and its agent trains in batches of it.
+Paces and batch sizes are the controller's to set and lift; a checkpoint does not keep them.
 
 Exactly-once
 ------------
@@ -119,7 +120,6 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -129,7 +129,8 @@ from antdt.sharding import checkpoint
 from antdt.sharding.checkpoint import LedgerState
 from antdt.sharding.dealing import Dealer, QueueDealer, ShardTable, StaticDealer, check_int
 from antdt.sharding.leases import (Claim, Clock, CommitEvent, CommitReply, Finished, JobState,
-                                   Lease, LeaseReply, LeaseStatus, Piece, QuarantineRecord,
+                                   Lease, LeaseReply, LeaseStatus, LiveLease, Piece,
+                                   QuarantineRecord,
                                    QuarantineSpec, Revoked, RowGroup, RowState, Stop, Wait)
 
 logger = logging.getLogger(__name__)
@@ -137,25 +138,6 @@ logger = logging.getLogger(__name__)
 
 COUNTERS = ("rows_trained", "rows_done", "rows_retrained", "rows_lost", "rows_quarantined")
 """The counters a checkpoint holds (:meth:`ShardLedger.to_state`)."""
-
-
-@dataclass(slots=True)
-class _LiveLease:
-    """Mutable ledger-side state of a lease; ``start <= synced <= offset <= claim_stop <= stop``."""
-
-    lease_id: int
-    token: str
-    worker: str
-    epoch: int
-    shard: int
-    start: int
-    stop: int
-    offset: int
-    synced: int
-    claim_stop: int
-    revoked: bool
-    leased_at: float
-    committed_at: float
 
 
 class ShardLedger:
@@ -203,7 +185,7 @@ class ShardLedger:
         self._records = list(self._table.records)
         self._dealer: Dealer = QueueDealer(self._table, self.epochs) if self.static is None \
             else StaticDealer(self._table, self.epochs, self.static, job)
-        self._leases: dict[int, _LiveLease] = {}
+        self._leases: dict[int, LiveLease] = {}
         self._by_worker: dict[str, dict[int, None]] = {}
         self._next_id = 0
         self._stopped: str | None = None
@@ -315,7 +297,7 @@ class ShardLedger:
         self._next_id += 1
         token = secrets.token_hex(16)
         claim_stop = min(start + claim, stop)
-        self._leases[lease_id] = _LiveLease(lease_id, token, worker, epoch, shard, start, stop,
+        self._leases[lease_id] = LiveLease(lease_id, token, worker, epoch, shard, start, stop,
                                             start, start, claim_stop, False, now, now)
         self._by_worker.setdefault(worker, {})[lease_id] = None
         self.rows_leased += stop - start
@@ -613,7 +595,7 @@ class ShardLedger:
         todo = self._dealer.todo_rows()
         assert todo == self.rows_todo, (todo, self.rows_todo)
 
-    def _status(self, lease: _LiveLease) -> LeaseStatus:
+    def _status(self, lease: LiveLease) -> LeaseStatus:
         path, group = self._table.location(lease.shard)
         return LeaseStatus(lease.lease_id, lease.worker, lease.epoch, path, group, lease.start,
                            lease.stop, lease.offset, lease.synced, lease.claim_stop,
@@ -649,7 +631,7 @@ class ShardLedger:
             return None
         return max(1, -(-share // self.batch_rows)) * self.batch_rows
 
-    def _known(self, lease_id: int) -> _LiveLease:
+    def _known(self, lease_id: int) -> LiveLease:
         if isinstance(lease_id, bool) or not isinstance(lease_id, int):
             raise LedgerError(f"lease_id must be an int, found {lease_id!r}")
         lease = self._leases.get(lease_id)
@@ -659,13 +641,13 @@ class ShardLedger:
             raise LedgerError(f"job {self.job!r}: lease {lease_id} {state}")
         return lease
 
-    def _live(self, lease_id: int, token: str) -> _LiveLease:
+    def _live(self, lease_id: int, token: str) -> LiveLease:
         lease = self._known(lease_id)
         if not isinstance(token, str) or not secrets.compare_digest(token, lease.token):
             raise LedgerError(f"job {self.job!r}: wrong token for lease {lease_id}")
         return lease
 
-    def _cut(self, lease: _LiveLease, at: int, parts: int) -> list[Piece]:
+    def _cut(self, lease: LiveLease, at: int, parts: int) -> list[Piece]:
         """Requeue the lease's rows ``[at, stop)`` as up to ``parts`` pieces; the lease ends at
         ``at`` (``at >= claim_stop``: claimed rows never move)."""
         assert at >= lease.claim_stop
@@ -680,21 +662,22 @@ class ShardLedger:
         lease.stop = at  # still > synced: a claim is never empty while rows are left
         return pieces
 
-    def _requeue_lease(self, lease: _LiveLease) -> int:
+    def _requeue_lease(self, lease: LiveLease) -> int:
         rows = lease.stop - lease.synced
-        self._dealer.push_front([(lease.epoch, lease.shard, lease.synced, lease.stop)], lease.worker)
+        self._dealer.push_front([(lease.epoch, lease.shard, lease.synced, lease.stop)],
+                                lease.worker)
         self.rows_retrained += lease.offset - lease.synced
         self.rows_leased -= rows
         self._forget(lease)
         return rows
 
-    def _retire_if_synced(self, lease: _LiveLease) -> bool:
+    def _retire_if_synced(self, lease: LiveLease) -> bool:
         if lease.synced < lease.stop:
             return False
         self._forget(lease)
         return True
 
-    def _forget(self, lease: _LiveLease) -> None:
+    def _forget(self, lease: LiveLease) -> None:
         self.rows_unsynced -= lease.offset - lease.synced
         del self._leases[lease.lease_id]
         ids = self._by_worker[lease.worker]
