@@ -79,7 +79,7 @@ Exactly-once
 someone else may lease. ``remove_worker`` (worker death) and ``release`` move rows
 ``[synced, stop)`` of each lease back to the queue front: the claim and the trained-but-unsynced
 rows, whose effect died with the worker. Hence every row of every epoch ends DONE or QUARANTINED
-exactly once (checked by the hypothesis state machine in ``tests/antdt/test_sharding.py``).
+exactly once (checked by the hypothesis state machine in ``tests/antdt/sharding/test_ledger.py``).
 
 Counters
 --------
