@@ -1,62 +1,34 @@
-"""The Dask glue of the model sync: SyncService, SyncWorkerPlugin and BackgroundSync on a
-gen_cluster with small replicas (a real process death, and the model held against the ledger
-after it: ``antdt bench chaos``, tests/pipeline/bench/test_chaos.py)."""
+"""BackgroundSync on a gen_cluster: agents train small replicas while their sync threads exchange
+in the groups SyncService forms, and end bit-identical (a real process death, and the model held
+against the ledger after it: ``antdt bench chaos``, tests/pipeline/bench/test_chaos.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import dask.config
-import numpy as np
 import pytest
 import torch
 from distributed import Client, Scheduler, Worker
 from distributed.metrics import time
-from distributed.protocol import dumps, loads
 from distributed.utils_test import gen_cluster
 
 from antdt import config
 from antdt.errors import ConfigError
-from antdt.errors import SyncError
-from antdt.sync import (
-    ExchangeReport,
-    LeaderRows,
-    LogEntry,
-    MemberState,
-    PeerPayload,
-    ReplicaSnapshot,
-    ReplicaSync,
-    SyncPeriod,
-)
+from antdt.sync import ExchangeReport, LogEntry, MemberState, ReplicaSync, SyncPeriod
 from antdt.sync.background import BackgroundSync
 from antdt.sync.serving import SyncWorkerPlugin
 from antdt.sync.replica import tensor_bytes
 from antdt.sync.service import SyncService
-from antdt.sync.wire import (PLUGIN_NAME, bits_to_mask, mask_to_bits, msg_to_payload,
-                             msg_to_rows, msg_to_snapshot, payload_to_msg, rows_to_msg,
-                             snapshot_to_msg)
+from antdt.sync.wire import PLUGIN_NAME
 from pages import kernel_collapses, on_huge_pages
+from sync_cluster import DENSE_SHAPES, DIM, ROWS, initial_dense, initial_tables, ok, service
 from waits import until
-
-ROWS, DIM = 30, 4
-DENSE_SHAPES = ((6, 3), (3,))
-
-
-def initial_tables(rows: int = ROWS) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {"user": torch.randn(rows, DIM, generator=gen), "item": torch.randn(rows, DIM,
-                                                                               generator=gen)}
-
-
-def initial_dense() -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return [torch.randn(shape, generator=gen) for shape in DENSE_SHAPES]
 
 
 def draw_step(gen: torch.Generator, hot: int = ROWS
@@ -163,12 +135,6 @@ async def run_pair(c: Client, s: Scheduler, workers: tuple[Worker, ...],
     return agents, list(reports)
 
 
-def service(s: Scheduler) -> SyncService:
-    plugin = s.plugins[PLUGIN_NAME]
-    assert isinstance(plugin, SyncService)
-    return plugin
-
-
 def served(w: Worker) -> dict[str, ReplicaSync]:
     plugin = w.plugins[PLUGIN_NAME]
     assert isinstance(plugin, SyncWorkerPlugin)
@@ -188,106 +154,6 @@ def assert_bit_identical(replicas: list[ReplicaSync]) -> None:
             assert torch.equal(table, first.tables[name]), name
         for p, q in zip(replica.dense, first.dense):
             assert torch.equal(p, q)
-
-
-def refused(reply: dict[str, Any], match: str) -> None:
-    """A handler's error reply whose message matches ``match``."""
-    assert reply["status"] == "error" and re.search(match, reply["message"]), reply
-
-
-def ok(reply: dict[str, Any]) -> dict[str, Any]:
-    assert reply["status"] == "OK", reply
-    return reply
-
-
-def test_bfloat16_deltas_and_int32_ids_halve_a_payload_on_the_wire() -> None:
-    """A payload of rounded deltas arrives as sent (bfloat16 travels as int16, named; ids as
-    int32 and back to int64): 36 bytes a row of dim 16, against 68 with float32 deltas and 72
-    when ids went as int64."""
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randperm(650_000, generator=gen)[:35_000].sort().values
-    deltas = torch.randn(len(ids), 16, generator=gen)
-    sizes = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        payload = PeerPayload("w", [LogEntry(1, ids, deltas.to(dtype), 9)], None, "t:650000x16")
-        frames = dumps(payload_to_msg(payload))
-        sizes[dtype] = sum(memoryview(f).nbytes for f in frames)
-        entry = msg_to_payload(loads(frames)).entries[0]
-        assert entry.ids.dtype == torch.int64 and torch.equal(entry.ids, ids)
-        assert entry.deltas.dtype == dtype and torch.equal(entry.deltas, deltas.to(dtype))
-    assert len(ids) * (4 + 16 * 4) <= sizes[torch.float32] < len(ids) * (8 + 16 * 4)  # int32 ids
-    assert len(ids) * (4 + 16 * 2) <= sizes[torch.bfloat16] < 0.54 * sizes[torch.float32]
-    wide = PeerPayload("w", [LogEntry(1, torch.tensor([2**31]), torch.ones(1, 2), 9)], None, "")
-    assert msg_to_payload(loads(dumps(payload_to_msg(wide)))).entries[0].ids.tolist() == [2**31]
-    msg = payload_to_msg(PeerPayload("w", [LogEntry(1, ids[:2], deltas[:2], 9)], None, ""))
-    msg["entries"][0]["dtype"] = "bfloat16"  # float32 bytes named bfloat16: refused, not read
-    with pytest.raises(SyncError, match="bfloat16 sent as torch.float32, expected torch.int16"):
-        msg_to_payload(loads(dumps(msg)))
-
-
-def test_payload_roundtrip_through_messages() -> None:
-    payload = PeerPayload("w", [LogEntry(3, torch.tensor([1, 4]), torch.ones(2, 5), 9)],
-                          [torch.arange(6.0).reshape(2, 3)], "t:8x5")
-    back = msg_to_payload(loads(dumps(payload_to_msg(payload))))  # as a comm does
-    assert back.source == "w" and back.entries[0].seq == 3 and back.entries[0].rows_offset == 9
-    assert back.layout == "t:8x5"
-    ids, deltas = back.entries[0].ids, back.entries[0].deltas
-    assert ids.tolist() == [1, 4] and ids.dtype == torch.int64
-    assert torch.equal(deltas, torch.ones(2, 5))
-    assert back.dense is not None and torch.equal(back.dense[0], torch.arange(6.0).reshape(2, 3))
-    snapshot = ReplicaSnapshot("w", [torch.ones(2)], {"t": torch.arange(6.0).reshape(3, 2)},
-                               {"w": 4, "v": 2}, torch.tensor([True, False, True]))
-    copy = msg_to_snapshot(loads(dumps(snapshot_to_msg(snapshot))))
-    assert copy.source == "w" and copy.applied == {"w": 4, "v": 2}
-    assert torch.equal(copy.tables["t"], snapshot.tables["t"])
-    assert torch.equal(copy.dense[0], torch.ones(2))
-    assert copy.changed.tolist() == [True, False, True]
-    rows = LeaderRows("w", torch.tensor([0, 7]), torch.ones(2, 5), [torch.zeros(3)], {"w": 2})
-    back_rows = msg_to_rows(loads(dumps(rows_to_msg(rows))))
-    assert back_rows.ids.tolist() == [0, 7] and back_rows.ids.dtype == torch.int64
-    assert torch.equal(back_rows.rows, rows.rows) and back_rows.applied == {"w": 2}
-    assert torch.equal(back_rows.dense[0], torch.zeros(3)) and back_rows.nbytes == 16 + 40 + 12
-    mask = torch.arange(21) % 3 == 0
-    bits = mask_to_bits(mask)
-    assert bits.nbytes == 3 and torch.equal(bits_to_mask(bits, 21), mask)
-    with pytest.raises(SyncError, match=r"3 bytes of bits for 21 rows, found uint8 \(4,\)"):
-        bits_to_mask(np.zeros(4, dtype=np.uint8), 21)
-
-
-def test_a_dense_snapshot_travels_as_one_frame() -> None:
-    """Dense tensors of any dtypes and shapes arrive as sent, as views of one frame: the frames
-    of a pull do not grow with the number of dense parameters. A packing whose bytes do not hold
-    the tensors it lists is refused, naming what was sent."""
-    gen = torch.Generator().manual_seed(0)
-    dense = [torch.randn(3, 5, generator=gen), torch.randn(7, generator=gen).to(torch.bfloat16),
-             torch.tensor(2.5, dtype=torch.float64), torch.zeros(0, 4),
-             torch.tensor([True, False, True]), torch.randn(4, 3, generator=gen).t()]
-    frames = {}
-    for count in (1, len(dense)):
-        frames[count] = dumps(payload_to_msg(PeerPayload("w", [], dense[:count], "")))
-        back = msg_to_payload(loads(frames[count])).dense
-        assert back is not None and len(back) == count
-        for got, sent in zip(back, dense):
-            assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent)
-    assert len(frames[1]) == len(frames[len(dense)])
-    rows = LeaderRows("w", torch.tensor([0]), torch.ones(1, 2), dense, {"w": 1})
-    assert all(torch.equal(a, b) for a, b in
-               zip(msg_to_rows(loads(dumps(rows_to_msg(rows)))).dense, dense))
-    msg = payload_to_msg(PeerPayload("w", [], dense[:2], ""))
-    assert msg["dense"] is not None
-    msg["dense"]["tensors"][1] = ("bfloat16", [9])
-    with pytest.raises(SyncError, match=r"dense snapshot: 2 tensors of shapes \[\[3, 5\], \[9\]\] "
-                                        "need more than the 80 bytes sent"):
-        msg_to_payload(loads(dumps(msg)))
-    msg["dense"]["tensors"][1] = ("bfloat16", [3])
-    with pytest.raises(SyncError, match="dense snapshot: 80 bytes sent for 2 tensors of 72"):
-        msg_to_payload(loads(dumps(msg)))
-    msg["dense"]["tensors"][1] = ("bfloat16", [7, -1])
-    with pytest.raises(SyncError, match=r"dense snapshot: \[7, -1\] is not a shape"):
-        msg_to_payload(loads(dumps(msg)))
-    msg["dense"]["tensors"][1] = ("no_such_dtype", [7])
-    with pytest.raises(SyncError, match="dense snapshot: 'no_such_dtype' is not a torch dtype"):
-        msg_to_payload(loads(dumps(msg)))
 
 
 async def start_service(c: Client, s: Scheduler, workers: tuple[Worker, ...],
@@ -517,84 +383,6 @@ async def test_a_dead_worker_leaves_and_its_synced_offset_is_safe(
     assert_bit_identical([agent.replica for agent in survivors])
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=60)
-async def test_a_member_that_finishes_lets_the_waiting_ones_group_at_once(
-        c: Client, s: Scheduler, a: Worker, b: Worker, w: Worker) -> None:
-    """Three members in groups of three: two wait for a full group; when the third finishes
-    training, two make a full group and they are told now, not when their wait (an hour)
-    runs out."""
-    await c.register_plugin(SyncService(poll_s=3600.0))
-    sched = c.scheduler
-    ok(await sched.antdt_sync_start(job="j", workers=[a.address, b.address, w.address],
-                                    group_size=3, max_wait_s=3600.0))
-    waiting = [asyncio.create_task(sched.antdt_sync_group(job="j", worker=x.address,
-                                                          progress=10)) for x in (a, b)]
-    groups = s.plugins[PLUGIN_NAME].jobs["j"]
-
-    async def both_wait() -> None:
-        while len(groups.waiting()) < 2:
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(both_wait(), 30)
-    assert not any(task.done() for task in waiting)
-    finished = asyncio.create_task(sched.antdt_sync_group(job="j", worker=w.address,
-                                                          progress=10, final=True))
-    answers = [ok(answer) for answer in await asyncio.wait_for(asyncio.gather(*waiting), 30)]
-    assert [answer["kind"] for answer in answers] == ["group", "group"]
-    assert sorted(answers[0]["members"]) == sorted([a.address, b.address])
-    assert not finished.done()  # the others have not finished: no final round yet
-    finished.cancel()
-
-
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
-async def test_handlers_validate_their_arguments(c: Client, s: Scheduler, a: Worker,
-                                                 b: Worker) -> None:
-    await c.register_plugin(SyncService(poll_s=1.0))
-    sched = c.scheduler
-    refused(await sched.antdt_sync_start(job="j", workers=["tcp://nowhere:1"]),
-            "not in the cluster")
-    refused(await sched.antdt_sync_start(job="j", workers="abc"), "list of addresses")
-    refused(await sched.antdt_sync_start(job="j", workers=[a.address], group_size="four"),
-            "group_size must be")
-    refused(await sched.antdt_sync_start(job=5, workers=[a.address]), "job must be a str")
-    ok(await sched.antdt_sync_start(job="j", workers=[a.address, b.address], max_wait_s=0.1))
-    refused(await sched.antdt_sync_start(job="j", workers=[a.address]), "already started")
-    refused(await sched.antdt_sync_group(job="nope", worker=a.address, progress=0),
-            "unknown sync job")
-    refused(await sched.antdt_sync_group(job="j", worker=a.address, progress=-1),
-            "progress must be")
-    refused(await sched.antdt_sync_group(job="j", worker=a.address, progress="1"),
-            "progress must be")
-    refused(await sched.antdt_sync_group(job="j", worker=a.address, progress=0,
-                                         members_version="2"), "members_version must be")
-    refused(await sched.antdt_sync_group(job="j", worker=["w"], progress=0),
-            "worker must be a str")
-    refused(await sched.antdt_sync_group(job="j", worker=a.address, progress=0, final=1),
-            "final must be a bool")
-    refused(await sched.antdt_sync_members(job="nope"), "unknown sync job")
-    refused(await sched.antdt_sync_complete(job="j", worker=a.address), "received the final")
-    refused(await sched.antdt_sync_complete(job="j", worker=a.address, gathered="yes"),
-            "gathered must be a bool")
-    refused(await sched.antdt_sync_leave(job={}, worker=a.address), "job must be a str")
-    answer = ok(await sched.antdt_sync_group(job="j", worker=a.address, progress=0))
-    assert answer["kind"] == "alone" and answer["members_version"] == 2  # waited max_wait_s
-    pull = a.rpc(b.address).antdt_sync_pull
-    refused(await pull(job="j", requester=a.address, round=1, since_seq=0), "no replica")
-    refused(await pull(job="j", requester=a.address, round=-1, since_seq=0),
-            "round must be an int >= 0")
-    refused(await pull(job="j", requester=None, round=1, since_seq=0), "requester must be")
-    rows = a.rpc(b.address).antdt_sync_rows
-    refused(await rows(job="j", requester=a.address, changed=b"\0"), "no replica")
-    plugin = b.plugins[PLUGIN_NAME]
-    assert isinstance(plugin, SyncWorkerPlugin)
-    plugin.attach("j", ReplicaSync(b.address, initial_dense(), initial_tables()))
-    refused(await rows(job="j", requester=a.address, changed=np.zeros(3, dtype=np.uint8)),
-            r"8 bytes of bits for 60 rows, found uint8 \(3,\)")
-    refused(await rows(job="j", requester=a.address, changed="bits"), "bytes of bits")
-    reply = ok(await rows(job="j", requester=a.address, changed=np.zeros(8, dtype=np.uint8)))
-    assert msg_to_rows(reply).ids.tolist() == []  # nothing changed on either side: no rows
-
-
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=90)
 async def test_a_worker_joins_a_running_job_and_all_end_identical(
         c: Client, s: Scheduler, *workers: Worker) -> None:
@@ -626,55 +414,6 @@ async def test_a_worker_joins_a_running_job_and_all_end_identical(
     for name, table in agents[2].replica.tables.items():
         torch.testing.assert_close(table.double(), expected[name], rtol=0, atol=1e-5)
     assert_bit_identical([a.replica for a in agents])
-
-
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3)
-async def test_join_handler_waits_for_acknowledgements(c: Client, s: Scheduler, a: Worker,
-                                                       b: Worker, late: Worker) -> None:
-    await c.register_plugin(SyncService(poll_s=0.2))
-    await c.scheduler.antdt_sync_start(job="j", workers=[a.address, b.address], max_wait_s=0.05)
-    listed = await c.scheduler.antdt_sync_join(job="j", worker=a.address)
-    assert listed["settled"] and not listed["bootstrap"]  # a listed member needs no snapshot
-    refused(await c.scheduler.antdt_sync_join(job="j", worker="tcp://nowhere:1"),
-            "not in the cluster")
-    msg = await c.scheduler.antdt_sync_join(job="j", worker=late.address)
-    assert not msg["settled"] and msg["bootstrap"] and list(msg["waiting"]) == sorted(
-        [a.address, b.address])
-    for w in (a, b):
-        await c.scheduler.antdt_sync_group(job="j", worker=w.address, progress=0,
-                                           members_version=msg["members_version"])
-    msg = await c.scheduler.antdt_sync_join(job="j", worker=late.address)
-    assert msg["settled"] and list(msg["members"]) == sorted([a.address, b.address,
-                                                              late.address])
-    await c.scheduler.antdt_sync_leave(job="j", worker=late.address)
-    await c.scheduler.antdt_sync_leave(job="unknown", worker=late.address)  # idempotent
-    members = await c.scheduler.antdt_sync_members(job="j")
-    assert list(members["members"]) == sorted([a.address, b.address])
-    for w in (a, b):
-        await c.scheduler.antdt_sync_group(job="j", worker=w.address, progress=0, final=True)
-    refused(await c.scheduler.antdt_sync_join(job="j", worker=late.address), "final round")
-    refused(await a.rpc(b.address).antdt_sync_snapshot(job="j", requester=a.address),
-            "no replica")
-
-
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 4)
-async def test_the_final_round_forms_without_a_joiner_still_taking_its_snapshot(
-        c: Client, s: Scheduler, a: Worker, b: Worker, started: Worker, late: Worker) -> None:
-    await c.register_plugin(SyncService(poll_s=0.5))
-    await c.scheduler.antdt_sync_start(job="j", workers=[a.address, b.address])
-    for joiner in (started, late):  # nobody acknowledges them: they wait to be settled
-        assert not ok(await c.scheduler.antdt_sync_join(job="j", worker=joiner.address))[
-            "settled"]
-    ok(await c.scheduler.antdt_sync_started(job="j", worker=started.address))
-    joining = asyncio.ensure_future(c.scheduler.antdt_sync_join(job="j", worker=late.address))
-    finals = await asyncio.gather(*(c.scheduler.antdt_sync_group(
-        job="j", worker=w.address, progress=0, final=True) for w in (a, b, started)))
-    members = sorted([a.address, b.address, started.address])
-    assert [(m["final"], list(m["members"])) for m in finals] == [(True, members)] * 3
-    refused(await joining, "formed while it was joining")
-    refused(await c.scheduler.antdt_sync_started(job="j", worker=late.address),
-            r"final round \d+ formed while it was joining")
-    assert service(s).jobs["j"].members() == members
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
