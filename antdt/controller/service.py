@@ -50,6 +50,9 @@ class ControllerService(SchedulerPlugin):
                                                 registered); its monitor keeps running
     ``antdt_controller_tick(job=None)``         tick now (one job or all enabled jobs)
     ``antdt_worker_health(job)``                the monitor's verdicts and medians
+
+    The job master reads the controllers in place (it runs in this process); the handlers but
+    ``antdt_controller_enable`` serve an operator's or a test's look and nudge.
     """
 
     name = PLUGIN_NAME
