@@ -430,14 +430,6 @@ async def test_defaults_come_from_dask_config(c: Client, s: Scheduler, a: Worker
     assert (sync.period, sync.rpc_timeout_s) == (SyncPeriod(seconds=0.02), 7.0)
 
 
-def test_a_setting_overridden_to_none_stays_none_and_a_missing_one_is_the_default() -> None:
-    with dask.config.set({"antdt.sync.max-staleness": None, "antdt.sync.period": "2 batches"}):
-        assert config.get("antdt.sync.max-staleness") is None
-        assert config.get("antdt.sync.period") == "2 batches"
-    with dask.config.set({"antdt": {}}):  # the keys dropped, as a config reset does
-        assert config.get("antdt.sync.period") == config.defaults["antdt"]["sync"]["period"]
-
-
 def test_a_bad_period_in_dask_config_names_the_key() -> None:
     replica = ReplicaSync("tcp://127.0.0.1:1", initial_dense(), initial_tables())
     with dask.config.set({"antdt.sync.period": "0s"}), pytest.raises(
