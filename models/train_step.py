@@ -65,6 +65,16 @@ def _clone(obj: Any) -> Any:
     return obj
 
 
+def seeded_model(schema: Schema, model_cfg: ModelConfig, optim_cfg: OptimConfig,
+                 device: torch.device, seed: int) -> nn.Module:
+    """:func:`models.ranking.build_model` initialised from ``seed`` in a forked RNG (the caller's
+    RNG stream is left alone): the same seed gives the same weights in every training mode."""
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        return build_model(schema, model_cfg, optim_cfg, device)
+
+
 class TrainStep:
     """Model + dense optimiser (+ the fused sparse optimiser inside the model) on one device.
 
@@ -79,10 +89,7 @@ class TrainStep:
         self.model_cfg = model_cfg
         self.optim_cfg = optim_cfg
         self.device = device if device is not None else pick_device()
-        cuda = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(seed)
-            self.model = build_model(schema, model_cfg, optim_cfg, self.device)
+        self.model = seeded_model(schema, model_cfg, optim_cfg, self.device, seed)
         for table in {t.untyped_storage().data_ptr(): t
                       for t in embedding_tables(self.model).values()}.values():
             # Rows are looked up, updated and synced at random. Marked only: moving them now
@@ -151,9 +158,12 @@ class TrainStep:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict` snapshot in place (the tables' storage does not move)."""
+        """Restore a :meth:`state_dict` snapshot in place (the tables' storage does not move).
+        ``state`` stays as it was: training on does not write into it."""
         self.model.load_state_dict(state["model"])
-        self.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        # A torch optimiser adopts loaded state tensors that already have the parameters' dtype
+        # and device instead of copying them, and then updates them in place.
+        self.dense_optimizer.load_state_dict(_clone(state["dense_optimizer"]))
         sparse_optimizer(self.model).load_state_dict(state["sparse_optimizer"])
         for module, it in zip(fused_embeddings(self.model)._emb_modules, state["sparse_iter"]):
             module._emb_module.iter.copy_(it)

@@ -7,21 +7,11 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from data.schema import Schema
 from models.config import ModelConfig, OptimConfig
 from models.evaluate import evaluate
 from models.ranking import embedding_tables
 from models.train_step import TrainStep
-
-CPU = torch.device("cpu")
-SCHEMA = Schema.from_dict({
-    "label": "label",
-    "dense": ["I1", "I2"],
-    "sparse": [{"name": "C1", "num_embeddings": 50},
-               {"name": "C2", "num_embeddings": 30},
-               {"name": "tags", "num_embeddings": 20, "multi_valued": True}],
-})
-SMALL = ModelConfig(embedding_dim=8, dense_arch=(16, 8), over_arch=(16, 1))
+from small_model import CPU, SCHEMA, SMALL
 
 
 class Task:
@@ -118,6 +108,10 @@ def test_state_dict_resumes_exactly(optim: OptimConfig) -> None:
     assert [resumed.step(batch) for batch in then] == losses
     assert_same_weights(weights(resumed), weights(original))
     assert resumed.rows_trained == original.rows_trained == 6 * 64
+    # training the resumed step left the checkpoint as it was: a second resume trains alike
+    again = TrainStep(SCHEMA, SMALL, optim, device=CPU, seed=99)
+    again.load_state_dict(checkpoint)
+    assert [again.step(batch) for batch in then] == losses
 
 
 def test_state_dict_is_a_snapshot_including_sparse_momentum() -> None:
