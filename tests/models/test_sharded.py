@@ -1,0 +1,120 @@
+"""ShardedTrainStep on real gloo groups of spawned ranks: a split global batch trains exactly like
+the whole batch in one process, checkpoints move between world sizes and to a plain TrainStep,
+and a plan that cannot fit is refused with the sizes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from models.config import ModelConfig, OptimConfig
+from models.sharded import to_train_step
+from models.train_step import TrainStep
+from ranks import Ranks
+from sharded_ranks import (ADAGRAD, SGD, WIDE, assert_states_close, batch, make_rows, refusal,
+                           train)
+from small_model import CPU, SCHEMA, SMALL
+
+pytestmark = pytest.mark.slow
+
+TABLES = {name: f"sparse_arch.embedding_bag_collection.embedding_bags.{name}.weight"
+          for name in SCHEMA.sparse_names}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[Ranks]:
+    """Three ranks for the whole module: the tests use groups of their first 1, 2 or 3."""
+    with Ranks(3) as pool:
+        yield pool
+
+
+def plain_run(model_cfg: ModelConfig, optim_cfg: OptimConfig,
+              sizes: list[int]) -> tuple[list[dict[str, Any]], list[float]]:
+    """A single-process TrainStep's states (before, then after each step) and losses on the
+    global batches ``make_rows(i, sizes[i])``."""
+    step = TrainStep(SCHEMA, model_cfg, optim_cfg, device=CPU, seed=0)
+    states, losses = [step.state_dict()], []
+    for i, size in enumerate(sizes):
+        losses.append(step.step(batch(make_rows(i, size))))
+        states.append(step.state_dict())
+    return states, losses
+
+
+def test_a_split_batch_trains_like_the_whole_batch(ranks: Ranks) -> None:
+    splits = [(4, 4), (2, 6), (0, 8)]
+    expected, plain_losses = plain_run(SMALL, SGD, [8, 8, 8])
+    for split in splits:
+        rank0, rank1, _ = ranks.run(train, 2, [split] * 3, SMALL, SGD)
+        # the same initial model as TrainStep's, then the same parameters after every step
+        assert_states_close(rank0.states[0], expected[0], rtol=0.0)
+        for after, plain in zip(rank0.states[1:], expected[1:]):
+            assert_states_close(after, plain, where=str(split))
+        assert rank1.states == [None] * 4
+        for i, plain_loss in enumerate(plain_losses):
+            local = [rank0.losses[i], rank1.losses[i]]
+            if split[0] == 0:
+                assert math.isnan(local[0])
+                assert local[1] == pytest.approx(plain_loss, abs=1e-6)
+            else:
+                assert sum(n * loss for n, loss in zip(split, local)) / 8 == \
+                    pytest.approx(plain_loss, abs=1e-6)
+    # the fused optimiser really updates the tables: the rows of the first batch moved
+    first = make_rows(0, 8)
+    before, after = expected[0]["model"][TABLES["C1"]], expected[1]["model"][TABLES["C1"]]
+    touched = torch.zeros(50, dtype=torch.bool).index_fill_(0, first.c1, True)
+    assert (before[touched] != after[touched]).any(dim=1).all()
+    assert torch.equal(before[~touched], after[~touched])
+
+
+def test_a_checkpoint_moves_between_world_sizes_and_to_a_train_step(ranks: Ranks) -> None:
+    two = ranks.run(train, 2, [(3, 5), (8, 0)], SMALL, ADAGRAD)[0]
+    saved = two.states[-1]
+    assert saved is not None and saved["rows_trained"] == 16
+    expected, _ = plain_run(SMALL, ADAGRAD, [8, 8])
+    assert_states_close(saved, expected[-1])
+    momentum = saved["sparse_optimizer"]["state"]["C1.weight"]["C1.weight.momentum_1"]
+    assert momentum.abs().sum() > 0
+
+    # the next step on 3 ranks, on 1 rank and in a plain TrainStep loaded from the checkpoint
+    served = to_train_step(saved, SCHEMA, SMALL, ADAGRAD)
+    assert_states_close(served.state_dict(), saved, rtol=0.0)
+    plain_loss = served.step(batch(make_rows(0, 8)))
+    three = ranks.run(train, 3, [(3, 0, 5)], SMALL, ADAGRAD, None, saved)[0]
+    one = ranks.run(train, 1, [(8,)], SMALL, ADAGRAD, None, saved)[0]
+    for trained in (three, one):
+        assert_states_close(trained.states[0], saved, rtol=0.0)
+        assert_states_close(trained.states[1], served.state_dict())
+    assert one.losses[0] == pytest.approx(plain_loss, abs=1e-6)
+    assert not torch.equal(served.state_dict()["model"][TABLES["C1"]],
+                           saved["model"][TABLES["C1"]])
+
+
+def test_column_wise_tables_keep_the_unsharded_optimiser_state(ranks: Ranks) -> None:
+    two = ranks.run(train, 2, [(5, 3)], WIDE, ADAGRAD, ["column_wise"])[0]
+    assert two.plan == {name: "column_wise [0, 1]" for name in SCHEMA.sparse_names}
+    # after one step each column shard's row-wise Adagrad state is the mean of its columns'
+    # squared gradients; their weighted mean is the unsharded state, and the dense part (whose
+    # gradients the sparse optimiser did not yet affect) is the plain step's
+    expected, _ = plain_run(WIDE, ADAGRAD, [8])
+    saved = two.states[1]
+    assert saved is not None
+    assert_states_close(saved["sparse_optimizer"], expected[1]["sparse_optimizer"])
+    dense = [key for key in expected[1]["model"] if key not in TABLES.values()]
+    assert_states_close({key: saved["model"][key] for key in dense},
+                        {key: expected[1]["model"][key] for key in dense})
+    # 3 ranks take the two column shards of each table, and give back the same state
+    three = ranks.run(train, 3, [], WIDE, ADAGRAD, ["column_wise"], saved)[0]
+    assert_states_close(three.states[0], saved, rtol=1e-6)
+
+
+def test_tables_that_do_not_fit_are_refused_on_every_rank(ranks: Ranks) -> None:
+    messages = ranks.run(refusal, 2, 10_000)
+    assert messages[2] is None and messages[0] == messages[1]
+    message = messages[0]
+    assert message is not None
+    for part in ("3 tables", "3,200 bytes", "2 rank(s)", "[10000] bytes"):
+        assert part in message, message
