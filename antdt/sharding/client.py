@@ -55,7 +55,7 @@ from distributed.utils import sync
 
 from antdt import config
 from antdt.errors import LedgerError
-from antdt.sharding.leases import Claim, CommitReply, Finished, Lease, Revoked, Stop
+from antdt.sharding.leases import Claim, CommitReply, Finished, Lease, Revoked, Stop, Wait
 
 logger = logging.getLogger(__name__)
 
@@ -142,28 +142,40 @@ class ShardClient:
         request waits at most ``drain_wait_s``: the scheduler cannot see this worker's sync
         advance, and the job may be waiting only for it (its own rows, or its acknowledgement
         of a peer's), so the next request must carry it soon."""
+        wait_s = 0.0
+        while True:
+            reply = self._ask(wait_s)
+            if not isinstance(reply, Wait):
+                return reply
+            wait_s = self.drain_wait_s if self.draining or reply.unsynced else \
+                self.lease_wait_s
+
+    def poll_lease(self, wait_s: float = 0.0) -> Lease | Wait | None:
+        """One lease request (pending commits sent with it) that waits at most ``wait_s`` server
+        side: the next lease, :class:`Wait` (nothing to lease now, the job is not over) or None
+        (the job is over). The synchronous mode asks this way between steps: a rank waiting
+        for rows must not keep its peers waiting in the step's collectives."""
+        return self._ask(wait_s)
+
+    def _ask(self, wait_s: float) -> Lease | Wait | None:
         if self._current is not None:
             raise LedgerError(f"job {self.job!r}: lease {self._current.lease.lease_id} is not "
                               f"finished; commit up to its end before leasing again")
-        wait_s = 0.0
-        while True:
-            self._sync_to(None)
-            reply = self._rpc("antdt_lease", worker=self.address, commits=self._pending(),
-                              claim_rows=self._claim_rows(), wait_s=wait_s,
-                              synced_rows=self.synced_rows)
-            msg = reply["lease"]
-            wait_s = self.drain_wait_s if self.draining or msg.get("unsynced") else \
-                self.lease_wait_s
-            if msg["kind"] == "stop":
-                logger.info("job %s: %s stops leasing (%s)", self.job, self.address,
-                            msg["reason"])
-                return None
-            if msg["kind"] == "lease":
-                lease = Lease(**{k: v for k, v in msg.items() if k != "kind"})
-                held = _Held(lease, self.trained_rows, lease.start, lease.start, lease.claim_stop,
-                             lease.stop, lease.start, lease.start)
-                self._held[lease.lease_id] = self._current = held
-                return lease
+        self._sync_to(None)
+        reply = self._rpc("antdt_lease", worker=self.address, commits=self._pending(),
+                          claim_rows=self._claim_rows(), wait_s=wait_s,
+                          synced_rows=self.synced_rows)
+        msg = reply["lease"]
+        if msg["kind"] == "stop":
+            logger.info("job %s: %s stops leasing (%s)", self.job, self.address, msg["reason"])
+            return None
+        if msg["kind"] != "lease":
+            return Wait(int(msg.get("unsynced", 0)))
+        lease = Lease(**{k: v for k, v in msg.items() if k != "kind"})
+        held = _Held(lease, self.trained_rows, lease.start, lease.start, lease.claim_stop,
+                     lease.stop, lease.start, lease.start)
+        self._held[lease.lease_id] = self._current = held
+        return lease
 
     def commit(self, offset: int, synced_rows: int | None = None,
                stats: Mapping[str, float] | None = None) -> CommitReply:

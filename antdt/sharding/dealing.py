@@ -346,3 +346,24 @@ class StaticDealer:
                 self._slot_of[worker] = slot
                 logger.info("job %s: %s takes static slot %d", self._job, worker, slot.index)
         return slot
+
+
+def shares(weights: Sequence[float], total: int) -> list[int]:
+    """``total`` rows (a global batch) split in proportion to ``weights`` (each at least 1 when ``total`` allows),
+    rounded by largest remainders so the parts sum to ``total`` exactly.
+
+    >>> shares([1.0, 1.0, 1.0, 0.25], 64)
+    [20, 19, 19, 6]
+    """
+    if total < len(weights):
+        raise ValueError(f"cannot split {total} rows among {len(weights)} ranks")
+    positive = [max(w, 0.0) for w in weights]
+    if not any(positive):
+        positive = [1.0] * len(weights)
+    spare = total - len(positive)  # one row each first
+    exact = [spare * w / sum(positive) for w in positive]
+    parts = [1 + int(e) for e in exact]
+    for i in sorted(range(len(exact)), key=lambda i: int(exact[i]) - exact[i])[
+            :total - sum(parts)]:
+        parts[i] += 1
+    return parts
