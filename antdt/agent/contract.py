@@ -20,6 +20,9 @@ from antdt.errors import ConfigError
 from antdt.sync.period import DEFAULT_PERIOD, SyncPeriod
 
 Outcome = Literal["finished", "stopped", "cancelled", "declined"]
+Mode = Literal["async", "sync"]
+"""A job's training mode: ``async`` (AntDT-ND: a full replica per worker, synchronised in the
+background) or ``sync`` (AntDT-DD: one model sharded across the workers, synchronous steps)."""
 """How an agent ended: the job ``finished`` (final state formed, trainer kept for the master),
 the job was ``stopped`` early, the master ``cancelled`` the agent, or a joiner ``declined``: it
 could not join the running job (typically the final round had formed), trained nothing."""
@@ -78,7 +81,7 @@ class ReaderFactory(Protocol):
 @dataclass(frozen=True)
 class AgentSpec:
     """What one agent does: train ``job``'s leases in batches of ``batch_rows`` rows (unless the
-    controller set this worker another size: a lease carries it).
+    controller set this worker another size: a lease carries it), in ``mode``.
 
     ``sync_period``: the async mode's background sync period; None trains without model sync
     (every trained row counts as synced: one model per worker, for tests and the local modes).
@@ -90,6 +93,7 @@ class AgentSpec:
 
     job: str
     batch_rows: int
+    mode: Mode = "async"
     sync_period: SyncPeriod | None = DEFAULT_PERIOD
     join: bool = False
     threads: int = 1
@@ -100,6 +104,8 @@ class AgentSpec:
         if isinstance(self.batch_rows, bool) or not isinstance(self.batch_rows, int) \
                 or self.batch_rows < 1:
             raise ConfigError(f"agent batch_rows must be an int >= 1, found {self.batch_rows!r}")
+        if self.mode not in ("async", "sync"):
+            raise ConfigError(f"agent mode must be 'async' or 'sync', found {self.mode!r}")
         if self.sync_period is not None and not isinstance(self.sync_period, SyncPeriod):
             raise ConfigError(f"agent sync_period must be a SyncPeriod or None, found "
                               f"{self.sync_period!r}")
@@ -117,7 +123,10 @@ class AgentReport:
     thread spent in them (against ``busy_s``, the share of a core it got: on a loaded machine
     the threads beside it take the rest). ``loss``: mean batch loss (nan: no batch).
     ``joined_from``: the member whose model a joiner copied. ``sync_wait_s``: seconds training
-    waited for sync rounds (the replica was too far ahead; part of ``busy_s``).
+    waited for sync rounds (the replica was too far ahead; part of ``busy_s``; in the
+    synchronous mode: for its peers at each step). ``holds_model``: the finished agent left the
+    final model on its worker (every worker in the async mode, the first rank in the
+    synchronous mode).
     """
 
     worker: str
@@ -133,6 +142,7 @@ class AgentReport:
     joined_from: str | None = None
     sync_wait_s: float = 0.0
     cpu_s: float = 0.0
+    holds_model: bool = False
 
 
 def event_topic(job: str) -> str:

@@ -1,16 +1,20 @@
-"""The agent's loop: one long-running Dask task per worker that trains the rows the sharding
-service leases to it, in the job's training mode (:mod:`antdt.agent.modes`).
+"""The agent: one long-running Dask task per worker that trains the rows the sharding service
+leases to it, in the job's training mode (:mod:`antdt.agent.modes`), and the lease loop of the
+replica modes (async, independent).
 
 ```
  master ── submit(run_agent, spec, make_trainer, make_reader, workers=[addr]) ──► worker
  run_agent:  secede from the worker's thread pool (a long-running service, not a task)
-             trainer = make_trainer(device); reader = make_reader(); mode.start(join)
-   loop:     lease ─► read rows [offset, end) ─► mode.step ─► commit
+             mode = worker_mode(...) (it builds the trainer); reader = make_reader()
+             mode.start(join); mode.train(agent)
+   lease loop (replica modes):  lease ─► read rows [offset, end) ─► mode.step ─► commit
              Claim: go on   Revoked: finish the claim, lease again   Finished: lease again
              Stop: the job was stopped   (no lease left: the job finished)
-   end:      finished: mode.finish (the final state forms), keep the trainer for the master
+   end:      finished: mode.finish (the final state forms), keep its trainer for the master
              stopped / cancelled: mode.stop, give the leases back, mode.leave
 ```
+The synchronous mode's step loop is :mod:`antdt.agent.modes.synchronous`; it uses the same parts
+(the shard client, the reader, :meth:`Agent.count`, :meth:`Agent.event`).
 
 The ledger learns the rows the mode counts synced before each RPC (``mode.synced_rows``), and
 tells the mode what it accepted (``mode.confirm``). An agent waiting for a lease returns when the
@@ -76,21 +80,22 @@ class Agent:
         self.cancelled = self._plugin.cancelled(spec.job)
         prepare_process(spec.threads)
         self.device = pick_device(spec.device)
-        self.trainer = make_trainer(self.device)
+        self.mode = worker_mode(spec, make_trainer, self.device, self.worker)
         self.reader = make_reader()
-        self.mode = worker_mode(spec, self.trainer, self.worker)
         self._lease_reads: int | None = None
         """While leasing: how often the ShardClient read the synced rows (None: not leasing)."""
         self.shards = ShardClient(spec.job, worker=self.worker, synced_rows=self._synced_rows,
                                   confirmed=self.mode.confirm)
         self.faults = FaultInjector(spec.faults, f"of job {spec.job} on {self.worker.address}",
-                                    self.cancelled, self._event)
+                                    self.cancelled, self.event)
         self.rows = self.batches = self.leases = 0
         self.busy_s = 0.0
         self.cpu_s = 0.0
         self._loss_sum = 0.0
         self._report_every = config.seconds("antdt.agent.report-interval")
         self._window = _Window(time.perf_counter())
+        self.holds_model = False
+        """The finished agent's worker holds the final model (kept for the master)."""
 
     def run(self) -> AgentReport:
         """Train until the job finishes or stops or the agent is cancelled; then end cleanly."""
@@ -105,7 +110,7 @@ class Agent:
                 try:
                     outcome = self._start()
                     if outcome is None:
-                        outcome = self._train()
+                        outcome = self.mode.train(self)
                 except BaseException:
                     self._abandon()
                     raise
@@ -120,7 +125,8 @@ class Agent:
             leases=self.leases, seconds=time.perf_counter() - started, busy_s=self.busy_s,
             loss=self._loss_sum / self.batches if self.batches else math.nan,
             exchanges=self.mode.exchanges, device=str(self.device),
-            joined_from=self.mode.joined_from, sync_wait_s=self.mode.waited_s, cpu_s=self.cpu_s)
+            joined_from=self.mode.joined_from, sync_wait_s=self.mode.waited_s, cpu_s=self.cpu_s,
+            holds_model=self.holds_model)
         logger.info("agent of job %s on %s %s: %d rows in %d batches, %.1fs", self.spec.job,
                     self.worker.address, outcome, report.rows, report.batches, report.seconds)
         return report
@@ -141,7 +147,8 @@ class Agent:
                         self.worker.address, self.mode.joined_from)
         return None
 
-    def _train(self) -> Outcome:
+    def train_leases(self) -> Outcome:
+        """The replica modes' loop: lease, train the lease batch by batch, lease again."""
         while not self.cancelled.is_set():
             if self._pause():
                 return "cancelled"
@@ -151,7 +158,7 @@ class Agent:
             finally:
                 self._lease_reads = None
             if lease is None:
-                return "finished" if self._job_state() == "finished" else "stopped"
+                return "finished" if self.job_state() == "finished" else "stopped"
             self.leases += 1
             outcome = self._train_lease(lease)
             if outcome is not None:
@@ -161,14 +168,14 @@ class Agent:
     def _train_lease(self, lease: Lease) -> Outcome | None:
         """Train the lease, reporting its span (start, end, rows, how it ended) as events."""
         started = time.time()
-        self._event({"kind": "lease", "phase": "start", "lease_id": lease.lease_id,
-                     "time": started})
+        self.event({"kind": "lease", "phase": "start", "lease_id": lease.lease_id,
+                    "time": started})
         rows_before = self.rows
         outcome, revoked = self._train_claims(lease)
         ended = "revoked" if revoked else "finished" if outcome is None else outcome
-        self._event({"kind": "lease", "phase": "end", "lease_id": lease.lease_id,
-                     "start": started, "time": time.time(), "rows": self.rows - rows_before,
-                     "outcome": ended})
+        self.event({"kind": "lease", "phase": "end", "lease_id": lease.lease_id,
+                    "start": started, "time": time.time(), "rows": self.rows - rows_before,
+                    "outcome": ended})
         return outcome
 
     def _train_claims(self, lease: Lease) -> tuple[Outcome | None, bool]:
@@ -187,15 +194,9 @@ class Agent:
             self.faults.slow_down(self.rows, time.perf_counter() - started)
             cpu = time.thread_time() - cpu_started  # read first: CPU time within the wall time
             busy = time.perf_counter() - started
-            self.rows += end - offset
-            self.batches += 1
-            self.busy_s += busy
-            self.cpu_s += cpu
-            self._loss_sum += loss
-            self._window.add(end - offset, loss)
+            self.count(end - offset, busy, cpu, loss)
             reply = self.shards.commit(end, stats={BUSY: busy, BATCHES: 1.0})
             offset = end
-            self._report(force=self.batches == 1)  # followers see training begin at once
             if self.faults.fire(self.rows):
                 return "cancelled", revoked
             if isinstance(reply, (Claim, Revoked)):
@@ -237,9 +238,11 @@ class Agent:
         rows are queued again), then leave the mode: its peers take this worker's effect past
         the last report out again."""
         if outcome == "finished":
-            self.mode.finish()
+            final = self.mode.finish()
             self.shards.close()
-            self._plugin.keep(self.spec.job, self.trainer)
+            if final is not None:
+                self._plugin.keep(self.spec.job, final)
+                self.holds_model = True
             return
         self.mode.stop()
         self.shards.close()
@@ -257,13 +260,25 @@ class Agent:
             logger.warning("agent of job %s on %s: clean-up after a failure failed too: %r",
                            self.spec.job, self.worker.address, exc)
 
-    def _job_state(self) -> str:
+    def job_state(self) -> str:
         reply: dict[str, Any] = sync(self.worker.loop, self.worker.scheduler.antdt_job_state,
                                      job=self.spec.job)
         state: str = reply.get("state", "unknown")
         return state
 
     # ---- progress -----------------------------------------------------------------------------
+
+    def count(self, rows: int, busy_s: float, cpu_s: float, loss: float) -> None:
+        """Count a trained batch (a batch of 0 rows only adds its time) and report progress
+        when it is due (at once after the first batch: followers see training begin)."""
+        self.rows += rows
+        self.busy_s += busy_s
+        self.cpu_s += cpu_s
+        if rows:
+            self.batches += 1
+            self._loss_sum += loss
+            self._window.add(rows, loss)
+        self._report(force=self.batches == 1 and rows > 0)
 
     def _report(self, force: bool = False) -> None:
         """Every ``antdt.agent.report-interval``: rows, mean loss and rate since the last report,
@@ -274,14 +289,14 @@ class Agent:
             return
         if window.batches or force:
             elapsed = max(now - window.start, 1e-9)
-            self._event({
+            self.event({
                 "kind": "progress", "rows": self.rows, "batches": self.batches,
                 "busy_s": self.busy_s, "cpu_s": self.cpu_s, "window_rows": window.rows,
                 "loss": window.loss / window.batches if window.batches else None,
                 "samples_per_s": window.rows / elapsed})
         self._window = _Window(now)
 
-    def _event(self, msg: dict[str, Any]) -> None:
+    def event(self, msg: dict[str, Any]) -> None:
         """Send ``msg`` (with this worker's address) to the driver on the job's event topic."""
         self.worker.log_event(event_topic(self.spec.job), {**msg, "worker": self.worker.address})
 
@@ -298,7 +313,7 @@ class _ForwardLogs(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.thread != self.thread and record.thread not in self.agent.mode.threads:
             return
-        self.agent._event({"kind": "log", "level": record.levelname.lower(),
+        self.agent.event({"kind": "log", "level": record.levelname.lower(),
                            "logger": record.name, "message": record.getMessage()})
 
 

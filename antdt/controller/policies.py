@@ -16,7 +16,7 @@ from antdt.controller.actions import (Action, AdjustBatch, Evidence, Pace, Reass
                                       Revoke, Split)
 from antdt.errors import ConfigError
 from antdt.monitor import Monitor, WorkerState
-from antdt.sharding import LeaseStatus, ShardLedger
+from antdt.sharding import LeaseStatus, ShardLedger, shares
 
 
 class Tick:
@@ -261,23 +261,24 @@ class RetirePersistent(ControllerPolicy):
 
 @dataclass(repr=False)
 class BalanceBatch(ControllerPolicy):
-    """Synchronous mode: per-worker batch sizes proportional to the workers' rates, summing to
-    ``global_batch`` (so every worker takes about as long per step); a size changes only when it
-    moves by more than ``tolerance`` (relative)."""
+    """Synchronous mode (AntDT-DD): per-worker local batches proportional to the job's workers'
+    rates (rows per second of their own time), summing to ``global_batch`` exactly (largest
+    remainders), so every rank takes about as long per step; a size changes only when it moves
+    by more than ``tolerance`` (relative). Waits until every worker of the job has a rate."""
 
     global_batch: int
     tolerance: float = 0.1
 
     def run(self, tick: Tick) -> Iterator[Action]:
-        workers = sorted(tick.workers)
+        workers = sorted(set(tick.workers) & set(tick.monitor.workers()))
         rates = [tick.rate(w) for w in workers]
-        if not workers or any(rate is None for rate in rates):
+        if not workers or any(rate is None for rate in rates) \
+                or self.global_batch < len(workers):
             return
         total = sum(rate for rate in rates if rate is not None)
         even = self.global_batch / len(workers)
-        for worker, rate in zip(workers, rates):
-            assert rate is not None
-            size = max(1, round(self.global_batch * rate / total))
+        sizes = shares([rate or 0.0 for rate in rates], self.global_batch)
+        for worker, rate, size in zip(workers, rates, sizes):
             current = tick.batch_sizes.get(worker, even)
             if abs(size - current) > self.tolerance * current:
                 yield AdjustBatch(worker, size, Evidence.of(tick.monitor.health(worker), (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from tornado.ioloop import PeriodicCallback
 from antdt import config, rpc
 from antdt.controller.actions import ActionRecord
 from antdt.controller.mechanism import Controller
+from antdt.controller.policies import ControllerPolicy
 from antdt.errors import ConfigError, LedgerError
 from antdt.monitor import Monitor
 from antdt.sharding import CommitEvent, ShardLedger, service
@@ -64,6 +66,8 @@ class ControllerService(SchedulerPlugin):
         self.jobs: dict[str, _JobControl] = {}
         self._enabled: dict[str, bool] = {}
         """Per-job switch; jobs not named follow ``antdt.controller.enabled``."""
+        self._policies: dict[str, list[ControllerPolicy]] = {}
+        """Per-job policies; jobs not named run ``antdt.controller.policies``."""
         self.scheduler: Scheduler | None = None
         self._sharding: service.ShardingService | None = None
         self._retiring: set[str] = set()
@@ -105,15 +109,22 @@ class ControllerService(SchedulerPlugin):
         """Every agent is gone: start every job's monitoring afresh."""
         self.jobs.clear()
 
-    def enable(self, job: str, on: bool = True) -> None:
+    def enable(self, job: str, on: bool = True,
+               policies: Sequence[ControllerPolicy] | None = None) -> None:
         """Switch ``job``'s controller on or off (before or after the job is registered); its
-        monitor keeps running either way."""
+        monitor keeps running either way. ``policies``: the job's own (default:
+        ``antdt.controller.policies``), from its controller's next forming on (the job
+        registered or restored after this call)."""
         self._enabled[job] = on
+        if policies is not None:
+            self._policies[job] = list(policies)
+            self.jobs.pop(job, None)  # formed again with them on its next use
 
     def forget(self, job: str) -> None:
         """Drop ``job``'s switch: a job registered again under its name follows
         ``antdt.controller.enabled`` until it is switched."""
         self._enabled.pop(job, None)
+        self._policies.pop(job, None)
 
     def tick(self, job: str | None = None) -> list[ActionRecord]:
         """Tick ``job`` (even if disabled), or every enabled job (a disabled one only updates its
@@ -189,6 +200,7 @@ class ControllerService(SchedulerPlugin):
         if control is None or control.ledger is not ledger:
             monitor = Monitor(time, batch_rows=ledger.batch_rows)
             controller = Controller(ledger, monitor, clock=time, retire=self._retire,
+                                    policies=self._policies.get(job),
                                     workers=self._live_workers, min_workers=self.min_workers,
                                     emit=self._emit)
             control = self.jobs[job] = _JobControl(ledger, monitor, controller)

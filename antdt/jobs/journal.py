@@ -57,6 +57,8 @@ class Journal:
         self.rows: dict[str, Any] = {}
         self.actions: list[dict[str, Any]] = []
         self.health: dict[str, str] = {}
+        self.batch_rows: dict[str, int] = {}
+        """The local batch the controller set each worker (the synchronous mode's shares)."""
         self.first_lease: dict[str, float] = {}
         self.logs: deque[dict[str, Any]] = deque(maxlen=log_length)
         self._clock = clock
@@ -110,6 +112,7 @@ class Journal:
             self.log("info", f"controller: {record['action']} {record['worker']}{lease} "
                              f"({record['reason']})")
         self.health = {w: _health(h["state"]) for w, h in workers.items()}
+        self.batch_rows = dict(new.get("batch_sizes") or {})
         return dict(new["counts"])
 
     def read_events(self, slots: Sequence[Slot], counts: Mapping[str, int]) -> dict[str, float]:
@@ -149,6 +152,8 @@ class Journal:
             f"{SERIES}workers": len(live)}
         metrics.update({f"{SERIES}samples_per_s.{by_worker[w].label}": r
                         for w, r in fresh.items()})
+        metrics.update({f"{SERIES}batch_rows.{by_worker[w].label}": float(n)
+                        for w, n in self.batch_rows.items() if w in by_worker})
         if losses:
             metrics[f"{SERIES}loss"] = sum(losses) / len(losses)
         metrics["controller.actions"] = len(self.actions)
@@ -175,7 +180,8 @@ class Journal:
         workers = [{"worker": s.worker, "label": s.label, "rows": s.rows,
                     "samples_per_s": round(s.rate, 1) if s.worker in live else 0.0,
                     "state": s.as_dict()["outcome"],
-                    "health": self.health.get(s.worker, "normal") if s.worker in live else "-"}
+                    "health": self.health.get(s.worker, "normal") if s.worker in live else "-",
+                    "batch_rows": self.batch_rows.get(s.worker)}
                    for s in slots]
         return {"rows": dict(self.rows), "workers": workers,
                 "actions": self.actions[-LAST_ACTIONS:], "actions_total": len(self.actions),

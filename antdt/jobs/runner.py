@@ -11,7 +11,9 @@ job it runs::
          seconds: :mod:`~antdt.jobs.metrics`); stop at a deadline and take a checkpoint when
          one is due (:mod:`antdt.jobs.keeper`)
       ─► every worker gone: wait for new ones and restart from the last checkpoint (or fail,
-         naming it, after ``antdt.sharding.no-workers-timeout``)
+         naming it, after ``antdt.sharding.no-workers-timeout``); in a mode whose model does
+         not survive one worker (``mode.regroups``: the synchronous mode's shards), any agent
+         lost: stop the others and restart from the last checkpoint on the workers left
       ─► the end: hooks.finish on a worker holding the consensus model (another one if that
          worker dies), or hooks.abort when the job failed or was cancelled
       ─► forget the job in the services and on the workers; keep its record for ``status``
@@ -48,8 +50,8 @@ from distributed.scheduler import KilledWorker
 
 from antdt import config
 from antdt.agent import AgentReport, AgentSpec, Faults, cancel_here, forget_here
-from antdt.agent.modes import MasterMode
-from antdt.controller import ControllerService
+from antdt.agent.modes import GroupBroken, MasterMode
+from antdt.controller import BalanceBatch, ControllerService
 from antdt.device import FROZEN_HEAP
 from antdt.errors import AntdtError, JobError, LedgerError
 from antdt.jobs import calls, checkpoints, tasks
@@ -131,6 +133,8 @@ class JobRunner:
         again (over every restart of the job)."""
         self.resumes = 0
         self._trained_before = 0
+        self._regroup: str | None = None
+        """Why the job's group must form again (a mode that regroups lost an agent), or None."""
         """The ledger's rows trained when this master started training (a resumed job's
         checkpoint has some), less the rows a restart in place rolled back."""
 
@@ -143,6 +147,7 @@ class JobRunner:
                 "started_at": self.started_at, "ended_at": self.ended_at, "error": self.error,
                 "stopped": self.stopped, "run": self.run, "summary": self.summary,
                 "tags": dict(self.plan.tags), "sharding": self.plan.sharding,
+                "mode": self.plan.mode, "batch_rows": self.plan.batch_rows,
                 **self.journal.record(self.placement.slots),
                 "checkpoint": self.checkpoints.last_path,
                 "checkpoints": self.checkpoints.summary(), "rows_replayed": self.rows_replayed,
@@ -235,18 +240,12 @@ class JobRunner:
         if plan.sharding == "static" and (plan.checkpoint_dir or plan.resume):
             raise JobError("static sharding (the baseline) cannot be checkpointed or resumed; "
                            "drop train.checkpoint_dir or use the antdt sharding")
-        self.ctx.controller.enable(self.job_id, plan.sharding == "antdt")
+        self._enable_controller(len(initial))
         resume: dict[str, Any] | None = None
         if plan.resume is not None:
             resume = await self._resume(plan.resume)
         else:
-            reply = await self.ctx.sharding.register_job(
-                job=self.job_id, row_groups=plan.row_groups,
-                shard_rows=plan.shard_rows, batch_rows=plan.batch_rows, epochs=plan.epochs,
-                seed=plan.seed, quarantine=plan.quarantine,
-                static=len(initial) if plan.sharding == "static" else None)
-            if reply["status"] != "OK":
-                raise JobError(reply["message"])
+            await self._register(len(initial))
         self.ctx.mode.start(self.job_id, initial)
         self._read_ledger()
         self.log("info", f"registered: {self.journal.rows['expected']:,} rows over {plan.epochs} "
@@ -316,6 +315,9 @@ class JobRunner:
             workers = self.ctx.scheduler.workers
             for slot in self.placement.live:
                 await self._check(slot, workers)
+            if self._regroup is not None and self._cancel is None and self.stopped is None:
+                await self._form_again(period)
+                continue
             if self._every_worker_lost():
                 await self._restart(period)
                 continue
@@ -378,16 +380,94 @@ class JobRunner:
         self._trained_before -= replayed  # trained here, then rolled back with the ledger
         await self._restore_ledger(manifest)
         workers = self.placement.restart(self.ctx.scheduler.workers)
-        self.ctx.mode.restart(self.job_id, workers)
-        self._read_ledger()
-        self.log("warning", f"restarting from checkpoint {manifest.path} on {len(workers)} "
-                            f"worker(s): {manifest.rows['done']:,} rows done; {replayed:,} "
-                            "rows trained past it are trained again")
+        self._restart_on(workers, manifest, replayed)
         self.run = await self._hook("start", self.job_id, len(workers),
                                     self._resume_info(manifest, self.metrics.step))
-        self.checkpoints.restart_interval(manifest.rows["trained"])
         for worker in workers:
             self._start_agent(worker, period, restore=manifest.path)
+
+    async def _form_again(self, period: SyncPeriod) -> None:
+        """An agent of a mode that regroups was lost (its worker died, or a collective of its
+        group broke): stop the others (bounded by the collective timeout: a rank that does not
+        return is left out), then restart every live worker from the last checkpoint, or from
+        the start (a new ledger, the initial model) when there is none yet."""
+        why = self._regroup
+        await self._cancel_agents()
+        bound = config.seconds("antdt.sync-steps.collective-timeout")
+        await calls.until(lambda: all(self._agents[s.index].done()
+                                      for s in self.placement.live), bound)
+        workers = self.ctx.scheduler.workers
+        for slot in self.placement.live:
+            if self._agents[slot.index].done():
+                await self._check(slot, workers)
+        stuck = {s.worker for s in self.placement.live}
+        for slot in self.placement.live:
+            self._write_off(slot, f"it did not stop within {bound:g}s")
+        timeout = config.seconds("antdt.sharding.no-workers-timeout")
+        await calls.until(lambda: bool(set(self.ctx.scheduler.workers) - stuck)
+                          or self._cancel is not None, timeout)
+        self._check_cancel()
+        chosen = self.placement.restart([w for w in self.ctx.scheduler.workers
+                                         if w not in stuck])
+        if not chosen:
+            raise JobError(f"{why}; no worker joined within {timeout:g}s "
+                           "(antdt.sharding.no-workers-timeout) to form the group again")
+        self.log("warning", f"{why}; forming the group again")
+        # the stopped agents' cancellation flags go, or the new agents would stop at once
+        await self.client.run(forget_here, self.job_id, workers=chosen, on_error="ignore")
+        manifest = await self.checkpoints.latest()
+        ledger = self.ctx.sharding.jobs.get(self.job_id)
+        trained = ledger.summary()["rows_trained"] if ledger is not None else \
+            self.journal.rows["trained"]
+        replayed = max(0, trained - (manifest.rows["trained"] if manifest is not None else 0))
+        self.rows_replayed += replayed
+        self.resumes += 1
+        self._trained_before -= replayed
+        if manifest is not None:
+            await self._restore_ledger(manifest)
+        else:
+            self.ctx.sharding.forget(self.job_id)
+            await self._register(len(chosen))
+        self._restart_on(chosen, manifest, replayed)
+        for worker in chosen:
+            self._start_agent(worker, period,
+                              restore=None if manifest is None else manifest.path)
+
+    def _restart_on(self, workers: list[str], manifest: Manifest | None, replayed: int) -> None:
+        """The mode and the controller begin again on ``workers`` from ``manifest`` (None: from
+        the start)."""
+        self._regroup = None
+        self._enable_controller(len(workers))
+        self.ctx.mode.restart(self.job_id, workers)
+        self._read_ledger()
+        where = "the start" if manifest is None else f"checkpoint {manifest.path}"
+        done = 0 if manifest is None else manifest.rows["done"]
+        self.log("warning", f"restarting from {where} on {len(workers)} worker(s): {done:,} "
+                            f"rows done; {replayed:,} rows trained past it are trained again")
+        self.checkpoints.restart_interval(0 if manifest is None else manifest.rows["trained"])
+
+    async def _register(self, workers: int) -> None:
+        """Register the job's ledger from the plan (``workers``: the static baseline's slots)."""
+        plan = self.plan
+        reply = await self.ctx.sharding.register_job(
+            job=self.job_id, row_groups=plan.row_groups,
+            shard_rows=plan.shard_rows, batch_rows=plan.batch_rows, epochs=plan.epochs,
+            seed=plan.seed, quarantine=plan.quarantine,
+            static=workers if plan.sharding == "static" else None)
+        if reply["status"] != "OK":
+            raise JobError(reply["message"])
+
+    def _enable_controller(self, workers: int) -> None:
+        """The async mode's controller runs the configured policies when the plan's sharding is
+        antdt's; the synchronous mode's only sizes the ranks' local batches (with
+        ``adaptive_batch``), their sum fixed at ``batch_rows`` per rank. Before the job's
+        ledger is registered or restored: the policies take effect with it."""
+        plan = self.plan
+        if plan.mode == "sync":
+            self.ctx.controller.enable(self.job_id, plan.adaptive_batch,
+                                       [BalanceBatch(plan.batch_rows * workers)])
+        else:
+            self.ctx.controller.enable(self.job_id, plan.sharding == "antdt")
 
     async def _finish(self) -> None:
         """The consensus model from a worker whose agent finished (identical on each after the
@@ -396,7 +476,8 @@ class JobRunner:
         self._set_state(JobState.FINISHING)
         await self._flush_metrics()
         report = self._report()
-        holders = [s.worker for s in self.placement.slots if s.finished] \
+        holders = [s.worker for s in self.placement.slots
+                   if s.finished and s.report is not None and s.report.holds_model] \
             if self.stopped is None else []
         failures = []
         for worker in holders:
@@ -431,8 +512,9 @@ class JobRunner:
         index = self.placement.add(worker, join).index
         faults = Faults(**self.plan.faults[index]) if index in self.plan.faults and not join \
             else Faults()
-        spec = AgentSpec(job=self.job_id, batch_rows=self.plan.batch_rows, sync_period=period,
-                         join=join, threads=self.plan.threads, faults=faults)
+        spec = AgentSpec(job=self.job_id, batch_rows=self.plan.batch_rows, mode=self.plan.mode,
+                         sync_period=period, join=join, threads=self.plan.threads,
+                         faults=faults)
         self._agents[index] = self.client.submit(
             tasks.agent_task, spec, self.code.trainer, self.code.reader, restore,
             workers=[worker], allow_other_workers=False, pure=False,
@@ -466,16 +548,22 @@ class JobRunner:
                                  f"{slot.rows:,} rows in {report.batches} batches")
             return
         gone = slot.worker not in workers
+        regroups = self.ctx.mode.regroups
         if status == "error":
             error = await future.exception()
             if gone or isinstance(error, KilledWorker):
                 self._write_off(slot, f"its worker died ({error!r})")
+                return
+            if regroups and isinstance(error, GroupBroken):
+                self._write_off(slot, str(error))
                 return
             raise JobError(f"the agent on {slot.worker} failed: {error!r}")
         if status in ("cancelled", "lost") or gone:
             self._write_off(slot, "its worker left the cluster")
 
     def _write_off(self, slot: Slot, why: str) -> None:
+        if self.ctx.mode.regroups and self._regroup is None:
+            self._regroup = f"agent {slot.index} on {slot.worker} is gone: {why}"
         self.placement.write_off(slot)
         self._agents[slot.index].release()
         self.journal.lost(slot.worker)

@@ -33,7 +33,7 @@ from distributed.security import Security
 
 from antdt import config, rpc
 from antdt.agent import event_topic
-from antdt.agent.modes import AsyncMaster
+from antdt.agent.modes import AsyncMaster, MasterMode, Rendezvous, SyncMaster
 from antdt.controller import ControllerService
 from antdt.controller import PLUGIN_NAME as CONTROLLER
 from antdt.errors import JobError
@@ -66,6 +66,8 @@ class JobService(SchedulerPlugin):
     def __init__(self) -> None:
         self.runners: dict[str, JobRunner] = {}
         self.scheduler: Scheduler | None = None
+        self.rendezvous = Rendezvous()
+        """Where the ranks of synchronous jobs meet (the scheduler hosts their store)."""
         self._client: Client | None = None
 
     async def start(self, scheduler: Scheduler) -> None:
@@ -76,6 +78,7 @@ class JobService(SchedulerPlugin):
             "antdt_job_wait": self.wait,
             "antdt_job_logs": self.logs,
             "antdt_job_cancel": self.cancel,
+            "antdt_sync_rank": self.rendezvous.rank,
         })
 
     async def close(self) -> None:
@@ -113,6 +116,7 @@ class JobService(SchedulerPlugin):
         record)."""
         self.sharding.forget(job)
         self.sync.stop_job(job)
+        self.rendezvous.forget(job)
         self.controller.forget(job)
 
     # ---- handlers ----------------------------------------------------------------------------
@@ -133,7 +137,8 @@ class JobService(SchedulerPlugin):
             job_id = f"{spec.plan.name}-{uuid.uuid4().hex[:8]}"
             if not JOB_ID.fullmatch(job_id):
                 job_id = f"job-{uuid.uuid4().hex[:8]}"
-        runner = JobRunner(job_id, spec, self._context(job_id, await self._own_client()))
+        runner = JobRunner(job_id, spec, self._context(job_id, spec.plan,
+                                                        await self._own_client()))
         self.runners[job_id] = runner
         self._trim_history()
         runner.start()
@@ -181,12 +186,14 @@ class JobService(SchedulerPlugin):
             raise JobError(f"unknown job {job_id!r}; jobs here: {sorted(self.runners)[-20:]}")
         return runner
 
-    def _context(self, job_id: str, client: Client) -> JobContext:
+    def _context(self, job_id: str, plan: JobPlan, client: Client) -> JobContext:
         """What job ``job_id``'s runner uses of the scheduler and its services."""
         assert self.scheduler is not None
+        mode: MasterMode = SyncMaster(self.rendezvous) if plan.mode == "sync" \
+            else AsyncMaster(self.sync)
         return JobContext(
             scheduler=self.scheduler, client=client, sharding=self.sharding,
-            controller=self.controller, mode=AsyncMaster(self.sync),
+            controller=self.controller, mode=mode,
             others=lambda: [runner.placement.placed for job, runner in self.runners.items()
                             if job != job_id and not runner.state.final],
             forget=self.forget)

@@ -25,12 +25,14 @@ from typing import Any, Literal, Protocol
 
 import cloudpickle
 
+from antdt.agent.contract import Mode
 from antdt.errors import CheckpointError, JobError
 from antdt.jobs.checkpoints import Every
 from antdt.sync.period import DEFAULT_PERIOD
 
 Sharding = Literal["antdt", "pull", "static"]
 SHARDINGS: tuple[Sharding, ...] = ("antdt", "pull", "static")
+MODES: tuple[Mode, ...] = ("async", "sync")
 
 FAULT_KEYS = frozenset({"slowdown", "hang_after_rows", "crash_after_rows", "slow_for_rows",
                         "pause_until", "pause_after_rows"})
@@ -44,6 +46,10 @@ MAX_CODE_BYTES = 64 * 2**20
 class JobPlan:
     """The plain values of a job: what the master, the ledger and the agents need.
 
+    ``mode``: ``async`` (a full replica per worker, synchronised in the background) or ``sync``
+    (one model sharded across the workers, synchronous steps; ``batch_rows`` is then each
+    rank's local batch at the start, and with ``adaptive_batch`` the controller sizes the local
+    batches by the workers' speed, their sum fixed: :mod:`antdt.agent.modes.synchronous`).
     ``row_groups`` are ``(path, row_group, num_rows)`` of every training row group (bad ones
     included, so their rows are counted) and ``quarantine`` the bad units ``(path, row_group or
     None, reason)``. ``sync_period`` is a :class:`~antdt.sync.SyncPeriod` as text (``"4 peer
@@ -70,6 +76,8 @@ class JobPlan:
     row_groups: list[tuple[str, int, int]]
     batch_rows: int
     shard_rows: int
+    mode: Mode = "async"
+    adaptive_batch: bool = True
     epochs: int = 1
     seed: int = 0
     sync_period: str = str(DEFAULT_PERIOD)
@@ -125,6 +133,13 @@ class JobPlan:
                 raise JobError(f"job plan quarantine[{i}]: expected (path, row_group or None, "
                                f"reason), found {str(item)[:120]}")
             quarantine.append((item[0], None if item[1] is None else int(item[1]), item[2]))
+        mode = raw.get("mode", "async")
+        if mode not in MODES:
+            raise JobError(f"job plan mode: expected one of {list(MODES)}, found {mode!r}")
+        adaptive = raw.get("adaptive_batch", True)
+        if not isinstance(adaptive, bool):
+            raise JobError(f"job plan adaptive_batch: expected true or false, found "
+                           f"{adaptive!r}")
         sharding = raw.get("sharding", "antdt")
         if sharding not in SHARDINGS:
             raise JobError(f"job plan sharding: expected one of {list(SHARDINGS)}, found "
@@ -137,7 +152,8 @@ class JobPlan:
                            f"{deadline!r}")
         return cls(
             name=name, row_groups=row_groups, batch_rows=_int(raw, "batch_rows", 1),
-            shard_rows=_int(raw, "shard_rows", 1), epochs=_int(raw, "epochs", 1, default=1),
+            shard_rows=_int(raw, "shard_rows", 1), mode=mode, adaptive_batch=adaptive,
+            epochs=_int(raw, "epochs", 1, default=1),
             seed=_int(raw, "seed", 0, default=0),
             sync_period=_text(raw, "sync_period", default=str(DEFAULT_PERIOD)), sharding=sharding,
             threads=_int(raw, "threads", 1, default=1), quarantine=quarantine,

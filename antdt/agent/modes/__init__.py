@@ -2,28 +2,34 @@
 worker joins and how the final state forms (:class:`WorkerMode`, :class:`MasterMode`).
 
 One module a mode: :mod:`~antdt.agent.modes.asynchronous` (AntDT-ND: replicas synchronised in
-the background) and :mod:`~antdt.agent.modes.independent` (one model per worker, no sync). A new
-mode is one module beside them, chosen in :func:`worker_mode`.
+the background), :mod:`~antdt.agent.modes.synchronous` (AntDT-DD: one model sharded across the
+workers, synchronous steps with per-worker batches) and :mod:`~antdt.agent.modes.independent`
+(one model per worker, no sync). A new mode is one module beside them, chosen in
+:func:`worker_mode`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
+import torch
 from distributed import Worker
 
-from antdt.agent.contract import AgentSpec, Trainer
+from antdt.agent.contract import AgentSpec, TrainerFactory
 from antdt.agent.modes.asynchronous import AsyncMaster, AsyncMode
 from antdt.agent.modes.independent import IndependentMode
-from antdt.agent.modes.mode import Declined, MasterMode, WorkerMode
+from antdt.agent.modes.mode import AgentParts, Declined, MasterMode, WorkerMode
+from antdt.agent.modes.synchronous import GroupBroken, Rendezvous, SyncMaster, SyncMode
 
 
-def worker_mode(spec: AgentSpec, trainer: Trainer[Any], worker: Worker) -> WorkerMode:
-    """The worker side of ``spec``'s mode, over ``trainer`` on ``worker``."""
+def worker_mode(spec: AgentSpec, make_trainer: TrainerFactory, device: torch.device,
+                worker: Worker) -> WorkerMode:
+    """The worker side of ``spec``'s mode on ``worker``; it builds its trainer with
+    ``make_trainer`` on ``device`` (the synchronous mode once its rank joined the group)."""
+    if spec.mode == "sync":
+        return SyncMode(spec, make_trainer, device, worker)
     if spec.sync_period is None:
-        return IndependentMode(trainer)
-    return AsyncMode(trainer, spec.job, worker, spec.sync_period)
+        return IndependentMode(make_trainer(device))
+    return AsyncMode(make_trainer(device), spec.job, worker, spec.sync_period)
 
 
-__all__ = ["AsyncMaster", "AsyncMode", "Declined", "IndependentMode", "MasterMode", "WorkerMode",
-           "worker_mode"]
+__all__ = ["AgentParts", "AsyncMaster", "AsyncMode", "Declined", "GroupBroken", "IndependentMode",
+           "MasterMode", "Rendezvous", "SyncMaster", "SyncMode", "WorkerMode", "worker_mode"]

@@ -19,8 +19,8 @@ from typing import Any
 from distributed import Worker
 
 from antdt import config
-from antdt.agent.contract import Trainer
-from antdt.agent.modes.mode import Declined
+from antdt.agent.contract import Outcome, Trainer
+from antdt.agent.modes.mode import AgentParts, Declined
 from antdt.errors import SyncError
 from antdt.sync import ReplicaSync, SyncPeriod
 from antdt.sync.background import BackgroundSync
@@ -66,6 +66,9 @@ class AsyncMode:
                 raise
             self._member = False  # a joiner that cannot join has left the sync again
             raise Declined(str(exc)) from exc
+
+    def train(self, agent: AgentParts) -> Outcome:
+        return agent.train_leases()
 
     def step(self, batch: Any, rows_after: int) -> float:
         """One step once the replica is not too far ahead of its sync rounds, under the replica
@@ -121,9 +124,11 @@ class AsyncMode:
             tables = self.replica.committed_tables(ledger["synced"])
             return ledger, self.trainer.checkpoint_state(tables)
 
-    def finish(self) -> None:
-        """The final all-member round: every replica ends identical."""
+    def finish(self) -> Trainer[Any]:
+        """The final all-member round: every replica ends identical (each holds the final
+        model)."""
         self.sync.finish()
+        return self.trainer
 
     def stop(self) -> None:
         if self._member:
@@ -139,7 +144,10 @@ class AsyncMode:
 
 class AsyncMaster:
     """:class:`~antdt.agent.modes.MasterMode` of the async mode, over the scheduler's
-    :class:`~antdt.sync.service.SyncService` (the job master runs beside it on the scheduler)."""
+    :class:`~antdt.sync.service.SyncService` (the job master runs beside it on the scheduler);
+    a lost worker's peers go on (they take its unsynced effect out)."""
+
+    regroups = False
 
     def __init__(self, service: SyncService) -> None:
         self.service = service

@@ -8,10 +8,11 @@ import threading
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from antdt.agent.contract import Trainer
+from antdt.agent.contract import Outcome, Trainer
+from antdt.agent.modes.mode import AgentParts, EverySynced
 
 
-class IndependentMode:
+class IndependentMode(EverySynced):
     """:class:`~antdt.agent.modes.WorkerMode` of a worker that trains its own model alone."""
 
     joined_from: str | None = None
@@ -25,27 +26,19 @@ class IndependentMode:
     def start(self, join: bool) -> None:
         """Nothing to join: a worker's model is its own."""
 
+    def train(self, agent: AgentParts) -> Outcome:
+        return agent.train_leases()
+
     def step(self, batch: Any, rows_after: int) -> float:
         return self.trainer.step(batch)
-
-    def synced_rows(self, trained_rows: int, waiting: bool) -> int:
-        return trained_rows
-
-    def confirm(self, rows: int) -> None:
-        """Nothing is provisional."""
-
-    def waiting(self) -> None:
-        """Nothing advances but training."""
-
-    def settle(self, cancelled: threading.Event) -> None:
-        """Every trained row is synced already."""
 
     def checkpoint(self, copy_ledger: Callable[[], Mapping[str, Any]]
                    ) -> tuple[Mapping[str, Any], Any]:
         return copy_ledger(), self.trainer.checkpoint_state()
 
-    def finish(self) -> None:
+    def finish(self) -> Trainer[Any]:
         """The worker's model is its final state."""
+        return self.trainer
 
     def stop(self) -> None:
         """Nothing runs beside training."""

@@ -1,10 +1,13 @@
 """What a training mode implements on a worker (:class:`WorkerMode`) and on the job's master
 (:class:`MasterMode`).
 
-The agent's loop is the same in every mode: lease rows, read them, ``mode.step``, commit. A mode
-decides what a step does to the model, when a trained row's effect is safe (in what a joiner, a
-checkpoint and the final model copy: the ledger counts it done only then), how a worker joins a
-running job, and how the job's final state is formed.
+A mode decides its loop (:meth:`WorkerMode.train`, over the parts every mode shares: the
+agent's lease, read, commit and report, :class:`AgentParts`), what a step does to the model, when
+a trained row's effect is safe (in what a joiner, a checkpoint and the final model copy: the
+ledger counts it done only then), how a worker joins a running job, and how the job's final
+state is formed. The replica modes (async, independent) train in the agent's lease loop
+(:meth:`AgentParts.train_leases`: lease, read, ``mode.step``, commit); the synchronous mode
+has a step loop of its own (:mod:`~antdt.agent.modes.synchronous`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,12 @@ import threading
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
+from distributed import Worker
+
+from antdt.agent.contract import AgentSpec, Outcome, Reader, Trainer
+from antdt.agent.faults import FaultInjector
 from antdt.errors import AntdtError
+from antdt.sharding.client import ShardClient
 
 
 class Declined(AntdtError):
@@ -21,11 +29,40 @@ class Declined(AntdtError):
     trained nothing."""
 
 
+class AgentParts(Protocol):
+    """What every mode's loop uses of its agent (:class:`antdt.agent.loop.Agent`): the spec, the
+    worker, the shard client (lease, commit), the reader, the injected faults, the cancellation
+    flag, the rows trained so far, and the ways to count a batch, send an event and ask the
+    job's state."""
+
+    spec: AgentSpec
+    worker: Worker
+    shards: ShardClient
+    reader: Reader[Any]
+    faults: FaultInjector
+    cancelled: threading.Event
+    rows: int
+
+    def train_leases(self) -> Outcome:
+        """The replica modes' loop: lease, read, ``mode.step``, commit, until the end."""
+
+    def count(self, rows: int, busy_s: float, cpu_s: float, loss: float) -> None:
+        """A batch of ``rows`` was trained in ``busy_s`` (``cpu_s`` of the training thread's CPU
+        time) with mean ``loss`` (nan: no loss): counted and reported."""
+
+    def event(self, msg: dict[str, Any]) -> None:
+        """Send ``msg`` to the job's master on the agent's event topic."""
+
+    def job_state(self) -> str:
+        """The job's state as the sharding service has it (``finished``, ``stopped``, ...)."""
+
+
 class WorkerMode(Protocol):
-    """One worker's side of a training mode, driven by the agent's loop in this order:
-    ``start`` once, then ``step`` for every batch (``synced_rows``/``confirm`` around the
-    ledger's RPCs, ``waiting`` while the agent waits), then ``finish`` when the job finished, or
-    ``stop`` / (the leases given back) / ``leave`` / ``check`` when it did not.
+    """One worker's side of a training mode, driven by the agent in this order: ``start`` once,
+    then ``train`` (its loop; in the replica modes the agent's lease loop calls ``step`` for
+    every batch, ``synced_rows``/``confirm`` around the ledger's RPCs, ``waiting`` while the
+    agent waits), then ``finish`` when the job finished, or ``stop`` / (the leases given back) /
+    ``leave`` / ``check`` when it did not.
 
     ``joined_from`` is the member whose model a joiner copied; ``exchanges`` and ``waited_s`` go
     into the agent's report (model exchanges made, seconds training waited for them);
@@ -46,6 +83,9 @@ class WorkerMode(Protocol):
     def start(self, join: bool) -> None:
         """Take part in the job's model; a joiner copies a live member's model first. Raises
         :class:`Declined` when a joiner cannot join."""
+
+    def train(self, agent: AgentParts) -> Outcome:
+        """Train until the job finishes or stops or the agent is cancelled."""
 
     def step(self, batch: Any, rows_after: int) -> float:
         """Train one batch; ``rows_after`` is the worker's stream of trained rows once it is
@@ -72,8 +112,10 @@ class WorkerMode(Protocol):
         the trainer's checkpoint state holding exactly the rows that copy counts done; called
         from another thread between two steps."""
 
-    def finish(self) -> None:
-        """The job finished: form the final state (every row's effect in the final model)."""
+    def finish(self) -> Trainer[Any] | None:
+        """The job finished: form the final state (every row's effect in the final model);
+        the trainer holding it on this worker, kept for the master, or None when the final
+        model is held elsewhere."""
 
     def stop(self) -> None:
         """The job did not finish here: stop taking part (before the leases are given back)."""
@@ -86,9 +128,32 @@ class WorkerMode(Protocol):
         """Raise the failure of the mode's own threads, if any."""
 
 
+class EverySynced:
+    """The part of a :class:`WorkerMode` whose trained rows are in the job's model as soon as
+    they are trained (one model per worker; a synchronous step): every trained row counts as
+    synced, nothing is provisional, nothing but training advances the model."""
+
+    def synced_rows(self, trained_rows: int, waiting: bool) -> int:
+        return trained_rows
+
+    def confirm(self, rows: int) -> None:
+        """Nothing is provisional."""
+
+    def waiting(self) -> None:
+        """Nothing advances but training."""
+
+    def settle(self, cancelled: threading.Event) -> None:
+        """Every trained row is synced already."""
+
+
 class MasterMode(Protocol):
     """The job master's side of a training mode: starts the job's model with its first
-    workers, forms it anew after a restart and tells whether a joiner is still welcome."""
+    workers, forms it anew after a restart and tells whether a joiner is still welcome.
+    ``regroups``: the job's model does not survive the loss of one worker (the synchronous
+    mode's shards), so the master forms it again on every live worker from the last checkpoint
+    when any agent is lost."""
+
+    regroups: bool
 
     def start(self, job: str, workers: Collection[str]) -> None:
         """The job's model begins with ``workers``."""

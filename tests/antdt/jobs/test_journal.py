@@ -43,17 +43,20 @@ def action(seq: int, kind: str, worker: str = "tcp://b", lease_id: int | None = 
 
 
 class Controller:
-    """What the journal reads of a controller: its records with ``seq >= since``."""
+    """What the journal reads of a controller: its records with ``seq >= since`` and the local
+    batches it set."""
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
         self.since: list[int] = []
+        self.batch_sizes: dict[str, int] = {}
 
     def actions(self, since: int) -> dict[str, Any]:
         self.since.append(since)
         new = [r for r in self.records if r["seq"] >= since]
         return {"records": new, "counts": {"split": sum(r["action"] == "split"
-                                                         for r in self.records)}}
+                                                         for r in self.records)},
+                "batch_sizes": dict(self.batch_sizes)}
 
 
 def test_the_log_numbers_its_records_keeps_the_newest_and_says_it_changed() -> None:
@@ -195,6 +198,7 @@ def test_the_record_shows_the_last_actions_and_the_health_of_live_workers_only()
     rig = Rig()
     controller = Controller()
     controller.records = [action(i, "reassign") for i in range(LAST_ACTIONS + 2)]
+    controller.batch_sizes = {"tcp://a": 300}
     rig.journal.read_controller(controller.actions, {"tcp://a": {"state": "transient"},
                                                      "tcp://b": {"state": "hung"}})
     a, b = rig.slots
@@ -204,8 +208,9 @@ def test_the_record_shows_the_last_actions_and_the_health_of_live_workers_only()
     assert [r["seq"] for r in record["actions"]] == list(range(2, LAST_ACTIONS + 2))
     assert record["workers"] == [
         {"worker": "tcp://a", "label": "worker0", "rows": 0, "samples_per_s": 12.3,
-         "state": "running", "health": "straggler"},
+         "state": "running", "health": "straggler", "batch_rows": 300},
         {"worker": "tcp://b", "label": "worker1", "rows": 0, "samples_per_s": 0.0,
-         "state": "dead", "health": "-"}]
+         "state": "dead", "health": "-", "batch_rows": None}]
+    assert rig.journal.read_events(rig.slots, {})[f"{SERIES}batch_rows.worker0"] == 300
     assert record["last_row"] is None and record["first_lease"] == {}
     assert record["rows"] == rig.journal.rows and record["rows"] is not rig.journal.rows

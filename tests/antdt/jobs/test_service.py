@@ -227,6 +227,7 @@ def valid_calls(jobs: JobClient, job_id: str, folder: str) -> dict[str, dict[str
         "antdt_sync_leave": {**job, "worker": worker},
         "antdt_sync_complete": {**job, "worker": worker, "adopted_from": None},
         "antdt_sync_stop": job,
+        "antdt_sync_rank": {**job, "worker": worker},
         "antdt_register_job": {"job": f"{job_id}-new", "row_groups": [["a.parquet", 0, 10]],
                                "shard_rows": 4, "batch_rows": 2, "epochs": 1, "seed": 0,
                                "quarantine": None, "max_claim_rows": None, "static": None},

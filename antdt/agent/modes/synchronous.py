@@ -1,0 +1,492 @@
+"""The synchronous mode (AntDT-DD, for dedicated clusters): one model whose embedding tables are
+sharded across the job's workers, trained in synchronous steps by one ``torch.distributed`` rank
+per Dask worker, each rank's local batch sized by its speed.
+
+Rendezvous. The job's master forms the group (:class:`SyncMaster`: ranks in worker-address
+order, a generation per forming) and the scheduler hosts the TCP store every rank meets in
+(:class:`Rendezvous`, handler ``antdt_sync_rank``). A rank joins with gloo on CPU and nccl on
+a GPU; the ranks build their shards of the model within ``antdt.sync-steps.form-timeout``, then
+every collective has a timeout (``antdt.sync-steps.collective-timeout``): a rank that hangs
+breaks its peers' next collective instead of holding the job forever.
+
+The step, on every rank in lock-step (:class:`SyncMode.train`)::
+
+    take up to b_r rows: the current lease, else a new one (asked without waiting)
+    read them ─► header: one all-reduce of [rows per rank | next local batches (rank 0) |
+                         checkpoint requests | ranks with no rows left | ranks cancelled]
+    any rank cancelled: all stop   a checkpoint asked: all write it here (between two steps)
+    no rows on any rank: the job's end once every rank's ledger says so, else ask again
+    step on the local batch with B = the rows of every rank (the trainer weights its loss by
+        W / B: the step equals one step on the global batch however it is split)
+    commit the local rows; the rank's own time (all but the header's wait) goes to the monitor
+
+Adaptive batches. The controller's :class:`~antdt.controller.BalanceBatch` sets each worker's
+local batch in proportion to its measured rate, summing to the global batch (``batch_rows`` x
+ranks); rank 0 reads the sizes every ``antdt.sharding.commit-interval`` and sends them in the
+header, so every rank switches at the same step and each step's global batch stays the same.
+
+What the ledger counts done. A rank's rows count as synced once their step completed: the model
+(its shards on every rank) holds them. A rank that dies takes its shards with it, so the job
+never goes on without it: every rank's next collective fails (:class:`GroupBroken`), and the
+master forms the group again from the last checkpoint (model and ledger written together at one
+step boundary), on the workers left and any that joined; the rows trained past the checkpoint
+are trained again (counted replayed). The model therefore holds every done row exactly once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
+from distributed import Worker
+from distributed.utils import sync
+
+from antdt import config, rpc
+from antdt.agent.contract import AgentSpec, Outcome, Trainer, TrainerFactory
+from antdt.agent.modes.mode import AgentParts, Declined, EverySynced
+from antdt.errors import AntdtError, CheckpointError, SyncError
+from antdt.monitor import BATCHES, BUSY
+from antdt.rpc import Reply
+from antdt.sharding import Claim, Finished, Lease, Revoked, Stop, Wait, shares
+
+logger = logging.getLogger(__name__)
+
+RETRY_S = 0.05
+"""A rank told to wait for rows asks again after this long (it trains empty steps meanwhile);
+when no rank has rows, the request waits this long server side."""
+
+
+class GroupBroken(AntdtError):
+    """A collective of the synchronous group failed: a rank died, hung past the collective
+    timeout or left. The job's master forms the group again from the last checkpoint."""
+
+
+class ShardedTrainer(Protocol):
+    """A synchronous rank's trainer (e.g. a wrapper of ``models.sharded.ShardedTrainStep``), built
+    after the rank joined the default process group.
+
+    ``step(batch, global_rows)`` trains the rank's local batch (0 rows too: every rank takes
+    part in every step) as its share of a global batch of ``global_rows`` rows;
+    ``empty_batch()`` is a batch of no rows. ``full_state(dst)`` (every rank calls it) is the
+    whole model and optimiser state on rank ``dst`` (None on the others), in the form a
+    checkpoint holds and ``restore_state`` takes; ``final(state)`` is a single-process trainer
+    over it, what the master evaluates and logs."""
+
+    rank: int
+    world_size: int
+
+    def step(self, batch: Any, global_rows: int) -> float: ...
+
+    def empty_batch(self) -> Any: ...
+
+    def full_state(self, dst: int) -> Any: ...
+
+    def restore_state(self, state: Any) -> None: ...
+
+    def final(self, state: Any) -> Trainer[Any]: ...
+
+    def plan_summary(self) -> Mapping[str, str]: ...
+
+
+# ---- the scheduler's side -----------------------------------------------------------------------
+
+@dataclass
+class Group:
+    """One forming of a job's group: its workers in rank order and its generation."""
+
+    workers: list[str]
+    generation: int
+
+    @property
+    def prefix(self) -> str:
+        return f"g{self.generation}"
+
+
+@dataclass
+class Rendezvous:
+    """On the scheduler: the TCP store every synchronous job's ranks meet in (made on first
+    use, on a free port of the scheduler's host) and each job's current :class:`Group`.
+
+    Handler ``antdt_sync_rank(job, worker)``: the worker's rank, the world size, the workers in
+    rank order, the store's port and the group's key prefix."""
+
+    groups: dict[str, Group] = field(default_factory=dict)
+    _store: dist.TCPStore | None = None
+    _generations: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def port(self) -> int:
+        if self._store is None:
+            self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        return int(self._store.port)
+
+    def form(self, job: str, workers: Collection[str]) -> Group:
+        generation = self._generations.get(job, 0) + 1
+        self._generations[job] = generation
+        group = self.groups[job] = Group(sorted(workers), generation)
+        return group
+
+    def forget(self, job: str) -> None:
+        self.groups.pop(job, None)
+        self._generations.pop(job, None)
+
+    @rpc.handler
+    async def rank(self, job: str, worker: str) -> Reply:
+        job = rpc.name("job", job, SyncError)
+        worker = rpc.name("worker", worker, SyncError)
+        group = self.groups.get(job)
+        if group is None:
+            raise SyncError(f"job {job!r} has no synchronous group; groups: {sorted(self.groups)}")
+        if worker not in group.workers:
+            raise SyncError(f"worker {worker} is not in job {job!r}'s group (generation "
+                            f"{group.generation}: {group.workers})")
+        return {"status": "OK", "rank": group.workers.index(worker),
+                "workers": list(group.workers), "port": self.port,
+                "prefix": f"antdt/{job}/{group.prefix}"}
+
+
+class SyncMaster:
+    """:class:`~antdt.agent.modes.MasterMode` of the synchronous mode: forms the job's group at
+    its start and anew after a restart; a worker that arrives later waits for the next forming
+    (a group of fixed ranks cannot take a joiner between two steps)."""
+
+    regroups = True
+
+    def __init__(self, rendezvous: Rendezvous) -> None:
+        self.rendezvous = rendezvous
+
+    def start(self, job: str, workers: Collection[str]) -> None:
+        self.rendezvous.form(job, workers)
+
+    def restart(self, job: str, workers: Collection[str]) -> None:
+        self.rendezvous.form(job, workers)
+
+    def accepts_joiners(self, job: str) -> bool:
+        return False
+
+
+# ---- a rank's side ------------------------------------------------------------------------------
+
+@dataclass
+class _Request:
+    """A checkpoint asked of this rank by another thread, fulfilled by the training thread at
+    the next step boundary."""
+
+    copy_ledger: Callable[[], Mapping[str, Any]]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: tuple[Mapping[str, Any], Any] | None = None
+    error: BaseException | None = None
+
+
+class _Header:
+    """The step's header, one all-reduced int64 vector: per rank its rows, the next local batches
+    (filled by rank 0), checkpoint requests, then the ranks with no rows left and the ranks
+    cancelled."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.values = torch.zeros(3 * world + 2, dtype=torch.int64)
+
+    def set(self, rank: int, rows: int, sizes: Sequence[int] | None, checkpoint: bool,
+            over: bool, cancelled: bool) -> None:
+        w = self.world
+        self.values.zero_()
+        self.values[rank] = rows
+        if sizes is not None:
+            self.values[w:2 * w] = torch.tensor(list(sizes), dtype=torch.int64)
+        self.values[2 * w + rank] = int(checkpoint)
+        self.values[3 * w] = int(over)
+        self.values[3 * w + 1] = int(cancelled)
+
+    def rows(self) -> list[int]:
+        return [int(v) for v in self.values[:self.world]]
+
+    def sizes(self) -> list[int] | None:
+        sizes = [int(v) for v in self.values[self.world:2 * self.world]]
+        return sizes if any(sizes) else None
+
+    def checkpoint_by(self) -> int | None:
+        asked = self.values[2 * self.world:3 * self.world].nonzero()
+        return int(asked[0]) if len(asked) else None
+
+    def over(self) -> int:
+        return int(self.values[3 * self.world])
+
+    def cancelled(self) -> int:
+        return int(self.values[3 * self.world + 1])
+
+
+class _Rows:
+    """This rank's rows: the lease it trains and where the next batch starts; the lease
+    requests never wait (a rank told to wait trains empty steps and asks again)."""
+
+    def __init__(self, agent: AgentParts) -> None:
+        self.agent = agent
+        self.lease: Lease | None = None
+        self.offset = self.limit = 0
+        self.over = False
+        self.retry_at = 0.0
+        self._started = 0.0
+        self._rows_before = 0
+
+    def take(self, rows: int, idle: bool) -> tuple[Lease, int, int] | None:
+        """The span of the next local batch of at most ``rows`` rows, or None (no rows now).
+        ``idle``: no rank had rows in the last step, so the request may wait for rows server
+        side (every rank waits in the next header anyway)."""
+        if self.over or rows <= 0:
+            return None
+        if self.lease is None:
+            if not idle and time.perf_counter() < self.retry_at:
+                return None
+            reply = self.agent.shards.poll_lease(RETRY_S if idle else 0.0)
+            if reply is None:
+                self.over = True
+                return None
+            if isinstance(reply, Wait):
+                self.retry_at = time.perf_counter() + RETRY_S
+                return None
+            self.lease, self.offset, self.limit = reply, reply.start, reply.claim_stop
+            self._started, self._rows_before = time.time(), self.agent.rows
+            self.agent.event({"kind": "lease", "phase": "start", "lease_id": reply.lease_id,
+                              "time": self._started})
+        return self.lease, self.offset, min(self.offset + rows, self.limit)
+
+    def trained(self, end: int, busy_s: float) -> None:
+        """Rows up to ``end`` of the lease were trained (their step completed)."""
+        assert self.lease is not None
+        reply = self.agent.shards.commit(end, stats={BUSY: busy_s, BATCHES: 1.0})
+        self.offset = end
+        if isinstance(reply, (Claim, Revoked)):
+            self.limit = reply.stop
+        if isinstance(reply, Revoked) and reply.stop > end:
+            return
+        if isinstance(reply, (Finished, Revoked, Stop)):
+            self.agent.event({"kind": "lease", "phase": "end", "lease_id": self.lease.lease_id,
+                              "start": self._started, "time": time.time(),
+                              "rows": self.agent.rows - self._rows_before,
+                              "outcome": "revoked" if isinstance(reply, Revoked) else "finished"})
+            self.lease = None
+            self.over = isinstance(reply, Stop)
+
+
+class SyncMode(EverySynced):
+    """:class:`~antdt.agent.modes.WorkerMode` of the synchronous mode: one rank of the job's
+    group (see the module docstring). A rank's trained rows are synced once their step
+    completed (the model's shards on every rank hold them)."""
+
+    joined_from: str | None = None
+    threads: Collection[int] = ()
+
+    def __init__(self, spec: AgentSpec, make_trainer: TrainerFactory, device: torch.device,
+                 worker: Worker) -> None:
+        self.spec = spec
+        self.make_trainer = make_trainer
+        self.device = device
+        self.worker = worker
+        self.trainer: ShardedTrainer | None = None
+        self.rank = 0
+        self.workers: list[str] = []
+        self.steps = 0
+        self._waited_s = 0.0
+        self._request: _Request | None = None
+        self._lock = threading.Lock()
+        self._timeout_s = config.seconds("antdt.sync-steps.collective-timeout")
+
+    @property
+    def exchanges(self) -> int:
+        """Synchronous steps taken."""
+        return self.steps
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds this rank waited for its peers at the steps' headers."""
+        return self._waited_s
+
+    def start(self, join: bool) -> None:
+        """Join the job's process group and build the sharded trainer on it."""
+        if join:
+            raise Declined("a synchronous group takes new workers only when it forms again")
+        if dist.is_initialized():
+            raise SyncError(f"worker {self.worker.address} already takes part in a process "
+                            "group: one synchronous job per worker process at a time")
+        reply = rpc.ok(sync(self.worker.loop, self.worker.scheduler.antdt_sync_rank,
+                            job=self.spec.job, worker=self.worker.address), error=SyncError)
+        self.rank, self.workers = int(reply["rank"]), list(reply["workers"])
+        host = urlsplit(self.worker.scheduler.address).hostname or "127.0.0.1"
+        forming = datetime.timedelta(seconds=config.seconds("antdt.sync-steps.form-timeout"))
+        store = dist.PrefixStore(reply["prefix"], dist.TCPStore(
+            host, int(reply["port"]), is_master=False, timeout=forming))
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        try:
+            dist.init_process_group(backend, store=store, rank=self.rank,
+                                    world_size=len(self.workers), timeout=forming)
+            self.trainer = self.make_trainer(self.device)  # type: ignore[assignment]
+            dist.barrier()  # every rank built its shards: the steps' timeout holds from here
+            _set_pg_timeout(datetime.timedelta(seconds=self._timeout_s))
+        except (RuntimeError, dist.DistBackendError) as exc:
+            self.leave()
+            raise GroupBroken(f"rank {self.rank} of job {self.spec.job} could not form its "
+                              f"group: {exc}") from exc
+        assert self.trainer is not None
+        logger.info("job %s: rank %d of %d on %s (%s); tables: %s", self.spec.job, self.rank,
+                    len(self.workers), self.worker.address, backend,
+                    dict(self.trainer.plan_summary()))
+
+    def train(self, agent: AgentParts) -> Outcome:
+        """The step loop (see the module docstring)."""
+        trainer = self.trainer
+        assert trainer is not None
+        world = trainer.world_size
+        rows = _Rows(agent)
+        header = _Header(world)
+        sizes = [agent.spec.batch_rows] * world
+        sizes_due = 0.0
+        interval = config.seconds("antdt.sharding.commit-interval")
+        idle = False
+        while True:
+            began = time.perf_counter()
+            span = rows.take(sizes[self.rank], idle)
+            batch = trainer.empty_batch() if span is None else \
+                agent.reader.read(span[0].path, span[0].row_group, span[1], span[2])
+            new_sizes = None
+            if self.rank == 0 and began >= sizes_due:
+                new_sizes = self._controller_sizes(agent, sum(sizes))
+                sizes_due = began + interval
+            header.set(self.rank, 0 if span is None else span[2] - span[1], new_sizes,
+                       self._request is not None, rows.over and span is None,
+                       agent.cancelled.is_set())
+            local_s = time.perf_counter() - began
+            self._collective(lambda: dist.all_reduce(header.values), "the step's header")
+            after = time.perf_counter()
+            self._waited_s += after - began - local_s
+            if header.cancelled():
+                return "cancelled"
+            asker = header.checkpoint_by()
+            if asker is not None:
+                self._checkpoint(agent, asker)
+                after = time.perf_counter()
+            counts = header.rows()
+            total = sum(counts)
+            if header.sizes() is not None:
+                sizes = header.sizes() or sizes
+            idle = total == 0
+            if idle:
+                if header.over() == world:
+                    return "finished" if agent.job_state() == "finished" else "stopped"
+                continue
+            cpu_started = time.thread_time()
+            loss = self._collective(lambda: trainer.step(batch, total), "the step")
+            self.steps += 1
+            mine = counts[self.rank]
+            if span is None:
+                agent.count(0, time.perf_counter() - after + local_s, 0.0, math.nan)
+                continue
+            agent.faults.slow_down(agent.rows, time.perf_counter() - after + local_s)
+            cpu = time.thread_time() - cpu_started
+            busy = time.perf_counter() - after + local_s
+            agent.count(mine, busy, cpu, loss)
+            rows.trained(span[2], busy)
+            if agent.faults.fire(agent.rows):
+                return "cancelled"
+
+    def _controller_sizes(self, agent: AgentParts, total: int) -> list[int] | None:
+        """Rank 0: the local batches the controller set (by worker), made to sum to ``total``
+        (largest remainders), in rank order; None when it set none."""
+        reply = sync(self.worker.loop, self.worker.scheduler.antdt_controller_actions,
+                     job=self.spec.job, since=1 << 62)
+        if reply.get("status") != "OK":
+            return None
+        chosen = reply.get("batch_sizes") or {}
+        if not chosen:
+            return None
+        wanted = [float(chosen.get(w, agent.spec.batch_rows)) for w in self.workers]
+        return shares(wanted, total)
+
+    def _collective(self, call: Callable[[], Any], what: str) -> Any:
+        try:
+            return call()
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise GroupBroken(f"rank {self.rank} of job {self.spec.job}: {what} failed (a peer "
+                              f"died, hung past {self._timeout_s:g}s or left): {exc}") from exc
+
+    def _checkpoint(self, agent: AgentParts, asker: int) -> None:
+        """Every rank at this step boundary: report every trained row (their steps completed),
+        wait for the others to have done so, then the model's state goes to the asking rank,
+        which copies the ledger in between: the two hold exactly the same rows."""
+        agent.shards.flush()
+        self._collective(dist.barrier, "the checkpoint's barrier")
+        request = self._request if asker == self.rank else None
+        ledger: Mapping[str, Any] | None = None
+        if request is not None:
+            try:
+                ledger = request.copy_ledger()
+            except BaseException as exc:  # handed to the asking thread, training goes on
+                request.error = exc
+        assert self.trainer is not None
+        trainer = self.trainer
+        state = self._collective(lambda: trainer.full_state(asker), "the checkpoint's gather")
+        if request is not None:
+            if ledger is not None:
+                request.result = (ledger, state)
+            self._request = None
+            request.done.set()
+
+    # ---- the rest of WorkerMode ---------------------------------------------------------------
+
+    def step(self, batch: Any, rows_after: int) -> float:
+        raise SyncError("the synchronous mode trains in its own step loop, not the lease loop")
+
+    def checkpoint(self, copy_ledger: Callable[[], Mapping[str, Any]]
+                   ) -> tuple[Mapping[str, Any], Any]:
+        """Asked from another thread: every rank writes its part at the next step boundary
+        (:meth:`_checkpoint`); waits for it at most the collective timeout."""
+        with self._lock:
+            if self._request is not None:
+                raise CheckpointError(f"job {self.spec.job}: a checkpoint is already being "
+                                      "taken on this rank")
+            request = self._request = _Request(copy_ledger)
+        if not request.done.wait(self._timeout_s):
+            self._request = None
+            raise CheckpointError(f"job {self.spec.job}: rank {self.rank} reached no step "
+                                  f"boundary within {self._timeout_s:g}s")
+        if request.error is not None:
+            raise CheckpointError(f"job {self.spec.job}: copying the ledger failed: "
+                                  f"{request.error!r}") from request.error
+        assert request.result is not None
+        return request.result
+
+    def finish(self) -> Trainer[Any] | None:
+        """The final model goes to rank 0, which keeps a single-process trainer over it."""
+        assert self.trainer is not None
+        trainer = self.trainer
+        state = self._collective(lambda: trainer.full_state(0), "gathering the final model")
+        final = trainer.final(state) if self.rank == 0 else None
+        self.leave()
+        return final
+
+    def stop(self) -> None:
+        """A checkpoint waiting for a boundary will not get one."""
+        request = self._request
+        if request is not None:
+            request.error = GroupBroken("the rank stopped training")
+            request.done.set()
+
+    def leave(self) -> None:
+        """Leave the process group (a later job, or this one formed again, makes a new one)."""
+        self.trainer = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def check(self) -> None:
+        """No thread of its own can fail."""
+
