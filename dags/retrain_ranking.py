@@ -74,6 +74,10 @@ PARAMS = {
                                      "aside and count its rows."),
     "min_gain": Param(0.0, type="number", minimum=0,
                       description="The AUC gain over the champion needed to take its place."),
+    "mode": Param("", enum=["", "async", "sync"],
+                  description="The training mode: async (a replica per worker, for shared "
+                              "clusters), sync (tables sharded across the workers, for "
+                              "dedicated ones), or empty: the job file's."),
     "overrides": Param([], type="array", items={"type": "string"},
                        description="Job settings to change, KEY=VALUE as antdt's --set "
                                    "(train.sparse_lr=0.02)."),

@@ -176,6 +176,9 @@ def resume_spec(job: JobConfig, spec: JobSpec, ref: str, job_id: str | None
 @click.command()
 @click.argument("job_path", metavar="JOB.yaml")
 @cluster_options
+@click.option("--mode", type=click.Choice(["async", "sync"]), default=None,
+              help="async: one replica per worker; sync: one model sharded across the "
+                   "workers, synchronous steps (default: the job's train.mode).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config value, e.g. --set train.epochs=2 (repeatable).")
 @click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: the job's, "
@@ -186,7 +189,7 @@ def resume_spec(job: JobConfig, spec: JobSpec, ref: str, job_id: str | None
 @resume_option
 @register_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary (or the id) as JSON.")
-def submit(job_path: str, cluster: Cluster, overrides: tuple[str, ...],
+def submit(job_path: str, cluster: Cluster, mode: str | None, overrides: tuple[str, ...],
            tracking_uri: str | None, job_id: str | None, no_wait: bool, resume: str | None,
            register: str | None, as_json: bool) -> None:
     """Run JOB.yaml on the Dask cluster; follow it to its end (exit 0 when it finished)."""
@@ -195,7 +198,12 @@ def submit(job_path: str, cluster: Cluster, overrides: tuple[str, ...],
 
     if tracking_uri:
         overrides = (*overrides, f"mlflow.tracking_uri={tracking_uri}")
+    if mode is not None:
+        overrides = (*overrides, f"train.mode={mode}")
     job = registering(load_job(job_path, overrides), register)
+    if job.train.mode == "local":
+        raise click.UsageError("submit runs a job on a Dask cluster: train.mode must be async "
+                               "or sync (antdt train --mode local trains in this process)")
     address = cluster.address()
     spec = job_spec(job)  # a bad job file or bad data is refused here, before the cluster
     if resume is not None:
@@ -313,7 +321,8 @@ def jobs_table(records: list[Mapping[str, Any]]) -> Table:
 
 def job_details(r: Mapping[str, Any]) -> list[Any]:
     rows = r.get("rows") or {}
-    lines = [f"job {r['job_id']} ({r['name']}): {r['state']}",
+    sync = r.get("mode") == "sync"
+    lines = [f"job {r['job_id']} ({r['name']}, {r.get('mode', 'async')} mode): {r['state']}",
              f"submitted {_when(r['submitted_at'])}, training from {_when(r['started_at'])}, "
              f"ended {_when(r['ended_at'])}"]
     if rows:
@@ -334,12 +343,14 @@ def job_details(r: Mapping[str, Any]) -> list[Any]:
         lines.append(f"error: {r['error']}")
     if r["stopped"]:
         lines.append(f"stopped: {r['stopped']}")
-    workers = Table(title="workers")
-    for column in ("agent", "address", "state", "rows", "rows/s", "health"):
+    workers = Table(title="workers (ranks in address order)" if sync else "workers")
+    for column in ("agent", "address", "state", "rows", "rows/s", "health") + \
+            (("local batch",) if sync else ()):
         workers.add_column(column)
     for w in r["workers"]:
+        batch = (f"{w.get('batch_rows') or r['batch_rows']:,}",) if sync else ()
         workers.add_row(w["label"], w["worker"], w["state"], f"{w['rows']:,}",
-                        f"{w['samples_per_s']:,.0f}", w["health"])
+                        f"{w['samples_per_s']:,.0f}", w["health"], *batch)
     actions = Table(title=f"controller actions ({r['actions_total']} in all, the last "
                           f"{len(r['actions'])})")
     for column in ("time", "action", "worker", "rows", "reason"):

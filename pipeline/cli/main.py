@@ -104,9 +104,10 @@ def data_validate(paths: tuple[str, ...], schema_path: str, as_json: bool) -> No
 
 @cli.command()
 @click.argument("job_path", metavar="JOB.yaml")
-@click.option("--mode", type=click.Choice(["async", "local"]), default=None,
+@click.option("--mode", type=click.Choice(["async", "sync", "local"]), default=None,
               help="async: a Dask cluster, one replica per worker (default: the job's "
-                   "train.mode, async); local: this process, the reference path.")
+                   "train.mode, async); sync: a Dask cluster, one model sharded across the "
+                   "workers, synchronous steps; local: this process, the reference path.")
 @click.option("--local", "local_alias", is_flag=True, help="Alias of --mode local.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Workers of the LocalCluster to start (default: the job's train.workers).")
@@ -134,11 +135,13 @@ def train(job_path: str, mode: str | None, local_alias: bool, workers: int | Non
                                "cluster's own workers train: give one or the other")
     if tracking_uri:
         overrides = (*overrides, f"mlflow.tracking_uri={tracking_uri}")
+    if local_alias or mode is not None:
+        overrides = (*overrides, f"train.mode={'local' if local_alias else mode}")
     job = registering(load_job(job_path, overrides), register)
-    chosen = "local" if local_alias else mode or job.train.mode
+    chosen = job.train.mode
     if chosen == "local" and (workers is not None or scheduler is not None
                               or resume is not None):
-        raise click.UsageError("--workers/--scheduler/--resume need --mode async")
+        raise click.UsageError("--workers/--scheduler/--resume need --mode async or sync")
     if chosen == "local":
         from pipeline.training.local import train_local
 
@@ -155,11 +158,11 @@ def train(job_path: str, mode: str | None, local_alias: bool, workers: int | Non
     if scheduler is not None:
         with cluster.jobs() as jobs:
             submitted = jobs.submit(spec, job_id=job_id)["job"]["job_id"]
-            follow_and_report(jobs, submitted, scheduler, as_json, "training (async)")
+            follow_and_report(jobs, submitted, scheduler, as_json, f"training ({chosen})")
         return
     with connect(workers or job.train.workers) as client, JobClient(client) as jobs:
         submitted = jobs.submit(spec, job_id=job_id)["job"]["job_id"]
-        follow_and_report(jobs, submitted, None, as_json, "training (async)")
+        follow_and_report(jobs, submitted, None, as_json, f"training ({chosen})")
 
 
 for command in (bench, simulate, *JOB_COMMANDS, *EXPERIMENT_COMMANDS):

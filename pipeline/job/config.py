@@ -19,7 +19,11 @@
       - {worker: 3, pause_after_rows: 8192, pause_until: go}  # then waits for Dask Event "go"
 
 ``train.mode``: ``async`` (default) trains on a Dask cluster, one replica per worker with
-background model sync; ``local`` trains in this process. ``train.sync_period`` (async mode) is
+background model sync; ``sync`` trains one model whose tables are sharded across the workers,
+in synchronous steps (for dedicated clusters, and for tables larger than one worker), each
+worker's local batch sized by its speed unless ``train.adaptive_batch: false`` (equal local
+batches of ``batch_size``; the global batch is ``batch_size`` x workers either way); ``local``
+trains in this process. ``train.sync_period`` (async mode) is
 how often a worker starts a sync round: batches of its peers (default ``4 peer batches``: a
 round every ``4 // (workers - 1)`` of its own batches, at least one, so that a replica trains on
 about 4 of its peers' batches before it applies them, however many workers), its own batches
@@ -51,8 +55,8 @@ from data.schema import read_yaml
 from models.config import ModelConfig, OptimConfig
 
 OnBadData = Literal["fail", "quarantine"]
-Mode = Literal["async", "local"]
-MODES: tuple[Mode, ...] = ("async", "local")
+Mode = Literal["async", "sync", "local"]
+MODES: tuple[Mode, ...] = ("async", "sync", "local")
 Sharding = Literal["antdt", "pull", "static"]
 SHARDINGS: tuple[Sharding, ...] = ("antdt", "pull", "static")
 SHARD_BATCHES = 8
@@ -76,6 +80,8 @@ class TrainConfig:
     threads: int = 1
     log_every: int = 50
     mode: Mode = "async"
+    adaptive_batch: bool = True
+    """Sync mode: the controller sizes each worker's local batch by its speed (false: equal)."""
     workers: int = 2
     min_batches_per_worker: int = 128
     """The async mode trains on fewer workers than ``workers`` when each would see fewer
@@ -240,7 +246,8 @@ def _number(raw: Mapping[str, Any], key: str, default: float, where: str, *,
 
 
 def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
-    own = {"batch_size", "epochs", "seed", "threads", "log_every", "mode", "workers",
+    own = {"batch_size", "epochs", "seed", "threads", "log_every", "mode", "adaptive_batch",
+           "workers",
            "min_batches_per_worker", "sync_period", "shard_rows", "sharding", "checkpoint_dir", "checkpoint_every",
            "checkpoint_keep"}
     _reject_unknown(raw, own | _OPTIM_KEYS, where)
@@ -249,6 +256,9 @@ def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
     mode = raw.get("mode", defaults.mode)
     if mode not in MODES:
         raise ConfigError(f"{where}.mode: expected one of {list(MODES)}, found {mode!r}")
+    adaptive = raw.get("adaptive_batch", defaults.adaptive_batch)
+    if not isinstance(adaptive, bool):
+        raise ConfigError(f"{where}.adaptive_batch: expected true or false, found {adaptive!r}")
     sharding = raw.get("sharding", defaults.sharding)
     if sharding not in SHARDINGS:
         raise ConfigError(f"{where}.sharding: expected one of {list(SHARDINGS)}, found "
@@ -270,6 +280,7 @@ def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
         threads=_positive_int(raw, "threads", defaults.threads, where),
         log_every=_positive_int(raw, "log_every", defaults.log_every, where),
         mode=mode,
+        adaptive_batch=adaptive,
         workers=_positive_int(raw, "workers", defaults.workers, where),
         min_batches_per_worker=_positive_int(raw, "min_batches_per_worker",
                                              defaults.min_batches_per_worker, where, minimum=0),

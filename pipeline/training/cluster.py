@@ -43,7 +43,7 @@ from pipeline.tracking.tracking import experiment, redact, resolved_uri, store_m
 from pipeline.training.following import follow, outcome
 from pipeline.training.hooks import RankingHooks
 from pipeline.training.local import PreparedData, prepare_data
-from pipeline.training.recipes import ReaderRecipe, TrainerRecipe
+from pipeline.training.recipes import ReaderRecipe, ShardedTrainerRecipe, TrainerRecipe
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,9 @@ def job_spec(job: JobConfig, data: PreparedData | None = None, *,
                          "pause_after_rows": f.pause_after_rows} for f in job.faults}
     return JobSpec(
         JobPlan(name=job.name, row_groups=plan.row_groups, batch_rows=train.batch_size,
-                shard_rows=train.shard_rows, epochs=train.epochs, seed=train.seed,
+                shard_rows=train.shard_rows,
+                mode="sync" if train.mode == "sync" else "async",
+                adaptive_batch=train.adaptive_batch, epochs=train.epochs, seed=train.seed,
                 sync_period=str(train.sync_period), sharding=train.sharding,
                 threads=train.threads, quarantine=list(plan.quarantine), faults=faults,
                 deadline_s=deadline_s, workers=workers,
@@ -159,7 +161,8 @@ def job_spec(job: JobConfig, data: PreparedData | None = None, *,
                 checkpoint_dir=train.checkpoint_dir, checkpoint_every=train.checkpoint_every,
                 checkpoint_keep=train.checkpoint_keep,
                 fingerprint=fingerprint(job, data.schema, plan.row_groups)),
-        JobCode.of(TrainerRecipe(data.schema, job.model, train.optim, train.seed),
+        JobCode.of((ShardedTrainerRecipe if train.mode == "sync" else TrainerRecipe)(
+                       data.schema, job.model, train.optim, train.seed),
                    ReaderRecipe(data.schema, train.threads), hooks))
 
 

@@ -59,7 +59,7 @@ class RankingHooks:
                             step=int(resume["step"]))
             return tracker.info()
         data_tags = data_window(self.job.data).tags()  # the files as training starts to read them
-        tracker = Tracker.start(tracked, mode="async",
+        tracker = Tracker.start(tracked, mode=self.job.train.mode,
                                 tags={**data_tags, **self.run_tags, "antdt.job_id": job_id},
                                 tracking_uri=self.tracking_uri,
                                 experiment_id=self.experiment_id, run_name=self.run_name)
@@ -96,7 +96,7 @@ class RankingHooks:
         agents = report["agents"]
         train_s = float(report["train_s"])
         summary = JobSummary(
-            run_id=tracker.run_id, mode="async", workers=len(agents), auc=auc, logloss=logloss,
+            run_id=tracker.run_id, mode=self.job.train.mode, workers=len(agents), auc=auc, logloss=logloss,
             oracle_auc=oracle_auc(self.job.data.schema, [g.path for g in self.validation]),
             rows_trained=rows["trained"], rows_lost=rows["lost"],
             rows_retrained=rows["retrained"], rows_quarantined=rows["quarantined"],

@@ -81,6 +81,8 @@ class Settings:
     on_bad_data: OnBadData
     min_gain: float
     overrides: tuple[str, ...] = ()
+    mode: str = ""
+    """``async`` or ``sync`` (the training mode), or empty: the job file's."""
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], day: str, base: str) -> Settings:
@@ -118,6 +120,10 @@ class Settings:
         if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
             raise RetrainError(f"param 'overrides': expected a list of KEY=VALUE strings, found "
                                f"{overrides!r}")
+        mode = text("mode") if "mode" in params else ""
+        if mode not in ("", "async", "sync"):
+            raise RetrainError(f"param 'mode': expected 'async', 'sync' or nothing (the job "
+                               f"file's), found {mode!r}")
         validation = text("validation_day") or day
         for key, value in (("logical date", day), ("validation_day", validation)):
             _date(value, key)
@@ -137,7 +143,8 @@ class Settings:
                    scheduler=text("scheduler") or None,
                    tracking_uri=_local_store(tracking, base), experiment=text("experiment"),
                    model=model, on_bad_data=on_bad,  # type: ignore[arg-type]  # checked
-                   min_gain=number("min_gain", float, 0.0), overrides=tuple(overrides))
+                   min_gain=number("min_gain", float, 0.0), overrides=tuple(overrides),
+                   mode=mode)
 
     def partition_path(self, day: str) -> str:
         """The folder of ``day``'s partition."""
@@ -280,8 +287,10 @@ def check_window(settings: Settings) -> dict[str, Any]:
 def retrain_job(settings: Settings, days: Window) -> JobConfig:
     """The job file with the run's window, schema (the job file's, relative to the project
     folder, unless the settings name one), bad-data rule, tracking store, experiment and
-    registered model, after the ``overrides`` (``--set`` style)."""
-    job = load_job(settings.job_file, settings.overrides)
+    registered model, in the settings' mode (if they name one), after the ``overrides``
+    (``--set`` style)."""
+    modes = (f"train.mode={settings.mode}",) if settings.mode else ()
+    job = load_job(settings.job_file, (*settings.overrides, *modes))
     schema = settings.schema or _absolute(job.data.schema, settings.base)
     data = dataclasses.replace(job.data, train=days.train, validation=(days.validation,),
                                schema=schema,

@@ -94,7 +94,7 @@ def test_distributed_defaults_and_faults(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("train.mode=sync", "train.mode: expected one of ['async', 'local'], found 'sync'"),
+    ("train.mode=dd", "train.mode: expected one of ['async', 'sync', 'local'], found 'dd'"),
     ("train.workers=0", "train.workers: expected an integer >= 1, found 0"),
     ("train.sharding=random", "train.sharding: expected one of ['antdt', 'pull', 'static'], "
                               "found 'random'"),
