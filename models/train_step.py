@@ -24,8 +24,9 @@ loss as a float.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -38,6 +39,62 @@ from models.ranking import (build_model, dense_parameters, embedding_keys, embed
                             fused_embeddings, sparse_optimizer)
 
 logger = logging.getLogger(__name__)
+
+_SPARSE_STATE = {"rowwise_adagrad": (1, 0), "adagrad": (0, 1), "sgd": (0, 0), "adam": (0, 2)}
+"""Floats of the fused sparse optimiser's state, ``(per table row, per table element)``:
+row-wise Adagrad keeps one sum of squares per row, Adagrad one per element, Adam two moments
+per element, SGD nothing."""
+_DENSE_STATE = {"adam": 2, "adagrad": 1, "sgd": 0}
+"""Tensors the dense optimiser keeps per parameter (Adam: two moments; Adagrad: one sum; SGD
+without momentum: none); the scalar step counters are left out."""
+
+
+class ModelBytes(NamedTuple):
+    """The bytes of the tensors one :class:`TrainStep` holds while it trains, by part:
+    ``tables`` (the embedding weights), ``sparse_state`` (the fused optimiser's state),
+    ``dense`` (every other parameter) and ``dense_state`` (their gradients and the dense
+    optimiser's state)."""
+
+    tables: int
+    sparse_state: int
+    dense: int
+    dense_state: int
+
+    @property
+    def total(self) -> int:
+        return self.tables + self.sparse_state + self.dense + self.dense_state
+
+
+def model_bytes(schema: Schema, model_cfg: ModelConfig, optim_cfg: OptimConfig) -> ModelBytes:
+    """What a :class:`TrainStep` of this model holds, computed without allocating its tables:
+    a job can be sized (and refused) on a machine that could not hold them.
+
+    The tables are ``rows x embedding_dim`` float32 and the sparse state follows from the
+    optimiser. The dense part does not depend on the tables' rows, so it is counted on the same
+    model built with one row per table.
+
+    >>> schema = Schema.from_dict({"label": "y", "dense": ["x"],
+    ...                            "sparse": [{"name": "c", "num_embeddings": 1_000_000}]})
+    >>> size = model_bytes(schema, ModelConfig(embedding_dim=4, dense_arch=(8, 4)),
+    ...                    OptimConfig(sparse_optimizer="adagrad"))
+    >>> size.tables, size.sparse_state
+    (16000000, 16000000)
+    """
+    rows = sum(f.num_embeddings for f in schema.sparse)
+    per_row, per_element = _SPARSE_STATE[optim_cfg.sparse_optimizer]
+    float_bytes = torch.float32.itemsize
+    tiny = dataclasses.replace(schema, sparse=tuple(
+        dataclasses.replace(f, num_embeddings=1) for f in schema.sparse))
+    # the sparse optimiser leaves the dense part alone, and Adam's has no FBGEMM CPU kernel
+    sgd = dataclasses.replace(optim_cfg, sparse_optimizer="sgd")
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(tiny, model_cfg, sgd, torch.device("cpu"))
+    dense = sum(p.numel() * p.element_size() for _, p in dense_parameters(model))
+    return ModelBytes(
+        tables=rows * model_cfg.embedding_dim * float_bytes,
+        sparse_state=(per_row + per_element * model_cfg.embedding_dim) * rows * float_bytes,
+        dense=dense, dense_state=dense * (1 + _DENSE_STATE[optim_cfg.dense_optimizer]))
+
 
 def _dense_optimizer(params: list[nn.Parameter], cfg: OptimConfig,
                      device: torch.device) -> torch.optim.Optimizer:

@@ -1,7 +1,9 @@
 """One job's control on the scheduler (AntDT's master, per job): it reads top to bottom like the
 job it runs::
 
-    register the job: the ledger (sharding service), its controller, its mode (the sync group)
+    choose the workers; refuse the job when one's memory limit cannot hold the model's replica
+      ─► register the job: the ledger (sharding service), its controller, its mode (the sync
+         group)
       ─► the tracking run (hooks.start, a task on a worker)
       ─► one agent task per worker, and per worker that joins later
          (:mod:`~antdt.jobs.placement`)
@@ -235,6 +237,7 @@ class JobRunner:
         if unknown:
             raise JobError(f"faults name worker(s) {unknown}, but the job trains on only "
                            f"{len(initial)} worker(s) (indices 0..{len(initial) - 1})")
+        plan.check_memory({w: self.ctx.scheduler.workers[w].memory_limit for w in initial})
         period = SyncPeriod.parse(plan.sync_period, where="job plan sync_period")
         await self.client.run(tasks.prepare_worker, plan.preload, workers=initial)
         if plan.sharding == "static" and (plan.checkpoint_dir or plan.resume):

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
 import cloudpickle
+from dask.utils import format_bytes
 
 from antdt.agent.contract import Mode
 from antdt.errors import CheckpointError, JobError
@@ -60,9 +61,11 @@ class JobPlan:
     tasks; a worker joins only while the job has fewer live agents), so several jobs share a
     cluster side by side (None: every worker, and every worker that joins).
     ``min_batches_per_worker``: train on fewer workers when each would see fewer batches than
-    this (0: never; see :meth:`fitted_workers`). ``preload``: modules every worker imports before
-    the agents start (the training stack takes seconds to import). ``tags``: free text the
-    master shows in ``status`` (never secrets).
+    this (0: never; see :meth:`fitted_workers`). ``replica_bytes``: the memory every worker
+    holds for its full replica of the model (the async mode); a job is refused before anything
+    starts when a worker's memory limit is smaller (:meth:`check_memory`; None: not checked).
+    ``preload``: modules every worker imports before the agents start (the training stack takes
+    seconds to import). ``tags``: free text the master shows in ``status`` (never secrets).
 
     Checkpoints (:mod:`antdt.jobs.checkpoints`): with ``checkpoint_dir`` (a local path or an
     fsspec URL every process of the cluster reaches), a checkpoint every ``checkpoint_every``
@@ -95,6 +98,7 @@ class JobPlan:
     checkpoint_keep: int = 3
     fingerprint: dict[str, str] = field(default_factory=dict)
     resume: str | None = None
+    replica_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the wire (msgpack): lists, and the fault keys as strings."""
@@ -167,7 +171,9 @@ class JobPlan:
             checkpoint_every=_every(raw.get("checkpoint_every", "60s")),
             checkpoint_keep=_int(raw, "checkpoint_keep", 1, default=3),
             fingerprint=_tags(raw.get("fingerprint", {}), "fingerprint"),
-            resume=_optional_text(raw, "resume", 4096))
+            resume=_optional_text(raw, "resume", 4096),
+            replica_bytes=None if raw.get("replica_bytes") is None
+            else _int(raw, "replica_bytes", 1))
 
     @property
     def rows(self) -> int:
@@ -202,6 +208,36 @@ workers; training on 1')
             f"min_batches_per_worker ({self.min_batches_per_worker}) for each of {asked} "
             f"workers; training on {fitted}")
         return min(fitted, available), why
+
+    def check_memory(self, limits: Mapping[str, int | None]) -> None:
+        """Refuse the job (:class:`JobError`, one line) when a worker it would train on has a
+        memory limit below :attr:`replica_bytes`: its replica could never fit, and the worker
+        would be restarted (and the job with it) once it got there. ``limits``: the workers'
+        Dask memory limits (0 or None: no limit).
+
+        >>> plan = JobPlan("j", [], batch_rows=1, shard_rows=1, replica_bytes=3 * 2**30)
+        >>> plan.check_memory({"tcp://a:1": 2**30, "tcp://b:1": 0})
+        Traceback (most recent call last):
+        ...
+        antdt.errors.JobError: the model needs 3.00 GiB per worker in async mode (every worker \
+holds a full replica), but worker tcp://a:1's memory limit is 1.00 GiB; train it with --mode \
+sync (train.mode: sync, the tables sharded across workers) or give the workers more memory
+        """
+        need = self.replica_bytes
+        if need is None:
+            return
+        short = sorted((limit, worker) for worker, limit in limits.items()
+                       if limit and limit < need)
+        if not short:
+            return
+        limit, worker = short[0]
+        more = f" ({len(short)} of the job's {len(limits)} workers have less than it needs)" \
+            if len(short) > 1 else ""
+        raise JobError(f"the model needs {format_bytes(need)} per worker in async mode (every "
+                       f"worker holds a full replica), but worker {worker}'s memory limit is "
+                       f"{format_bytes(limit)}{more}; train it with --mode sync (train.mode: "
+                       "sync, the tables sharded across workers) or give the workers more "
+                       "memory")
 
 
 class JobHooks(Protocol):

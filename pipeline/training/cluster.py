@@ -3,9 +3,9 @@ master (:mod:`antdt.jobs`), and submit-and-follow. ``antdt train`` (a LocalClust
 ``antdt submit`` (a long-lived cluster), the benchmarks and the Airflow DAG all go through here::
 
     validate the data, here (a bad file is refused before anything starts on the cluster)
-      ─► job_spec: the plan (row groups, sizes, epochs, sync period, sharding, faults) and the
-         code (the trainer and reader recipes, the tracking hooks), with the tracking URI as it
-         resolves here
+      ─► job_spec: the plan (row groups, sizes, epochs, sync period, sharding, faults, the
+         memory a replica needs) and the code (the trainer and reader recipes, the tracking
+         hooks), with the tracking URI as it resolves here
       ─► JobClient.submit (an existing job id attaches instead) ─► follow: progress from the
          job's record ─► the summary the hooks returned
 
@@ -35,8 +35,11 @@ from antdt.errors import CheckpointError, ConfigError, DataError, JobError
 from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec, checkpoints
 from antdt.jobs.checkpoints import Manifest
 from antdt.sharding import QuarantineSpec
+from antdt.sync.replica import held_bytes
 from data.files import RowGroup, expand, row_groups
 from data.schema import Schema
+from models.config import ModelConfig, OptimConfig
+from models.train_step import model_bytes
 from pipeline.job.config import JobConfig
 from pipeline.job.report import JobSummary, ProgressSink
 from pipeline.tracking.tracking import experiment, redact, resolved_uri, store_modules
@@ -105,6 +108,17 @@ def fingerprint(job: JobConfig, schema: Schema, row_groups: Sequence[tuple[str, 
     }
 
 
+def replica_bytes(schema: Schema, model: ModelConfig, optim: OptimConfig) -> int:
+    """The memory every worker holds in the async mode, computed without building the tables:
+    a full training step of the model (:func:`models.train_step.model_bytes`) and what the
+    replica's sync keeps beside it (:func:`antdt.sync.replica.held_bytes`: the base copy of the
+    tables, above all). The job's master refuses the job when a worker's memory limit is
+    smaller (:meth:`antdt.jobs.JobPlan.check_memory`)."""
+    size = model_bytes(schema, model, optim)
+    rows = sum(f.num_embeddings for f in schema.sparse)
+    return size.total + held_bytes(rows, size.tables, size.dense)
+
+
 def resume_point(job: JobConfig, spec: JobSpec, ref: str,
                  warn: Callable[[str], None] = logger.warning) -> Manifest:
     """The checkpoint ``--resume ref`` names (a job id under the job's ``train.checkpoint_dir``,
@@ -160,7 +174,9 @@ def job_spec(job: JobConfig, data: PreparedData | None = None, *,
                 tags={"experiment": job.mlflow.experiment, "tracking_uri": redact(uri)},
                 checkpoint_dir=train.checkpoint_dir, checkpoint_every=train.checkpoint_every,
                 checkpoint_keep=train.checkpoint_keep,
-                fingerprint=fingerprint(job, data.schema, plan.row_groups)),
+                fingerprint=fingerprint(job, data.schema, plan.row_groups),
+                replica_bytes=None if train.mode == "sync" else replica_bytes(
+                    data.schema, job.model, train.optim)),
         JobCode.of((ShardedTrainerRecipe if train.mode == "sync" else TrainerRecipe)(
                        data.schema, job.model, train.optim, train.seed),
                    ReaderRecipe(data.schema, train.threads), hooks))

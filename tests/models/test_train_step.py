@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 import torch
 from torchrec.datasets.utils import Batch
@@ -9,8 +11,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from models.config import ModelConfig, OptimConfig
 from models.evaluate import evaluate
-from models.ranking import embedding_tables
-from models.train_step import TrainStep
+from models.ranking import dense_parameters, embedding_tables, sparse_optimizer
+from models.train_step import TrainStep, model_bytes
 from small_model import CPU, SCHEMA, SMALL
 
 
@@ -141,3 +143,31 @@ def test_predict_is_probabilities_and_changes_nothing() -> None:
     step.step(batch)
     assert step.model.training
 
+
+
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("arch, optim", [
+    ("dlrm", OptimConfig()),
+    ("dcn", OptimConfig(sparse_optimizer="adagrad", dense_optimizer="adagrad")),
+    ("dlrm", OptimConfig(sparse_optimizer="sgd", dense_optimizer="sgd")),
+])
+def test_model_bytes_are_the_trained_steps_tensors(arch: str, optim: OptimConfig) -> None:
+    cfg = ModelConfig(**{**SMALL.to_dict(), "arch": arch})
+    step = TrainStep(SCHEMA, cfg, optim, device=CPU)
+    step.step(Task(seed=6).batch(32))  # gradients and the dense optimiser's state now exist
+    sparse_state = [t for state in sparse_optimizer(step.model).state_dict()["state"].values()
+                    for t in state.values()]
+    dense = [p for _, p in dense_parameters(step.model)]
+    dense_state = [p.grad for p in dense if p.grad is not None] + [
+        t for state in step.dense_optimizer.state.values() for t in state.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0]  # not the scalar step counters
+
+    size = model_bytes(SCHEMA, cfg, optim)
+    assert size.tables == nbytes(embedding_tables(step.model).values()) == 100 * 8 * 4
+    assert size.sparse_state == nbytes(sparse_state)
+    assert size.dense == nbytes(dense) > 0
+    assert size.dense_state == nbytes(dense_state)
+    assert size.total == size.tables + size.sparse_state + size.dense + size.dense_state

@@ -13,6 +13,7 @@ from typing import Any
 import dask.config
 import pytest
 import torch
+from dask.utils import format_bytes
 from distributed import Client, LocalCluster
 
 from antdt.errors import JobError
@@ -165,6 +166,24 @@ def test_faults_naming_a_missing_worker_fail_the_job(jobs: JobClient) -> None:
     assert "faults name worker(s) [1], but the job trains on only 1 worker(s)" in record["error"]
 
 
+def test_a_replica_bigger_than_a_worker_s_memory_limit_is_refused_before_anything_starts(
+        jobs: JobClient) -> None:
+    limits = jobs.client.run(lambda dask_worker: dask_worker.memory_manager.memory_limit)
+    worker, limit = min(limits.items(), key=lambda item: (item[1], item[0]))
+    job_id = jobs.submit(spec(replica_bytes=2 * limit))["job"]["job_id"]
+    record = bounded.call(jobs.follow, job_id)
+    assert record["state"] == "failed"
+    assert record["workers"] == [] and record["agents"] == [] and record["run"] is None
+    assert record["error"] == (
+        f"the model needs {format_bytes(2 * limit)} per worker in async mode (every worker "
+        f"holds a full replica), but worker {worker}'s memory limit is {format_bytes(limit)} "
+        f"(2 of the job's 2 workers have less than it needs); train it with --mode sync "
+        f"(train.mode: sync, the tables sharded across workers) or give the workers more memory")
+
+    fits = bounded.call(jobs.follow, jobs.submit(spec(replica_bytes=limit))["job"]["job_id"])
+    assert fits["state"] == "finished" and fits["rows"]["done"] == TOTAL
+
+
 def test_jobs_that_ask_for_fewer_workers_train_side_by_side(jobs: JobClient) -> None:
     gate = f"gate-{uuid.uuid4().hex[:6]}"
     GATES[gate] = threading.Event()
@@ -190,6 +209,8 @@ def test_jobs_that_ask_for_fewer_workers_train_side_by_side(jobs: JobClient) -> 
           code={"trainer": b"not a pickle", "reader": b"", "hooks": b""}), "job code"),
     (dict(handler="antdt_job_submit", plan=spec().plan.to_dict() | {"sharding": "magic"},
           code=spec().code.to_dict()), "sharding: expected one of"),
+    (dict(handler="antdt_job_submit", plan=spec().plan.to_dict() | {"replica_bytes": "1 GiB"},
+          code=spec().code.to_dict()), "replica_bytes: expected an int >= 1, found '1 GiB'"),
     (dict(handler="antdt_job_status", job_id="no-such-job"), "unknown job 'no-such-job'"),
     (dict(handler="antdt_job_status", job_id="../etc"), "job_id must be"),
     (dict(handler="antdt_job_wait", job_id="no-such-job", version=0), "unknown job"),

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import dask.config
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import antdt.errors
 from antdt.device import HUGE_PAGE, huge_pages
@@ -22,7 +23,7 @@ from antdt.sync import (
     SyncError,
     SyncScheduler,
 )
-from antdt.sync.replica import ReplicaLock, tensor_bytes
+from antdt.sync.replica import ReplicaLock, held_bytes, tensor_bytes
 from pages import kernel_collapses, on_huge_pages
 from sync_replicas import DIM, ROWS, make_dense, make_tables
 from waits import bounded
@@ -620,3 +621,26 @@ def test_the_replica_lock_lets_a_waiting_sync_call_in_before_the_next_step() -> 
     assert merging.result() == 1  # in right after the first step, not after several
     trainer.result()
     assert steps == list(range(20)) and lock.waiting == 0
+
+
+@pytest.mark.parametrize("delta_dtype", [torch.bfloat16, torch.float32])
+def test_held_bytes_are_what_a_replica_allocates_beside_its_tables(
+        delta_dtype: torch.dtype) -> None:
+    storage = torch.randn(3000, 16)
+    tables = {"a": storage[:1000], "b": storage[1000:]}
+    dense = [torch.randn(100, 10), torch.randn(10)]
+    # the profiler counts every tensor allocated and freed on the CPU while it records
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
+        replica = ReplicaSync("w", dense, tables, peers=["p"], keep_rounds=3,
+                              delta_dtype=delta_dtype)
+        for round in range(1, 6):
+            replica.cut()
+            replica.prepare(round)
+        replica.cut()  # one that no round took yet
+    allocated = sum(event.self_cpu_memory_usage for event in recorded.key_averages())
+    expected = held_bytes(3000, tensor_bytes([storage]), tensor_bytes(dense), keep_rounds=3,
+                          delta_dtype=delta_dtype)
+    assert expected == 3000 * 16 * 4 + 3000 * (3 if delta_dtype != torch.float32 else 2) \
+        + 4 * 1010 * 4
+    # beyond it only the row space's bounds: a few int64
+    assert expected <= allocated <= expected + 64, (allocated, expected)

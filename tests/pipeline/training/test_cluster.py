@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -19,19 +20,23 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from click.testing import CliRunner
-from dask.utils import parse_timedelta
+from dask.utils import format_bytes, parse_timedelta
 from distributed import Client, Event, LocalCluster
 
 from antdt import agent
 from antdt.errors import ConfigError, DataError
+from antdt.jobs import JobClient
 from antdt.sharding.service import PLUGIN_NAME
 from broken_files import break_label
+from commands import antdt
 from data.files import expand, row_groups
+from data.schema import Schema
 from data.synth import SynthResult
 from models.evaluate import auc
 from pipeline.cli.main import cli
 from pipeline.job.config import load_job
-from pipeline.training.cluster import connect, local_cluster_settings, train_async
+from pipeline.training.cluster import (connect, local_cluster_settings, replica_bytes,
+                                       train_async)
 from waits import bounded
 
 TRAIN_ROWS = 16_000
@@ -263,6 +268,41 @@ def test_a_worker_added_mid_job_joins_and_trains(cluster: LocalCluster, cluster_
     metrics = mlflow.get_run(summary.run_id).data.metrics
     assert metrics["agents_joined"] == 1 and metrics["agents_dead"] == 0
     assert metrics["worker2.rows"] >= 2048  # the joiner copied the model and trained
+
+
+@pytest.mark.slow
+def test_a_model_bigger_than_the_workers_memory_limit_is_refused_in_one_line(
+        cluster_job: Path, small_data: SynthResult, tmp_path: Path) -> None:
+    """Tables of 1 GB on paper (nothing allocates them) against workers limited to 1 GiB: the
+    master refuses the job before any agent starts, and ``antdt train`` says so in one line."""
+    schema = Schema.from_yaml(Path(small_data.out) / "schema.yaml").to_dict()
+    for feature in schema["sparse"]:
+        feature["num_embeddings"] = 4_000_000
+    big = tmp_path / "big-schema.yaml"
+    big.write_text(yaml.safe_dump(schema))
+    job = load_job(cluster_job, [f"data.schema={big}"])
+    need = replica_bytes(Schema.from_dict(schema), job.model, job.train.optim)
+    assert need > 2 * 10**9  # tables of 8 x 4M x 8 floats, twice, and more
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, memory_limit="1GiB",
+                      dashboard_address=":0") as local:
+        worker = workers_of(local)[0]
+        result = antdt("train", str(cluster_job), "--set", f"data.schema={big}", "--scheduler",
+                       local.scheduler_address, cwd=tmp_path, check=False)
+        found = re.search(r"error: job (\S+) failed: ", result.stderr)
+        assert found is not None, result.stderr
+        with Client(local) as client, JobClient(client, register=False) as jobs:
+            record = jobs.status(found.group(1))
+
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (  # after the progress bar's last state
+        f"error: job {found.group(1)} failed: the model needs {format_bytes(need)} per worker "
+        f"in async mode (every worker holds a full replica), but worker {worker}'s memory "
+        f"limit is 1.00 GiB (2 of the job's 2 workers have less than it needs); train it with "
+        f"--mode sync (train.mode: sync, the tables sharded across workers) or give the "
+        f"workers more memory")
+    assert record["state"] == "failed"
+    assert not record["agents"] and record["run"] is None  # no agent, no tracking run
 
 
 @pytest.mark.parametrize("args, message", [
