@@ -7,12 +7,12 @@ from typing import Any
 
 import dask
 import pytest
-from distributed import Client, Scheduler, Worker, get_worker
+from distributed import Client, Scheduler, Worker, get_client, get_worker
 from distributed.utils import sync
 from distributed.utils_test import gen_cluster
 
 from antdt.monitor import BATCHES, BUSY
-from antdt.sharding import Claim, CommitEvent, Revoked
+from antdt.sharding import Claim, CommitEvent, Lease, Revoked
 from antdt.sharding.client import ShardClient
 from antdt.sharding.service import PLUGIN_NAME, ShardingService
 
@@ -222,3 +222,44 @@ async def test_revoked_lease_is_seen_on_the_next_rpc(c: Client, s: Scheduler, a:
     assert seen == ["Claim", "Revoked"]
     ledger = plugin.jobs["j"]
     assert ledger.rows_leased == 0 and ledger.rows_todo == 90 and ledger.rows_done == 10
+
+
+def train_lease(shards: ShardClient, lease: Lease) -> None:
+    """Commit ``lease`` batch by batch (10 rows) to its end, claim by claim."""
+    offset, limit = lease.start, lease.claim_stop
+    while True:
+        end = min(offset + 10, limit)
+        reply = shards.commit(end)
+        offset = end
+        if not isinstance(reply, Claim):
+            return
+        limit = reply.stop
+
+
+def polling_agent(job: str, other: str) -> list[str]:
+    """This worker holds a lease while it polls for another worker (``other``):
+    ``poll_lease`` answers at once while the holder has the last rows, then says the job is
+    over."""
+    holder = ShardClient(job, lease_wait_s=0.0)
+    poller = ShardClient(job, client=get_client(), worker_address=other, lease_wait_s=0.0)
+    held = holder.lease()
+    assert held is not None
+    seen = []
+    first = poller.poll_lease()
+    seen.append(type(first).__name__)
+    assert isinstance(first, Lease)
+    train_lease(poller, first)
+    seen.append(type(poller.poll_lease(wait_s=0.0)).__name__)  # the holder has the rest
+    train_lease(holder, held)
+    holder.flush()
+    seen.append(type(poller.poll_lease(wait_s=0.0)).__name__)
+    return seen
+
+
+@gen_cluster(client=True)
+async def test_poll_lease_does_not_wait_for_rows_another_worker_holds(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    with dask.config.set({"antdt.sharding.guided-end": False}):  # two whole shards
+        await register(c, s, row_groups=[["f", 0, 100]], shard_rows=50, batch_rows=10)
+    seen = await c.submit(polling_agent, "j", b.address, workers=[a.address], pure=False)
+    assert seen == ["Lease", "Wait", "NoneType"]

@@ -29,7 +29,7 @@ def params(**changed: Any) -> dict[str, Any]:
             "partition": "date={date}", "train_days": 6, "validation_day": "", "schema": "",
             "scheduler": "", "tracking_uri": "sqlite:///mlflow.db", "experiment": "antdt-retrain",
             "registered_model": "ranking", "on_bad_data": "fail", "min_gain": 0.0,
-            "overrides": [], **changed}
+            "mode": "", "overrides": [], **changed}
 
 
 def test_settings_resolve_relative_paths_against_the_project_folder() -> None:
@@ -52,11 +52,24 @@ def test_settings_resolve_relative_paths_against_the_project_folder() -> None:
     ({"min_gain": -0.1}, "param 'min_gain': expected a float >= 0.0, found -0.1"),
     ({"overrides": "train.epochs=2"}, "param 'overrides': expected a list of KEY=VALUE"),
     ({"job_file": " "}, "param 'job_file': expected a path, found nothing"),
+    ({"mode": "dd"}, "param 'mode': expected 'async', 'sync' or nothing (the job file's), "
+                     "found 'dd'"),
 ])
 def test_a_bad_param_is_refused_by_name(changed: dict[str, Any], named: str) -> None:
     with pytest.raises(RetrainError) as caught:
         Settings.from_params(params(**changed), "2026-11-07", "/srv/antdt")
     assert named in str(caught.value)
+
+
+def test_the_mode_param_chooses_the_training_mode_or_leaves_the_job_files(
+        tmp_path: Path, cluster_job: Path) -> None:
+    window = retrain.Window(train_days=("2026-11-06",), validation_day="2026-11-07",
+                            train=("x",), validation="y")
+    chosen = Settings.from_params(params(job_file=str(cluster_job), mode="sync"), "2026-11-07",
+                                  str(tmp_path))
+    assert retrain.retrain_job(chosen, window).train.mode == "sync"
+    kept = Settings.from_params(params(job_file=str(cluster_job)), "2026-11-07", str(tmp_path))
+    assert retrain.retrain_job(kept, window).train.mode == "async"  # the job file's
 
 
 def test_a_fixed_validation_day_is_left_out_of_the_training_window() -> None:
