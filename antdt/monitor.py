@@ -13,24 +13,36 @@ the time since the worker's previous commit (or since it became a lease holder),
 ``rows / batch_rows``. The batch processing time (BPT) of a window is ``busy_s / batches`` summed
 over the window, its rate ``rows / busy_s``.
 
+A worker's first ``warm-up-batches`` batches (the commits that reach that count) are its warm-up
+and are not measured: they pay one-time costs beyond the first batch's (the first row groups
+read, the first sync round joined, the allocator growing). While a lease holder is in its
+warm-up (from its lease, imports and first batch included, until its warm-up ends or it is
+hung), no other worker's commits are measured either: on a shared machine its cold start takes
+their CPU. With windows of 150 ms on two cores, a healthy worker's first five batches took five
+times its later BPT over two windows, and another's took twice its peer's while a third worker
+started; each was retired as a persistent straggler. The warm-up is counted in batches, so it
+is as long on a slow machine as on a fast one, and it leaves the rest of the window it falls in
+to be judged; a join costs every worker a few batches of evidence, a worker stuck in its
+warm-up only until its hang timeout.
+
 Windows and verdicts
 --------------------
 Time is cut into windows of ``window`` seconds, closed by :meth:`Monitor.update` (the controller
 calls it every tick). When a window closes:
 
-* every worker that committed in it gets a sample ``(BPT, rows, busy_s)``; the last ``history``
-  samples are its sliding window (its rate is taken over them);
+* every worker that committed measured batches in it (past its warm-up) gets a sample
+  ``(BPT, rows, busy_s)``; the last ``history`` samples are its sliding window (its rate is
+  taken over them);
 * the cluster median BPT is the median over those workers;
 * a worker is **slow** in the window if its BPT is above ``slow-factor`` x the median BPT of the
   *other* workers: a worker is judged against its peers, not against a median it pulls up itself
   (with two workers, one at 2x the other's BPT is 1.33x the median of both, but 2x its peer's).
   A lease holder that is still training but committed nothing for the whole window is slow too
   (its evidence BPT is the time since its last commit, a lower bound); any other silent worker
-  gives no evidence and keeps its verdict, and so does a holder before its first commit: a
-  worker's first batch pays one-time costs (imports, the first use of its kernels, its first
-  row group), and a healthy worker judged by it was retired within windows of 150 ms. A worker
-  stuck before its first commit is hung once its timeout passes. A worker with no measured peer
-  gets no verdict;
+  gives no evidence and keeps its verdict, and so does a holder before its warm-up ends (its
+  first batch alone pays imports and the first use of its kernels: a healthy worker judged by
+  that silence was retired within windows of 150 ms). A worker stuck in its warm-up is hung
+  once its timeout passes. A worker with no measured peer gets no verdict;
 * ``streak`` counts consecutive slow windows: 0 is :attr:`WorkerState.OK`, 1 to ``k - 1`` is
   :attr:`WorkerState.TRANSIENT`, ``k`` (``persistent-windows``) or more is
   :attr:`WorkerState.PERSISTENT`.
@@ -114,14 +126,15 @@ class MonitorSettings:
     persistent_windows: int = 3
     hang_factor: float = 5.0
     hang_floor_s: float = 5.0
+    warm_up_batches: int = 8
 
     def __post_init__(self) -> None:
         if not (self.window_s > 0 and self.history >= 1 and self.slow_factor > 1
                 and self.persistent_windows >= 1 and self.hang_factor > 1
-                and self.hang_floor_s > 0):
+                and self.hang_floor_s > 0 and self.warm_up_batches >= 0):
             raise ConfigError(f"monitor settings out of range (window_s > 0, history >= 1, "
                               f"slow_factor > 1, persistent_windows >= 1, hang_factor > 1, "
-                              f"hang_floor_s > 0), found {self}")
+                              f"hang_floor_s > 0, warm_up_batches >= 0), found {self}")
 
     @classmethod
     def from_config(cls) -> MonitorSettings:
@@ -131,7 +144,9 @@ class MonitorSettings:
                    persistent_windows=int(config.number("antdt.monitor.persistent-windows",
                                                         low=1, integer=True)),
                    hang_factor=config.number("antdt.monitor.hang-factor", low=1.0),
-                   hang_floor_s=config.seconds("antdt.monitor.hang-floor"))
+                   hang_floor_s=config.seconds("antdt.monitor.hang-floor"),
+                   warm_up_batches=int(config.number("antdt.monitor.warm-up-batches",
+                                                     integer=True)))
 
 
 @dataclass(slots=True)
@@ -141,6 +156,8 @@ class _Track:
     since: float
     """When it was last seen becoming a lease holder."""
     history: int
+    warm_up: float
+    """Batches of its warm-up still to come (<= 0: over)."""
     rows: int = 0
     busy: float = 0.0
     batches: float = 0.0
@@ -203,14 +220,15 @@ class Monitor:
     >>> now = [0.0]
     >>> monitor = Monitor(lambda: now[0], batch_rows=10,
     ...                   settings=MonitorSettings(window_s=10, persistent_windows=2))
-    >>> for t in range(1, 10):
+    >>> for t in range(1, 11):
     ...     now[0] = float(t)
-    ...     for worker, rows in (("a", 10), ("b", 10), ("c", 3)):  # c: 1/3 of the speed
+    ...     for worker, rows in (("a", 100), ("b", 100), ("c", 30)):  # c: 1/3 of the speed
     ...         monitor.observe(CommitEvent(worker, 0, 0, rows, {}, now[0]))
-    >>> now[0] = 10.0
     >>> monitor.update(["a", "b", "c"])
     >>> monitor.health("c").state, monitor.health("a").state
     (<WorkerState.TRANSIENT: 'transient'>, <WorkerState.OK: 'ok'>)
+    >>> monitor.health("c").rate  # of the commits after its warm-up (its first 9 batches)
+    30.0
     """
 
     def __init__(self, clock: Clock, *, batch_rows: int,
@@ -222,6 +240,8 @@ class Monitor:
         self._clock = clock
         self._tracks: dict[str, _Track] = {}
         self._flagged: set[str] = set()
+        self._warming: set[str] = set()
+        """Holders in their warm-up and not hung: while there are any, no commit is measured."""
         self._window_end = clock() + self.settings.window_s
         self._updates = 0
         self.windows = 0
@@ -240,7 +260,7 @@ class Monitor:
         worker, rows, stats, now = event.worker, event.rows, event.stats, event.time
         track = self._tracks.get(worker)
         if track is None:
-            track = self._tracks[worker] = _Track(now, self.settings.history)
+            track = self._new_track(worker, now)
         last = track.last_commit
         if rows > 0:
             since = track.since
@@ -249,13 +269,19 @@ class Monitor:
                 gap = track.gap
                 track.gap = elapsed if gap is None else \
                     GAP_WEIGHT * elapsed + (1 - GAP_WEIGHT) * gap
-            track.rows += rows
             if stats:
-                track.busy += float(stats.get(BUSY, elapsed))
-                track.batches += float(stats.get(BATCHES, rows / self.batch_rows))
+                busy = float(stats.get(BUSY, elapsed))
+                batches = float(stats.get(BATCHES, rows / self.batch_rows))
             else:  # the common case, without a lookup per stat
-                track.busy += elapsed
-                track.batches += rows / self.batch_rows
+                busy, batches = elapsed, rows / self.batch_rows
+            if track.warm_up > 0:
+                track.warm_up -= batches
+                if track.warm_up <= 0:
+                    self._warming.discard(worker)
+            elif not self._warming:
+                track.rows += rows
+                track.busy += busy
+                track.batches += batches
         track.last_commit = now
 
     def update(self, holders: Iterable[str], training: Callable[[str], bool] = _always) -> None:
@@ -273,10 +299,11 @@ class Monitor:
         self._updates += 1
         updates, tracks, settings = self._updates, self._tracks, self.settings
         floor, factor, median_gap = settings.hang_floor_s, settings.hang_factor, self.median_gap
+        warming = self._warming
         for worker in holding:  # every holder at every tick: hot, hence the locals
             track = tracks.get(worker)
             if track is None:
-                track = tracks[worker] = _Track(now, settings.history)
+                track = self._new_track(worker, now)
             elif track.seen_update != updates - 1:
                 track.since = now  # it (re)became a holder since the last update
             track.seen_update = updates
@@ -293,16 +320,23 @@ class Monitor:
                     logger.info("worker %s hung: no commit for %.1fs (timeout %.1fs)", worker,
                                 track.silent, track.timeout)
                 self._flag(worker, track)
+            if track.warm_up > 0:
+                if hung:
+                    warming.discard(worker)
+                else:
+                    warming.add(worker)
         for worker in [w for w in self._flagged if tracks[w].seen_update != updates]:
             track = tracks[worker]  # no longer a holder: cannot be hung
             if track.hung:
                 track.hung = False
                 self._flag(worker, track)
+        warming.difference_update([w for w in warming if tracks[w].seen_update != updates])
 
     def forget(self, worker: str) -> None:
         """The worker left the cluster."""
         self._tracks.pop(worker, None)
         self._flagged.discard(worker)
+        self._warming.discard(worker)
 
     # ---- output -------------------------------------------------------------------------------
 
@@ -339,6 +373,11 @@ class Monitor:
 
     # ---- internals ----------------------------------------------------------------------------
 
+    def _new_track(self, worker: str, now: float) -> _Track:
+        track = self._tracks[worker] = _Track(now, self.settings.history,
+                                              float(self.settings.warm_up_batches))
+        return track
+
     def _health(self, worker: str, track: _Track) -> Health:
         state = WorkerState.HUNG if track.hung else track.verdict
         return Health(worker, state, track.bpt, track.median, track.window, track.streak,
@@ -365,7 +404,7 @@ class Monitor:
                 bpts.append(bpt)
                 rates.append(track.rows / track.busy)
                 measured.append((worker, track, bpt, True))
-            elif worker in holders and track.last_commit is not None:
+            elif worker in holders and track.last_commit is not None and track.warm_up <= 0:
                 last = max(track.last_commit, track.since)
                 if end - last >= self.settings.window_s and training(worker):
                     measured.append((worker, track, end - last, False))

@@ -28,6 +28,13 @@ Scenarios (each on a fresh cluster):
                  checkpoint on a new cluster (as ``--resume`` does), where one more worker
                  process is killed.
 
+A kill that waits for a moment of the job (the joiner's first batch, a share of the resumed
+job) must come before the job's end, however slow the machine (a joiner's start takes seconds
+of imports on two busy cores): the workers that could finish the job first are gated by an
+injected pause (:class:`~antdt.agent.Faults` ``pause_until``). Past a share of the rows that
+leaves the rest of the job undone, each waits, holding no lease, for a Dask ``Event`` set once
+the kill is made (or is killed itself), so the job cannot end before it.
+
 ``--seconds`` bounds the run: the scenarios follow each other in that order, again and again,
 until the time is spent (each at least once). The JSON reports, in all and per scenario, the runs,
 the kills and hangs made, the rows checked (rows x epochs) and the discrepancies found (target:
@@ -54,6 +61,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 import yaml
+from distributed import Event
 
 from antdt.agent import event_topic
 from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec, checkpoints
@@ -351,9 +359,14 @@ def hang(run: Run) -> dict[str, Any]:
 
 
 def lone(run: Run) -> dict[str, Any]:
+    # either of the two may be left alone: each trains at most half the job's rows (the other
+    # has trained under a third when it dies), then waits for an event nobody sets: the lone
+    # one is killed, paused or not, once the joiner trained
+    gate = {"pause_until": f"{run.job_id}-never", "pause_after_rows": run.rows * EPOCHS // 2}
     processes, commands = run.cluster(3)
     with processes, JobClient(processes.address) as jobs:
-        jobs.submit(run.spec(workers=2), job_id=run.job_id)  # the third waits to replace one
+        # the third worker waits to replace one
+        jobs.submit(run.spec(workers=2, faults={0: gate, 1: gate}), job_id=run.job_id)
         if run.at_share(jobs, run.rng.uniform(0.1, 0.3))["state"] in FINAL:
             return run.end(jobs)
         training = [agent["worker"] for agent in jobs.status(run.job_id)["agents"]]
@@ -396,13 +409,20 @@ def scheduler(run: Run) -> dict[str, Any]:
         run.kills += 1
     manifest = checkpoints.latest(folder, ignore)  # a newer one torn by the kill is skipped
     assert manifest is not None, "a checkpoint was complete before the kill"
+    done = manifest.rows["trained"] / (run.rows * EPOCHS)
+    # each worker trains at most a quarter of the rest, then waits for the kill, which comes
+    # at 10% to 40% of the rest
+    killed_gate = f"{run.job_id}-killed"
+    gate = {"pause_until": killed_gate,
+            "pause_after_rows": int((1 - done) * run.rows * EPOCHS / 4)}
     processes, commands = run.cluster(2)
     with processes, JobClient(processes.address) as jobs:
         jobs.submit(dataclasses.replace(spec, plan=dataclasses.replace(
-            spec.plan, resume=manifest.path)), job_id=run.job_id)
-        done = manifest.rows["trained"] / (run.rows * EPOCHS)
-        if run.at_share(jobs, done + run.rng.uniform(0.05, 0.2))["state"] not in FINAL:
+            spec.plan, resume=manifest.path, faults={0: gate, 1: gate})), job_id=run.job_id)
+        share = done + (1 - done) * run.rng.uniform(0.1, 0.4)
+        if run.at_share(jobs, share)["state"] not in FINAL:
             run.kill_process(processes, run.rng.choice(commands))
+        Event(killed_gate, client=jobs.client).set()
         return run.end(jobs)
 
 

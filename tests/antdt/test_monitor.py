@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import dask.config
 import pytest
 
@@ -10,7 +12,8 @@ from antdt.monitor import Monitor, MonitorSettings, WorkerState
 from antdt.sharding import CommitEvent
 
 SETTINGS = MonitorSettings(window_s=10.0, history=3, slow_factor=1.5, persistent_windows=3,
-                           hang_factor=4.0, hang_floor_s=5.0)
+                           hang_factor=4.0, hang_floor_s=5.0, warm_up_batches=0)
+"""Workers judged from their first window (the warm-up has its own test)."""
 
 
 class Clock:
@@ -151,7 +154,8 @@ def test_new_holder_is_timed_from_when_it_leased() -> None:
 
 def test_silent_holder_is_slow_in_the_window() -> None:
     clock = Clock()
-    settings = MonitorSettings(window_s=10.0, persistent_windows=2, hang_floor_s=100.0)
+    settings = MonitorSettings(window_s=10.0, persistent_windows=2, hang_floor_s=100.0,
+                               warm_up_batches=0)
     monitor = Monitor(clock, batch_rows=10, settings=settings)
     monitor.update(["a", "b", "stuck"])
     monitor.observe(CommitEvent("stuck", 0, 0, 10, {}, 0.0))  # one batch, then nothing
@@ -171,7 +175,8 @@ def test_a_holder_before_its_first_commit_is_not_judged_by_its_silence() -> None
     """A cold worker's first batch (imports, first kernels, first row group) is slow: no
     verdict until it commits, but a worker that never commits is hung after its timeout."""
     clock = Clock()
-    settings = MonitorSettings(window_s=1.0, persistent_windows=2, hang_floor_s=5.0)
+    settings = MonitorSettings(window_s=1.0, persistent_windows=2, hang_floor_s=5.0,
+                               warm_up_batches=0)
     monitor = Monitor(clock, batch_rows=10, settings=settings)
     monitor.update(["a", "b", "cold"])
     run(monitor, clock, 4, {"a": 10, "b": 10}, holders=["a", "b", "cold"])
@@ -180,6 +185,93 @@ def test_a_holder_before_its_first_commit_is_not_judged_by_its_silence() -> None
     run(monitor, clock, 2, {"a": 10, "b": 10}, holders=["a", "b", "cold"])
     assert monitor.health("cold").state is WorkerState.HUNG  # silent 6 s > the 5 s floor
     assert [h.worker for h in monitor.flagged()] == ["cold"]
+
+
+def feed(monitor: Monitor, clock: Clock, seconds: range,
+         batches: Callable[[int], dict[str, int]], holders: list[str]) -> None:
+    """Each second, every worker in ``batches(second)`` commits 1 s of training in that many
+    batches (none for 0), then a controller tick sees ``holders``."""
+    for second in seconds:
+        clock.now = float(second)
+        for worker, n in batches(second).items():
+            if n:
+                monitor.observe(CommitEvent(worker, 0, 0, 10 * n, {"busy_s": 1.0, "batches": n},
+                                            clock.now))
+        monitor.update(holders)
+
+
+def test_a_worker_is_not_judged_by_its_warm_up_batches() -> None:
+    """A healthy worker whose first batches are cold (5x its later BPT) for two windows is not
+    a persistent straggler; a worker slow throughout is, once its warm-up is over."""
+    holders = ["a", "b", "cold", "slow"]
+
+    def batches(second: int) -> dict[str, int]:
+        return {"a": 10, "b": 10, "cold": 2 if second <= 2 else 10, "slow": 3}
+
+    # with the warm-up, slow's first three commits (9 batches) are not measured and windows
+    # 3 and 4 judge it; without, windows 0 to 4 do
+    for warm_up, cold_start, streak in ((8, WorkerState.OK, 2), (0, WorkerState.PERSISTENT, 5)):
+        clock = Clock()
+        monitor = Monitor(clock, batch_rows=10, settings=MonitorSettings(
+            window_s=1.0, persistent_windows=2, hang_floor_s=100.0, warm_up_batches=warm_up))
+        monitor.update(holders)
+        feed(monitor, clock, range(1, 3), batches, holders)  # cold's BPT 0.5 s, the others' 0.1
+        cold = monitor.health("cold")
+        assert cold is not None and cold.state is cold_start, warm_up
+        feed(monitor, clock, range(3, 6), batches, holders)
+        cold, slow = monitor.health("cold"), monitor.health("slow")
+        assert cold is not None and cold.state is WorkerState.OK and cold.window == 4, warm_up
+        assert slow is not None and slow.state is WorkerState.PERSISTENT and slow.window == 4
+        assert slow.streak == streak and [h.worker for h in monitor.flagged()] == ["slow"]
+        assert monitor.median_bpt == pytest.approx(0.1)
+
+
+def test_no_worker_is_measured_while_a_peer_warms_up() -> None:
+    """A worker that joins takes its peers' CPU on a shared machine until its warm-up ends: a
+    peer slowed down (2x) meanwhile is not a straggler."""
+    holders = ["a", "b", "c", "joiner"]
+
+    def batches(second: int) -> dict[str, int]:  # joiner leases at 2, trains from 5
+        return {"a": 10, "b": 10, "c": 5 if 3 <= second <= 4 else 10,
+                "joiner": 10 if second >= 5 else 0}
+
+    for warm_up, contended in ((8, WorkerState.OK), (0, WorkerState.PERSISTENT)):
+        clock = Clock()
+        monitor = Monitor(clock, batch_rows=10, settings=MonitorSettings(
+            window_s=1.0, persistent_windows=2, hang_floor_s=100.0, warm_up_batches=warm_up))
+        monitor.update(holders[:3])
+        feed(monitor, clock, range(1, 2), batches, holders[:3])
+        feed(monitor, clock, range(2, 5), batches, holders)
+        c = monitor.health("c")
+        assert c is not None and c.state is contended, warm_up
+        feed(monitor, clock, range(5, 8), batches, holders)
+        c = monitor.health("c")
+        assert c is not None and c.state is WorkerState.OK and c.window == 6
+        assert monitor.flagged() == []
+
+
+def test_a_worker_stuck_in_its_warm_up_is_hung_and_then_its_peers_are_judged() -> None:
+    """Stuck after two batches, a worker is not judged by its silence (its warm-up) and holds
+    its peers' measurements back only until it is hung."""
+    holders = ["a", "b", "slow", "stuck"]
+
+    def batches(second: int) -> dict[str, int]:
+        return {"a": 10, "b": 10, "slow": 3, "stuck": 2 if second == 1 else 0}
+
+    clock = Clock()
+    monitor = Monitor(clock, batch_rows=10, settings=MonitorSettings(
+        window_s=1.0, persistent_windows=2, hang_factor=2.0, hang_floor_s=3.5, warm_up_batches=8))
+    monitor.update(holders)
+    feed(monitor, clock, range(1, 5), batches, holders)
+    stuck, slow = monitor.health("stuck"), monitor.health("slow")
+    assert stuck is not None and stuck.state is WorkerState.OK and stuck.window is None
+    assert slow is not None and slow.window is None and monitor.flagged() == []
+    feed(monitor, clock, range(5, 8), batches, holders)  # hung at 5: silent 4 s > 3.5 s
+    stuck, slow = monitor.health("stuck"), monitor.health("slow")
+    assert stuck is not None and stuck.state is WorkerState.HUNG and stuck.window is None
+    assert slow is not None and slow.state is WorkerState.PERSISTENT and slow.window == 6
+    assert slow.bpt == pytest.approx(1 / 3) and slow.median == pytest.approx(0.1)
+    assert [h.worker for h in monitor.flagged()] == ["stuck", "slow"]
 
 
 def test_forget_drops_the_worker() -> None:
@@ -194,9 +286,12 @@ def test_forget_drops_the_worker() -> None:
 
 def test_settings_come_from_dask_config() -> None:
     with dask.config.set({"antdt.monitor.slow-factor": 5.0, "antdt.monitor.window": "4s",
-                          "antdt.monitor.persistent-windows": 1}):
+                          "antdt.monitor.persistent-windows": 1,
+                          "antdt.monitor.warm-up-batches": 0}):
         settings = MonitorSettings.from_config()
-    assert (settings.slow_factor, settings.window_s, settings.persistent_windows) == (5.0, 4.0, 1)
+    assert (settings.slow_factor, settings.window_s, settings.persistent_windows,
+            settings.warm_up_batches) == (5.0, 4.0, 1, 0)
+    assert MonitorSettings.from_config().warm_up_batches == MonitorSettings().warm_up_batches
     clock = Clock()
     monitor = Monitor(clock, batch_rows=10, settings=settings)
     run(monitor, clock, 8, {"a": 10, "b": 10, "slow": 3})  # 3.3x slower: not slow at 5x
@@ -206,3 +301,6 @@ def test_settings_come_from_dask_config() -> None:
             MonitorSettings.from_config()
     with pytest.raises(ConfigError, match="slow_factor > 1"):
         MonitorSettings(slow_factor=0.5)
+    with dask.config.set({"antdt.monitor.warm-up-batches": 2.5}):
+        with pytest.raises(ConfigError, match="antdt.monitor.warm-up-batches.*2.5"):
+            MonitorSettings.from_config()

@@ -20,7 +20,8 @@ from antdt.monitor import Monitor, MonitorSettings
 from antdt.sharding import Claim, JobState, Lease, Revoked, ShardLedger
 
 SETTINGS = MonitorSettings(window_s=10.0, history=3, slow_factor=1.5, persistent_windows=3,
-                           hang_factor=4.0, hang_floor_s=5.0)
+                           hang_factor=4.0, hang_floor_s=5.0, warm_up_batches=0)
+"""Workers judged from their first window."""
 
 
 class Clock:
