@@ -299,6 +299,7 @@ class SyncMode(EverySynced):
         self.steps = 0
         self._waited_s = 0.0
         self._request: _Request | None = None
+        self._joined = False  # this rank initialised the process's default group
         self._lock = threading.Lock()
         self._timeout_s = config.seconds("antdt.sync-steps.collective-timeout")
 
@@ -330,6 +331,7 @@ class SyncMode(EverySynced):
         try:
             dist.init_process_group(backend, store=store, rank=self.rank,
                                     world_size=len(self.workers), timeout=forming)
+            self._joined = True
             self.trainer = self.make_trainer(self.device)  # type: ignore[assignment]
             dist.barrier()  # every rank built its shards: the steps' timeout holds from here
             _set_pg_timeout(datetime.timedelta(seconds=self._timeout_s))
@@ -482,9 +484,11 @@ class SyncMode(EverySynced):
             request.done.set()
 
     def leave(self) -> None:
-        """Leave the process group (a later job, or this one formed again, makes a new one)."""
+        """Leave the process group this rank joined (a later job, or this one formed again,
+        makes a new one); a group another job's rank made here stays."""
         self.trainer = None
-        if dist.is_initialized():
+        if self._joined:
+            self._joined = False
             dist.destroy_process_group()
 
     def check(self) -> None:
