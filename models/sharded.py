@@ -54,7 +54,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torchrec.datasets.utils import Batch
-from torchrec.distributed import comm_ops
+from torchrec.distributed import collective_utils, comm_ops
 from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
@@ -261,6 +261,11 @@ class ShardedTrainStep:
         dist.all_gather_object(capacities, _rank_memory(device, memory_bytes, self.world_size),
                                group=group)
         plan = _plan(model, self._tables, sharder, kinds, device, capacities, group)
+        # DMP's first construction in a process broadcasts a setting from rank 0 and remembers
+        # it process-wide: a group formed again from a survivor (which remembers) and a fresh
+        # process (which broadcasts) would wait in different collectives for ever. Every rank
+        # of every group takes part in the broadcast.
+        collective_utils._INITIALIZED = False
         self.model = DistributedModelParallel(
             model, env=_sharding_env(group, device), device=device, plan=plan, sharders=[sharder])
         # The sharded tables start from the planner's own initialisation: give them the seeded
