@@ -1,16 +1,20 @@
 """What the ranks of the sharded-step tests run (``from sharded_ranks import ...``): module-level
 functions for :class:`ranks.Ranks`, and the model and global batches they share with the test
-process, which trains a plain :class:`TrainStep` on the same rows to compare."""
+process, which trains a plain :class:`TrainStep` on the same rows to compare; and how a rank's
+own time is measured around a collective (the synchronous mode's step loop)."""
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from antdt.agent.modes.synchronous import own_seconds
 from antdt.errors import ConfigError
 from models.config import ModelConfig, OptimConfig
 from models.sharded import ShardedTrainStep
@@ -107,6 +111,18 @@ def refusal(group: Group, ranks: int, memory_bytes: int) -> str | None:
     except ConfigError as error:
         return str(error)
     return None
+
+
+def wait_in_a_collective(group: Group, compute_s: float) -> tuple[float, float]:
+    """The last rank computes (spins) for ``compute_s`` seconds, then every rank all-reduces:
+    this rank's wall seconds and own seconds (:func:`own_seconds`) from the start to the end
+    of the all-reduce."""
+    began, own_began = time.perf_counter(), own_seconds()
+    if group.rank == group.world_size - 1:
+        while time.perf_counter() - began < compute_s:
+            pass
+    dist.all_reduce(torch.ones(1))
+    return time.perf_counter() - began, own_seconds() - own_began
 
 
 def assert_states_close(found: Any, expected: Any, *, rtol: float = 1e-5,

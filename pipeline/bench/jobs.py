@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -88,13 +89,15 @@ def with_train(job: JobConfig, *, sharding: Sharding | None = None,
 class Outcome:
     """One benchmark run: its summary, its agents (rows, busy seconds, start and end), when
     each worker's first lease started and when the last lease that trained rows ended (seconds
-    after training started), and why the driver stopped it, if it did."""
+    after training started), why the driver stopped it, if it did, and (sync mode) each
+    agent's last local batch as the controller set it (None: it set none), in ``slots`` order."""
 
     summary: JobSummary
     slots: list[AgentRecord]
     first_lease: dict[str, float]
     last_row: float | None
     stopped: str | None
+    batch_rows: tuple[int | None, ...] = ()
 
     def training_cpu(self) -> dict[str, float]:
         """Where the agents' training threads spent their busy seconds: ``cpu_share``, the CPU
@@ -105,6 +108,14 @@ class Outcome:
         cpu = sum(slot.cpu_s for slot in self.slots)
         return {"cpu_share": round(cpu / busy, 3) if busy else 0.0,
                 "cpu_us_per_row": round(cpu / rows * 1e6, 3) if rows else 0.0}
+
+    def steady_rate(self) -> float:
+        """Samples per second of the training seconds without the fixed costs
+        (:meth:`overhead`): the rate the run held once every agent trained; nan when a fixed
+        cost is unknown or no time is left."""
+        fixed = self.overhead()["fixed_s"]
+        seconds = self.summary.train_s - fixed if fixed is not None else math.nan
+        return self.summary.rows_trained / seconds if seconds > 0 else math.nan
 
     def overhead(self) -> dict[str, float | None]:
         """The job's fixed costs inside its training seconds: ``start_s`` until every agent
@@ -129,7 +140,8 @@ def run_async(job: JobConfig, workers: int, *, deadline_s: float | None = None,
             JobClient(client) as jobs:
         record = jobs.follow(jobs.submit(spec)["job"]["job_id"])
     return Outcome(outcome(record), [AgentRecord.of(a) for a in record["agents"]],
-                   record["first_lease"], record["last_row"], record["stopped"])
+                   record["first_lease"], record["last_row"], record["stopped"],
+                   tuple(w["batch_rows"] for w in record["workers"]))
 
 
 def pin_process(cpus: set[int]) -> None:

@@ -6,6 +6,10 @@ starting, the final sync round) weigh three times as much.
 worker count, one thread each), takes the workers' summed training rate from it (each agent's
 rows over its busy seconds, as the straggler benchmark's ideal time does) and sizes the
 synthetic dataset so that perfect sharing of that capacity trains it in ``target_s`` seconds.
+A synchronous benchmark calibrates on a synchronous job (equal local batches, no fault): its
+ranks step together, so its rate is the job's rows over its training seconds less the fixed
+costs (:meth:`~pipeline.bench.jobs.Outcome.steady_rate`), and ``target_s`` is that many seconds
+of fault-free synchronous training.
 Row counts are rounded to two significant digits, so that runs of similar machines reuse one
 synthetic dataset (made once in ``.antdt-bench/synthetic-ROWS``).
 """
@@ -16,7 +20,9 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
+
+import click
 
 from data.files import expand, row_groups
 from pipeline.bench.jobs import Outcome, echo, run_async, synthetic_job, with_train
@@ -85,14 +91,20 @@ def train_rows(job: JobConfig) -> int:
 
 
 def calibrate(workers: int, target_s: float, *, overrides: Sequence[str] = (),
-              quiet: bool = False) -> Calibration:
+              quiet: bool = False, mode: Literal["async", "sync"] = "async") -> Calibration:
     """Size a synthetic job for ``target_s`` seconds of ideal training on ``workers`` workers
-    of this machine (the module docstring)."""
-    echo(f"calibrating: {CALIBRATION_ROWS:,} rows on {workers} workers", quiet)
-    job = with_train(synthetic_job(None, rows=CALIBRATION_ROWS, overrides=overrides),
-                     mode="async", sharding="pull")
+    of this machine in ``mode`` (the module docstring)."""
+    echo(f"calibrating: {CALIBRATION_ROWS:,} rows on {workers} workers ({mode} mode)", quiet)
+    job = synthetic_job(None, rows=CALIBRATION_ROWS, overrides=overrides)
     began = time.perf_counter()
-    rate = capacity(run_async(job, workers))
+    if mode == "sync":
+        rate = run_async(with_train(job, mode="sync", adaptive_batch=False, faults=()),
+                         workers).steady_rate()
+    else:
+        rate = capacity(run_async(with_train(job, mode="async", sharding="pull"), workers))
+    if not rate > 0:
+        raise click.ClickException(f"calibration measured no training rate ({rate} samples/s "
+                                   f"on {workers} workers, {mode} mode); give --rows instead")
     rows = rows_for(rate, target_s)
     echo(f"calibrated: {rate:,.0f} samples/s on {workers} workers; {rows:,} rows for "
          f"{target_s:g}s of training", quiet)
@@ -100,13 +112,14 @@ def calibrate(workers: int, target_s: float, *, overrides: Sequence[str] = (),
 
 
 def sized_job(workers: int, target_s: float, rows: int | None, data_dir: str | None,
-              overrides: Sequence[str], quiet: bool) -> tuple[JobConfig, Sizing]:
-    """The benchmark's async synthetic job: of ``rows`` rows if given, else calibrated for
-    ``target_s`` seconds on ``workers`` workers; with how it was sized."""
+              overrides: Sequence[str], quiet: bool,
+              mode: Literal["async", "sync"] = "async") -> tuple[JobConfig, Sizing]:
+    """The benchmark's synthetic job in ``mode``: of ``rows`` rows if given, else calibrated
+    for ``target_s`` seconds on ``workers`` workers; with how it was sized."""
     calibration = None
     size = rows
     if size is None:
-        calibration = calibrate(workers, target_s, overrides=overrides, quiet=quiet)
+        calibration = calibrate(workers, target_s, overrides=overrides, quiet=quiet, mode=mode)
         size = calibration.rows
-    job = with_train(synthetic_job(data_dir, rows=size, overrides=overrides), mode="async")
+    job = with_train(synthetic_job(data_dir, rows=size, overrides=overrides), mode=mode)
     return job, Sizing(size, train_rows(job), calibration)

@@ -30,13 +30,42 @@ way's time: it reports ``finished: false``, efficiency 0 and the rows it lost.
 With ``--repeats N`` every way runs N times per scenario, interleaved with the other ways; a
 way's figures are those of its median run (by efficiency); ``efficiencies`` lists every run's
 efficiency and ``fixed_costs`` every run's ``[start_s, tail_s]``.
+
+``--mode sync`` measures the synchronous mode (AntDT-DD) instead, scenarios ``none`` and
+``persistent`` only. Its ways: ``fixed`` (sync, equal local batches: ``train.adaptive_batch:
+false``, what TorchRec under torchrun does), ``adaptive`` (sync, the controller sizes each
+rank's local batch by its rate, the global batch unchanged) and ``async`` (the async mode with
+antdt sharding, the same job). A way's figure is its median run by ``samples_per_s`` (rows over
+the training seconds; ``steady_samples_per_s`` leaves the fixed costs out), every run's under
+``runs_samples_per_s``; a sync run also lists each worker's last local batch (``batch_rows``)
+and its own rate (``own_rates``: rows over its own seconds, what the controller balances), by
+worker index. The dataset is sized for ``--target-s`` seconds of fault-free synchronous
+training (a sync calibration run). Each scenario reports ``adaptive_over_fixed`` and
+``async_over_fixed`` (ratios of the medians, steady ones too) against its target (adaptive >=
+1.8x fixed with one worker 4x slower, >= 0.9x with none) and the ideal for this machine:
+
+* ``fault_free_samples_per_s``: the ``fixed`` way without the fault, run in the same
+  invocation and interleaved with the others (with no fault, the ``fixed`` way itself);
+* ``samples_per_s = fault_free x share``, ``share = (W - 1 + 1/s) / W``: the fluid ideal,
+  every worker's capacity used (``W`` workers, worker 0 ``s`` = ``--slowdown`` times slower)
+  with the work split perfectly: one worker's capacity shrinks to ``1/s``, the rest is kept;
+* ``over_fixed``: that ideal over the measured ``fixed`` rate, and ``fluid_over_fixed =
+  share x s``, the same ratio were ``fixed`` exactly ``1/s`` of the fault-free rate (a
+  synchronous step waits for its slowest rank): 3.25 with W = 4 and s = 4;
+* ``adaptive_of_ideal``, ``async_of_ideal``: the ways' rates over the ideal.
+
+The fluid ideal assumes all of a step's work follows the local batch; a rank's share of the
+global batch's embedding lookups (the tables it owns) does not, and neither do its fixed costs
+per step, so even perfect batch sizes stay below it. On a machine with fewer cores than ranks
+the fault-free rate is bounded by the cores, not by the ranks: a slow rank sleeping leaves its
+core to the others.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from typing import Any
+from typing import Any, Literal
 
 import click
 import dask
@@ -48,6 +77,13 @@ from pipeline.job.config import FaultConfig, JobConfig, Sharding
 
 SCENARIOS = ("none", "persistent", "transient", "hang", "crash", "contention")
 WAYS: tuple[Sharding, ...] = ("antdt", "pull", "static")
+SYNC_SCENARIOS = ("none", "persistent")
+SyncWay = Literal["fixed", "adaptive", "async"]
+SYNC_WAYS: tuple[SyncWay, ...] = ("fixed", "adaptive", "async")
+FAULT_FREE = "fault_free"
+"""The sync mode's extra way under a fault: ``fixed`` without it (the ideal's base)."""
+SYNC_TARGETS = {"none": 0.9, "persistent": 1.8}
+"""The sync mode's target for ``adaptive_over_fixed`` per scenario (issue 47)."""
 
 
 def scenario_faults(scenario: str, share: int, slowdown: float) -> list[FaultConfig]:
@@ -153,9 +189,125 @@ def run_scenario(job: JobConfig, name: str, ways: list[Sharding], workers: int,
     return {way: median_run(way_runs) for way, way_runs in runs.items()}
 
 
+def fluid_share(workers: int, slowdown: float) -> float:
+    """What of the fault-free rate perfect sharing keeps with one of ``workers`` workers
+    ``slowdown`` times slower: ``(W - 1 + 1/s) / W``.
+
+    >>> fluid_share(4, 4.0)
+    0.8125
+    """
+    return (workers - 1 + 1 / slowdown) / workers
+
+
+def sync_way_job(job: JobConfig, way: SyncWay, faults: list[FaultConfig]) -> JobConfig:
+    """``job`` as the sync mode's ``way`` runs it, with ``faults``."""
+    if way == "async":
+        return with_train(job, mode="async", sharding="antdt", faults=faults)
+    return with_train(job, mode="sync", adaptive_batch=way == "adaptive", faults=faults)
+
+
+def _rounded(value: float) -> int | None:
+    return None if math.isnan(value) else round(value)
+
+
+def run_sync_way(job: JobConfig, way: SyncWay, workers: int,
+                 faults: list[FaultConfig]) -> dict[str, Any]:
+    """One run of the sync mode's ``way``: its rates, rows, fixed costs and, by worker index,
+    each worker's own rate and last local batch."""
+    outcome = run_async(sync_way_job(job, way, faults), workers)
+    summary = outcome.summary
+    by_index = sorted(zip(outcome.slots, outcome.batch_rows or [None] * len(outcome.slots)),
+                      key=lambda pair: pair[0].index)
+    return {
+        "samples_per_s": round(summary.samples_per_s),
+        "steady_samples_per_s": _rounded(outcome.steady_rate()),
+        "wall_s": round(summary.train_s, 2), "finished": outcome.stopped is None,
+        "auc": round(summary.auc, 4), "rows_trained": summary.rows_trained,
+        "rows_lost": summary.rows_lost, "rows_retrained": summary.rows_retrained,
+        "own_rates": [round(slot.rows / slot.busy_s) if slot.busy_s > 0 else 0
+                      for slot, _ in by_index],
+        "batch_rows": [size for _, size in by_index],
+        **outcome.overhead(), "run_id": summary.run_id}
+
+
+def median_by_rate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median ``samples_per_s`` (the lower middle one of an even count), with every
+    run's under ``runs_samples_per_s``, in the order they ran."""
+    rates = [run["samples_per_s"] for run in runs]
+    return {**runs[rates.index(statistics.median_low(rates))], "runs_samples_per_s": rates}
+
+
+def sync_ratios(ways: dict[str, dict[str, Any]], scenario: str, workers: int,
+                slowdown: float) -> dict[str, Any]:
+    """The ratios of a sync-mode scenario's median runs ``ways`` and its ideal (the module
+    docstring)."""
+    out: dict[str, Any] = {}
+    fixed = ways.get("fixed")
+    if fixed is None:
+        return out
+    for way in ("adaptive", "async"):
+        if way in ways:
+            out[f"{way}_over_fixed"] = round(ways[way]["samples_per_s"]
+                                             / fixed["samples_per_s"], 3)
+            steady, base = ways[way]["steady_samples_per_s"], fixed["steady_samples_per_s"]
+            out[f"steady_{way}_over_fixed"] = round(steady / base, 3) if steady and base \
+                else None
+    if "adaptive_over_fixed" in out:
+        target = SYNC_TARGETS[scenario]
+        out["target"] = {"adaptive_over_fixed": target,
+                         "met": out["adaptive_over_fixed"] >= target}
+    base_run = ways.get(FAULT_FREE, fixed if scenario == "none" else None)
+    if base_run is None:
+        return out
+    share = fluid_share(workers, slowdown) if scenario == "persistent" else 1.0
+    ideal = base_run["samples_per_s"] * share
+    out["ideal"] = {"fault_free_samples_per_s": base_run["samples_per_s"],
+                    "share": round(share, 4), "samples_per_s": round(ideal),
+                    "over_fixed": round(ideal / fixed["samples_per_s"], 3),
+                    "fluid_over_fixed": round(share * slowdown if scenario == "persistent"
+                                              else 1.0, 3),
+                    **{f"{way}_of_ideal": round(ways[way]["samples_per_s"] / ideal, 3)
+                       for way in ("adaptive", "async") if way in ways}}
+    return out
+
+
+def run_sync_scenario(job: JobConfig, name: str, ways: list[SyncWay], workers: int,
+                      faults: list[FaultConfig], slowdown: float, repeats: int,
+                      quiet: bool) -> dict[str, Any]:
+    """Every way of one sync-mode scenario (and, under a fault, ``fixed`` without it),
+    ``repeats`` times interleaved: each way's median run and the ratios."""
+    order: list[tuple[str, SyncWay, list[FaultConfig]]] = [(way, way, faults) for way in ways]
+    if faults and "fixed" in ways:
+        order.append((FAULT_FREE, "fixed", []))
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in order}
+    for repeat in range(repeats):
+        for label, way, way_faults in order:
+            echo(f"{name}: {label} (repeat {repeat + 1}/{repeats})", quiet)
+            runs[label].append(run_sync_way(job, way, workers, way_faults))
+    medians = {way: median_by_rate(way_runs) for way, way_runs in runs.items()}
+    return {**medians, **sync_ratios(medians, name, workers, slowdown)}
+
+
+def sync_command(names: list[str], ways: list[SyncWay], workers: int, target_s: float,
+                 rows: int | None, data_dir: str | None, slowdown: float, monitor_window: str,
+                 repeats: int, overrides: tuple[str, ...], as_json: bool) -> None:
+    """``--mode sync``: every scenario's ways (the module docstring)."""
+    job, sizing = sized_job(workers, target_s, rows, data_dir, overrides, as_json, mode="sync")
+    result: dict[str, Any] = {"mode": "sync", "workers": workers, **sizing.as_dict(),
+                              "slowdown": slowdown, "monitor_window": monitor_window,
+                              "repeats": repeats, "scenarios": {}}
+    with dask.config.set({"antdt.monitor.window": monitor_window}):
+        for name in names:
+            faults = scenario_faults(name, sizing.train_rows // workers, slowdown)
+            result["scenarios"][name] = run_sync_scenario(job, name, ways, workers, faults,
+                                                          slowdown, repeats, as_json)
+    emit(result, as_json)
+
+
 @click.command("stragglers")
 @click.option("--scenario", "scenarios", default="persistent", show_default=True,
-              help=f"Comma-separated scenarios among {', '.join(SCENARIOS)}.")
+              help=f"Comma-separated scenarios among {', '.join(SCENARIOS)} (--mode sync: "
+                   f"{', '.join(SYNC_SCENARIOS)}).")
 @click.option("--workers", type=click.IntRange(min=2), default=4, show_default=True)
 @click.option("--target-s", type=click.FloatRange(min=1.0), default=30.0, show_default=True,
               help="Size the dataset for this many seconds of ideal training on this machine "
@@ -166,8 +318,14 @@ def run_scenario(job: JobConfig, name: str, ways: list[Sharding], workers: int,
               help="Where the synthetic data is made, then reused (default: "
                    ".antdt-bench/synthetic-ROWS).")
 @click.option("--slowdown", type=click.FloatRange(min=1.0), default=4.0, show_default=True)
-@click.option("--ways", default=",".join(WAYS), show_default=True,
-              help="Comma-separated ways to run (antdt first: it sets the others' deadline).")
+@click.option("--mode", type=click.Choice(["async", "sync"]), default="async",
+              show_default=True,
+              help="async: the sharding ways under each fault; sync: the synchronous mode's "
+                   "fixed and adaptive local batches and the async mode (module docstring).")
+@click.option("--ways", default=None,
+              help=f"Comma-separated ways to run (default: all of the mode's; async: "
+                   f"{','.join(WAYS)}, antdt first: it sets the others' deadline; sync: "
+                   f"{','.join(SYNC_WAYS)}).")
 @click.option("--deadline-factor", type=click.FloatRange(min=1.0), default=2.0,
               show_default=True)
 @click.option("--monitor-window", default="2s", show_default=True,
@@ -178,21 +336,34 @@ def run_scenario(job: JobConfig, name: str, ways: list[Sharding], workers: int,
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--json", "as_json", is_flag=True)
 def command(scenarios: str, workers: int, target_s: float, rows: int | None,
-            data_dir: str | None, slowdown: float,
-            ways: str, deadline_factor: float, monitor_window: str, repeats: int,
+            data_dir: str | None, slowdown: float, mode: str,
+            ways: str | None, deadline_factor: float, monitor_window: str, repeats: int,
             overrides: tuple[str, ...], as_json: bool) -> None:
     """Static, pull and antdt sharding under a straggler, a hang or a crash (efficiency =
     ideal_s / wall_s; targets with 4 workers, median of 3: persistent >= 0.92, the others >=
-    0.90; fixed costs <= 1 s a job)."""
+    0.90; fixed costs <= 1 s a job). With --mode sync: fixed and adaptive local batches and the
+    async mode (targets: adaptive >= 1.8x fixed under a persistent straggler, >= 0.9x with
+    none)."""
     names = scenarios.split(",")
+    known = SYNC_SCENARIOS if mode == "sync" else SCENARIOS
     for name in names:
-        if name not in SCENARIOS:
-            raise click.BadParameter(f"unknown scenario {name!r}; expected one of "
-                                     f"{list(SCENARIOS)}", param_hint="--scenario")
-    chosen = [w for w in WAYS if w in ways.split(",")]
+        if name not in known:
+            raise click.BadParameter(f"unknown scenario {name!r} for --mode {mode}; expected "
+                                     f"one of {list(known)}", param_hint="--scenario")
+    all_ways: tuple[str, ...] = SYNC_WAYS if mode == "sync" else WAYS
+    wanted = all_ways if ways is None else tuple(ways.split(","))
+    for way in wanted:
+        if way not in all_ways:
+            raise click.BadParameter(f"unknown way {way!r} for --mode {mode}; expected some "
+                                     f"of {list(all_ways)}", param_hint="--ways")
     if any(item.startswith("faults") for item in overrides):
         raise click.BadParameter("each scenario injects its own faults; leave faults out",
                                  param_hint="--set")
+    if mode == "sync":
+        sync_command(names, [w for w in SYNC_WAYS if w in wanted], workers, target_s, rows,
+                     data_dir, slowdown, monitor_window, repeats, overrides, as_json)
+        return
+    chosen = [w for w in WAYS if w in wanted]
     job, sizing = sized_job(workers, target_s, rows, data_dir, overrides, as_json)
     result: dict[str, Any] = {"workers": workers, **sizing.as_dict(), "slowdown": slowdown,
                               "monitor_window": monitor_window, "repeats": repeats,

@@ -18,12 +18,19 @@ The step, on every rank in lock-step (:class:`SyncMode.train`)::
     no rows on any rank: the job's end once every rank's ledger says so, else ask again
     step on the local batch with B = the rows of every rank (the trainer weights its loss by
         W / B: the step equals one step on the global batch however it is split)
-    commit the local rows; the rank's own time (all but the header's wait) goes to the monitor
+    commit the local rows; the rank's own time goes to the monitor
+
+A rank's own time is what its training thread ran or waited for a CPU (:func:`own_seconds`),
+not the wall time: inside the step the collectives (all-to-alls, DDP's all-reduce) make a rank
+wait for the rank with the most work, so every rank's step lasts about as long and a rank with
+a small batch would look as slow as the busiest one. An injected slowdown sleeps in proportion
+to the own time too, and that sleep counts as the rank's own (it stands for slower work).
 
 Adaptive batches. The controller's :class:`~antdt.controller.BalanceBatch` sets each worker's
-local batch in proportion to its measured rate, summing to the global batch (``batch_rows`` x
-ranks); rank 0 reads the sizes every ``antdt.sharding.commit-interval`` and sends them in the
-header, so every rank switches at the same step and each step's global batch stays the same.
+local batch in proportion to its measured rate (rows over own seconds), summing to the global
+batch (``batch_rows`` x ranks); rank 0 reads the sizes every ``antdt.sharding.commit-interval``
+and sends them in the header, so every rank switches at the same step and each step's global
+batch stays the same.
 
 What the ledger counts done. A rank's rows count as synced once their step completed: the model
 (its shards on every rank) holds them. A rank that dies takes its shards with it, so the job
@@ -64,6 +71,25 @@ logger = logging.getLogger(__name__)
 RETRY_S = 0.05
 """A rank told to wait for rows asks again after this long (it trains empty steps meanwhile);
 when no rank has rows, the request waits this long server side."""
+
+
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def own_seconds() -> float:
+    """Seconds the calling thread has run on a CPU or waited in the run queue for one (Linux's
+    ``/proc/thread-self/schedstat``: its first two fields, in nanoseconds); its CPU seconds
+    where the kernel does not keep that (then time spent waiting for a CPU goes uncounted).
+    Time the thread was blocked, in a collective waiting for its peers or asleep, is not counted.
+
+    It measures the training thread only: with ``train.threads`` > 1 torch's other threads'
+    work is missed. On a GPU the kernels' time is missed too (the thread waits for them)."""
+    try:
+        with open(_SCHEDSTAT, "rb") as f:
+            ran, waited = f.read().split()[:2]
+    except OSError:
+        return time.thread_time()
+    return (int(ran) + int(waited)) / 1e9
 
 
 class GroupBroken(AntdtError):
@@ -356,7 +382,7 @@ class SyncMode(EverySynced):
         interval = config.seconds("antdt.sharding.commit-interval")
         idle = False
         while True:
-            began = time.perf_counter()
+            began, own_began = time.perf_counter(), own_seconds()
             span = rows.take(sizes[self.rank], idle)
             batch = trainer.empty_batch() if span is None else \
                 agent.reader.read(span[0].path, span[0].row_group, span[1], span[2])
@@ -367,16 +393,14 @@ class SyncMode(EverySynced):
             header.set(self.rank, 0 if span is None else span[2] - span[1], new_sizes,
                        self._request is not None, rows.over and span is None,
                        agent.cancelled.is_set())
-            local_s = time.perf_counter() - began
+            local_s, own_local = time.perf_counter() - began, own_seconds() - own_began
             self._collective(lambda: dist.all_reduce(header.values), "the step's header")
-            after = time.perf_counter()
-            self._waited_s += after - began - local_s
+            self._waited_s += time.perf_counter() - began - local_s
             if header.cancelled():
                 return "cancelled"
             asker = header.checkpoint_by()
             if asker is not None:
                 self._checkpoint(agent, asker)
-                after = time.perf_counter()
             counts = header.rows()
             total = sum(counts)
             if header.sizes() is not None:
@@ -386,17 +410,18 @@ class SyncMode(EverySynced):
                 if header.over() == world:
                     return "finished" if agent.job_state() == "finished" else "stopped"
                 continue
-            cpu_started = time.thread_time()
+            cpu_started, own_started = time.thread_time(), own_seconds()
             loss = self._collective(lambda: trainer.step(batch, total), "the step")
             self.steps += 1
-            mine = counts[self.rank]
-            if span is None:
-                agent.count(0, time.perf_counter() - after + local_s, 0.0, math.nan)
-                continue
-            agent.faults.slow_down(agent.rows, time.perf_counter() - after + local_s)
+            own = own_local + own_seconds() - own_started
+            asleep = time.perf_counter()
+            agent.faults.slow_down(agent.rows, own)  # a slow rank is slow on empty steps too
+            busy = own + time.perf_counter() - asleep
             cpu = time.thread_time() - cpu_started
-            busy = time.perf_counter() - after + local_s
-            agent.count(mine, busy, cpu, loss)
+            if span is None:
+                agent.count(0, busy, cpu, math.nan)
+                continue
+            agent.count(counts[self.rank], busy, cpu, loss)
             rows.trained(span[2], busy)
             if agent.faults.fire(agent.rows):
                 return "cancelled"

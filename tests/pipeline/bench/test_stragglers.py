@@ -1,18 +1,24 @@
 """The straggler benchmark's arithmetic: the ideal time of perfect sharing and the faults of each
-scenario (the runs themselves are what ``antdt bench stragglers`` measures)."""
+scenario (the runs themselves are what ``antdt bench stragglers`` measures); a tiny run of its
+sync mode."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from pipeline.bench.jobs import Outcome
-from pipeline.bench.stragglers import (SCENARIOS, ideal_seconds, median_run, others_rate,
-                                       scenario_faults)
+from pipeline.cli.main import cli
+from pipeline.bench.stragglers import (FAULT_FREE, SCENARIOS, ideal_seconds, median_by_rate,
+                                       median_run, others_rate, scenario_faults, sync_ratios)
 from pipeline.job.config import FaultConfig
 from pipeline.job.report import JobSummary
 from pipeline.training.following import AgentRecord
+from waits import bounded
 
 
 def outcome(*slots: AgentRecord, first: dict[str, float] | None = None) -> Outcome:
@@ -76,3 +82,69 @@ def test_a_way_reports_its_median_run_and_every_run_s_efficiency_and_fixed_costs
     assert median_run(runs[:2])["run_id"] == "b"
     assert median_run(runs[:1]) == {**runs[0], "efficiencies": [0.9],
                                     "fixed_costs": [[0.3, 0.4]]}
+
+
+def way(rate: int, steady: int | None = None) -> dict[str, int | None]:
+    return {"samples_per_s": rate, "steady_samples_per_s": steady}
+
+
+def test_the_sync_ideal_keeps_every_worker_s_capacity_but_the_slow_one_s() -> None:
+    ways = {"fixed": way(1000, 1100), "adaptive": way(2000, 2420), "async": way(2500),
+            FAULT_FREE: way(4000)}
+    out = sync_ratios(ways, "persistent", workers=4, slowdown=4.0)
+    assert out["adaptive_over_fixed"] == 2.0 and out["async_over_fixed"] == 2.5
+    assert out["steady_adaptive_over_fixed"] == 2.2
+    assert out["steady_async_over_fixed"] is None  # a run without a steady rate
+    assert out["target"] == {"adaptive_over_fixed": 1.8, "met": True}
+    # (3 + 1/4) / 4 of the fault-free rate; were fixed exactly 1/4 of it, 3.25x fixed
+    assert out["ideal"] == {"fault_free_samples_per_s": 4000, "share": 0.8125,
+                            "samples_per_s": 3250, "over_fixed": 3.25,
+                            "fluid_over_fixed": 3.25, "adaptive_of_ideal": 0.615,
+                            "async_of_ideal": 0.769}
+
+
+def test_with_no_fault_the_fixed_way_is_the_ideal() -> None:
+    out = sync_ratios({"fixed": way(1000), "adaptive": way(850)}, "none", 4, 4.0)
+    assert out["adaptive_over_fixed"] == 0.85
+    assert out["target"] == {"adaptive_over_fixed": 0.9, "met": False}
+    assert out["ideal"]["samples_per_s"] == 1000 and out["ideal"]["over_fixed"] == 1.0
+    assert out["ideal"]["fluid_over_fixed"] == 1.0
+    # without the fixed way there is nothing to compare with
+    assert sync_ratios({"adaptive": way(850)}, "none", 4, 4.0) == {}
+
+
+def test_a_sync_way_reports_its_median_run_by_rate() -> None:
+    runs = [{"samples_per_s": 30, "run_id": "a"}, {"samples_per_s": 10, "run_id": "b"},
+            {"samples_per_s": 20, "run_id": "c"}, {"samples_per_s": 40, "run_id": "d"}]
+    assert median_by_rate(runs) == {**runs[2], "runs_samples_per_s": [30, 10, 20, 40]}
+
+
+@pytest.mark.slow
+def test_the_sync_bench_runs_every_way_and_the_fault_free_base(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers, worker 0 4x slower: fixed and adaptive local batches, the async mode and
+    fixed without the fault each train every row once; the ratios come from their rates."""
+    monkeypatch.chdir(tmp_path)  # MLflow's default store, in the working directory
+    result = bounded.call(CliRunner().invoke, cli, [
+        "bench", "stragglers", "--mode", "sync", "--scenario", "persistent", "--workers", "2",
+        "--rows", "10000", "--data", str(tmp_path / "data"), "--set", "train.batch_size=256",
+        "--set", "train.shard_rows=1024", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (out["mode"], out["workers"], out["train_rows"], out["repeats"]) == \
+        ("sync", 2, 7_500, 1)
+    scenario = out["scenarios"]["persistent"]
+    for name in ("fixed", "adaptive", "async", FAULT_FREE):
+        run = scenario[name]
+        assert run["finished"] and run["rows_trained"] == 7_500, (name, run)
+        assert run["rows_lost"] == run["rows_retrained"] == 0, (name, run)
+        assert run["runs_samples_per_s"] == [run["samples_per_s"]] and run["samples_per_s"] > 0
+        assert len(run["own_rates"]) == len(run["batch_rows"]) == 2
+    assert scenario["async"]["batch_rows"] == [None, None]  # no local batches in async
+    fixed = scenario["fixed"]["samples_per_s"]
+    assert scenario["adaptive_over_fixed"] == \
+        pytest.approx(scenario["adaptive"]["samples_per_s"] / fixed, abs=1e-3)
+    ideal = scenario["ideal"]
+    assert ideal["fault_free_samples_per_s"] == scenario[FAULT_FREE]["samples_per_s"]
+    assert ideal["share"] == 0.625 and ideal["fluid_over_fixed"] == 2.5  # (1 + 1/4) / 2
+    assert scenario["target"]["adaptive_over_fixed"] == 1.8
