@@ -1,13 +1,18 @@
-"""The synchronous mode's measure of a rank's own time, on a real gloo group of spawned ranks (the
-step loop itself runs in tests/pipeline/training/test_sync_mode.py)."""
+"""The synchronous mode's plain parts: the step header the ranks all-reduce, the split of a
+global batch, the scheduler's rendezvous, and the measure of a rank's own time on a real gloo
+group of spawned ranks (the step loop itself runs in
+tests/pipeline/training/test_sync_mode.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
+import torch
 
-from antdt.agent.modes.synchronous import own_seconds
+from antdt.agent.modes.synchronous import Rendezvous, SyncMaster, _Header, own_seconds
+from antdt.sharding import shares
 from ranks import Ranks
 from sharded_ranks import wait_in_a_collective
 
@@ -33,3 +38,55 @@ def test_a_rank_waiting_for_its_peer_in_a_collective_is_not_busy() -> None:
         (wall0, own0), (wall1, own1) = ranks.run(wait_in_a_collective, 0.5)
     assert wall0 >= 0.45 and own0 < 0.2 * wall0, (wall0, own0)
     assert own1 >= 0.45 and wall1 >= 0.45, (wall1, own1)
+
+
+def test_the_header_summed_over_ranks_says_what_each_rank_put_in() -> None:
+    ranks = [_Header(3) for _ in range(3)]
+    ranks[0].set(0, rows=100, sizes=[120, 100, 80], checkpoint=False, over=False,
+                 cancelled=False)
+    ranks[1].set(1, rows=0, sizes=None, checkpoint=True, over=True, cancelled=False)
+    ranks[2].set(2, rows=7, sizes=None, checkpoint=True, over=False, cancelled=True)
+    summed = _Header(3)
+    summed.values = torch.stack([h.values for h in ranks]).sum(0)  # what all_reduce(SUM) gives
+    assert summed.rows() == [100, 0, 7]
+    assert summed.sizes() == [120, 100, 80]
+    assert summed.checkpoint_by() == 1  # the first asking rank gathers the checkpoint
+    assert (summed.over(), summed.cancelled()) == (1, 1)
+    ranks[0].set(0, rows=5, sizes=None, checkpoint=False, over=False, cancelled=False)
+    assert ranks[0].sizes() is None and ranks[0].checkpoint_by() is None
+    assert ranks[0].rows() == [5, 0, 0]  # set() clears the previous step's values
+
+
+@pytest.mark.parametrize(("weights", "total", "parts"), [
+    ([1.0, 1.0, 1.0, 0.25], 64, [20, 19, 19, 6]),
+    ([3.0, 1.0], 8, [6, 2]),
+    ([0.0, 0.0], 5, [3, 2]),           # no evidence: an even split
+    ([1.0, 1e-9], 10, [9, 1]),         # every rank keeps at least one row
+])
+def test_a_global_batch_splits_by_weight_and_sums_exactly(weights: list[float], total: int,
+                                                          parts: list[int]) -> None:
+    assert shares(weights, total) == parts
+    assert sum(shares(weights, total)) == total
+
+
+def test_a_global_batch_smaller_than_the_ranks_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot split 2 rows among 3 ranks"):
+        shares([1.0, 1.0, 1.0], 2)
+
+
+def test_the_rendezvous_ranks_workers_by_address_and_forms_generations() -> None:
+    rendezvous = Rendezvous()
+    master = SyncMaster(rendezvous)
+    master.start("j", ["tcp://b:1", "tcp://a:1"])
+    first = asyncio.run(rendezvous.rank(job="j", worker="tcp://b:1"))
+    assert first["status"] == "OK" and first["rank"] == 1
+    assert first["workers"] == ["tcp://a:1", "tcp://b:1"] and first["port"] > 0
+    master.restart("j", ["tcp://b:1", "tcp://c:1"])
+    again = asyncio.run(rendezvous.rank(job="j", worker="tcp://b:1"))
+    assert again["rank"] == 0 and again["prefix"] != first["prefix"]  # a new group's keys
+    gone = asyncio.run(rendezvous.rank(job="j", worker="tcp://a:1"))
+    assert gone["status"] == "error" and "tcp://a:1 is not in job 'j'" in gone["message"]
+    rendezvous.forget("j")
+    unknown = asyncio.run(rendezvous.rank(job="j", worker="tcp://b:1"))
+    assert unknown["status"] == "error" and "no synchronous group" in unknown["message"]
+    assert not master.accepts_joiners("j") and master.regroups
