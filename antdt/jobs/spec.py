@@ -26,11 +26,13 @@ from typing import Any, Literal, Protocol
 import cloudpickle
 from dask.utils import format_bytes
 
-from antdt.agent.contract import Mode
 from antdt.errors import CheckpointError, JobError
 from antdt.jobs.checkpoints import Every
 from antdt.sync.period import DEFAULT_PERIOD
 
+Mode = Literal["async", "sync"]
+"""The plan's training mode (:data:`antdt.agent.contract.Mode`, named again here: the clients
+of the job service (``antdt status``, ``logs``, ``cancel``) import this module, never torch)."""
 Sharding = Literal["antdt", "pull", "static"]
 SHARDINGS: tuple[Sharding, ...] = ("antdt", "pull", "static")
 MODES: tuple[Mode, ...] = ("async", "sync")
