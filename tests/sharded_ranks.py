@@ -116,7 +116,9 @@ def refusal(group: Group, ranks: int, memory_bytes: int) -> str | None:
 def wait_in_a_collective(group: Group, compute_s: float) -> tuple[float, float]:
     """The last rank computes (spins) for ``compute_s`` seconds, then every rank all-reduces:
     this rank's wall seconds and own seconds (:func:`own_seconds`) from the start to the end
-    of the all-reduce."""
+    of the all-reduce. A barrier first: a rank that started later than its peer's whole
+    computation would find the all-reduce ready and not wait at all."""
+    dist.barrier()
     began, own_began = time.perf_counter(), own_seconds()
     if group.rank == group.world_size - 1:
         while time.perf_counter() - began < compute_s:
