@@ -454,25 +454,34 @@ class ShardedTrainStep:
     def write_shards(self, folder: str) -> dict[str, dict[str, Any]]:
         """Collective: every rank writes its own shards into ``folder`` (an fsspec path every
         rank reaches), rank 0 the rest of the model too (:mod:`models.shards`); nothing is
-        gathered. Every rank gets each file's name with its size and sha256."""
-        name, digest = write_rank(folder, self.rank, self.world_size, self._tables,
-                                  self._blocks())
-        written = {name: digest}
+        gathered. Every rank gets each file's name with its size and sha256, or the same
+        :class:`OSError` naming the ranks that could not write (training can go on)."""
         step_count = self._step_count()
-        if self.rank == 0:
-            weights = self.model.state_dict()
-            keys = {t.key for t in self._tables}
-            dense_name, dense_digest = write_dense(folder, {
-                "keys": self._model_keys,
-                "model": {key: weights[key].detach().cpu().clone()
-                          for key in self._model_keys if key not in keys},
-                "dense_optimizer": _clone(self.dense_optimizer.state_dict()),
-                "sparse_iter": self._sparse_iter(step_count),
-                "rows_trained": self.rows_trained})
-            written[dense_name] = dense_digest
-        every: list[dict[str, dict[str, Any]]] = [{} for _ in range(self.world_size)]
-        dist.all_gather_object(every, written, group=self.group)
-        return {file: found for part in every for file, found in part.items()}
+        written: dict[str, dict[str, Any]] = {}
+        failed = ""
+        try:
+            name, digest = write_rank(folder, self.rank, self.world_size, self._tables,
+                                      self._blocks())
+            written[name] = digest
+            if self.rank == 0:
+                weights = self.model.state_dict()
+                keys = {t.key for t in self._tables}
+                dense_name, dense_digest = write_dense(folder, {
+                    "keys": self._model_keys,
+                    "model": {key: weights[key].detach().cpu().clone()
+                              for key in self._model_keys if key not in keys},
+                    "dense_optimizer": _clone(self.dense_optimizer.state_dict()),
+                    "sparse_iter": self._sparse_iter(step_count),
+                    "rows_trained": self.rows_trained})
+                written[dense_name] = dense_digest
+        except OSError as error:
+            failed = f"rank {self.rank}: {error}"
+        every: list[tuple[dict[str, dict[str, Any]], str]] = [({}, "")] * self.world_size
+        dist.all_gather_object(every, (written, failed), group=self.group)
+        failures = [failure for _, failure in every if failure]
+        if failures:
+            raise OSError(f"the model could not be written into {folder}: {'; '.join(failures)}")
+        return {file: found for part, _ in every for file, found in part.items()}
 
     def load_shards(self, folder: str, names: Iterable[str]) -> None:
         """Load a model :meth:`write_shards` wrote (``names``: its files, by any number of

@@ -178,3 +178,17 @@ def gather_refusals(group: Group, ranks: int, memory_bytes: int, schema: Schema
     step = ShardedTrainStep(schema, SMALL, ADAGRAD, device=CPU, memory_bytes=memory_bytes,
                             process_group=process_group)
     return [step.gather_refusal(rank) for rank in range(ranks)]
+
+
+def write_failure(group: Group, ranks: int, folder: str) -> str | None:
+    """On the first ``ranks`` ranks: the :class:`OSError` writing the shards into ``folder``
+    raised (its message), or None where it wrote them."""
+    process_group = group.first(ranks)
+    if process_group is None:
+        return None
+    step = ShardedTrainStep(SCHEMA, SMALL, ADAGRAD, device=CPU, process_group=process_group)
+    try:
+        step.write_shards(folder)
+    except OSError as error:
+        return str(error)
+    return None

@@ -21,7 +21,7 @@ from models.shards import read_full_state
 from models.train_step import TrainStep, model_bytes
 from ranks import Ranks
 from sharded_ranks import (ADAGRAD, SGD, WIDE, assert_states_close, batch, gather_refusals,
-                           loaded, make_rows, refusal, train, written)
+                           loaded, make_rows, refusal, train, write_failure, written)
 from small_model import CPU, SCHEMA, SMALL
 
 pytestmark = pytest.mark.slow
@@ -162,6 +162,18 @@ def test_shards_missing_a_rank_are_refused_naming_the_files(ranks: Ranks,
                                          r"found \['model-00000-of-00002.bin', "
                                          r"'model-dense.pt'\]"):
         read_full_state(folder, partial)
+
+
+def test_shards_that_cannot_be_written_fail_on_every_rank_naming_each(ranks: Ranks,
+                                                                      tmp_path: Path) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    messages = ranks.run(write_failure, 2, str(blocked / "model"))
+    assert messages[2] is None and messages[0] == messages[1]
+    assert messages[0] is not None
+    assert messages[0].startswith(f"the model could not be written into {blocked / 'model'}: "
+                                  "rank 0: ")
+    assert "; rank 1: " in messages[0]
 
 
 BIG = Schema.from_dict({"label": "label", "dense": ["I1", "I2"],
