@@ -187,6 +187,18 @@ class FrozenHeap:
             if not self._training:
                 gc.unfreeze()
 
+    def collect(self) -> None:
+        """A full collection now, the frozen objects included, which are frozen again while a
+        training loop runs: for a process about to allocate a model its memory is sized for
+        (a synchronous rank forming its group again), whose last model may be cyclic garbage
+        that a freeze kept from every collection since (a broken collective's traceback holds
+        the frames that held it). Holds the GIL for about half a second."""
+        with self._lock:
+            gc.unfreeze()
+            gc.collect()
+            if self._training:
+                gc.freeze()
+
     def settle(self) -> None:
         """Freeze what this process holds now, ahead of its training loop (a worker whose
         job's imports are done): a full collection due before the loop starts then scans only

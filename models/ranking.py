@@ -103,13 +103,17 @@ def fused_embedding_collection(schema: Schema, model_cfg: ModelConfig, optim_cfg
 
 
 def build_model(schema: Schema, model_cfg: ModelConfig, optim_cfg: OptimConfig,
-                device: torch.device) -> nn.Module:
-    """Build the ranking model ``(dense (B, n_dense), KJT) -> logits (B,)`` on ``device``.
+                device: torch.device,
+                embeddings: FusedEmbeddingBagCollection | None = None) -> nn.Module:
+    """Build the ranking model ``(dense (B, n_dense), KJT) -> logits (B,)`` on ``device``, over
+    ``embeddings`` (the caller's :func:`fused_embedding_collection`, e.g. on the ``meta`` device
+    for a model whose tables are sharded later; default: one built here on ``device``).
 
     Weights are initialised from torch's global RNG: seed it (or fork it) around this call for a
-    reproducible model, as :class:`models.train_step.TrainStep` does.
+    reproducible model, as :func:`models.train_step.seeded_model` does.
     """
-    ebc = fused_embedding_collection(schema, model_cfg, optim_cfg, device)
+    ebc = embeddings if embeddings is not None else \
+        fused_embedding_collection(schema, model_cfg, optim_cfg, device)
     common: dict[str, Any] = {
         "embedding_bag_collection": ebc,
         "dense_in_features": len(schema.dense),

@@ -35,9 +35,17 @@ table split column-wise is kept per column shard by FBGEMM (each shard's mean of
 gradients over its own columns); the full state holds their column-weighted mean, which is the
 unsharded state exactly, and loading gives every column shard the full state.
 
-Memory: every rank builds the whole model once (the initial weights come from one RNG stream
-over all tables) before the sharded model takes its slices; the unsharded tables are freed when
-the constructor returns.
+A model too large for one rank is not gathered: :meth:`ShardedTrainStep.gather_refusal` says
+whether the whole fits on a rank (the gather holds about :data:`GATHER_COPIES` copies of it),
+and otherwise every rank writes its own shards (:meth:`ShardedTrainStep.write_shards`, the
+files of :mod:`models.shards`), which any number of ranks loads back
+(:meth:`ShardedTrainStep.load_shards`) and a machine that holds the whole reads as one state
+(:func:`models.shards.read_full_state`).
+
+Memory: a rank allocates only its own shards. The unsharded model the planner sees has its
+tables on the ``meta`` device, and each rank draws its shards' initial weights itself from the
+tables' seeded streams (:func:`~models.train_step.seeded_block`), the same weights a
+:class:`TrainStep` of the same seed starts from.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -69,9 +77,11 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingP
 from antdt.errors import ConfigError
 from data.schema import Schema
 from models.config import ModelConfig, OptimConfig
-from models.ranking import (dense_parameters, embedding_keys, embedding_tables, fused_embeddings,
-                            sparse_optimizer)
-from models.train_step import TrainStep, _clone, _dense_optimizer, seeded_model
+from models.ranking import dense_parameters, embedding_keys, fused_embeddings, sparse_optimizer
+from models.shards import (Block, ShardFiles, Table, read_full_state, write_dense,
+                           write_rank)
+from models.train_step import (TrainStep, _clone, _dense_optimizer, model_bytes, seeded_block,
+                               seeded_model)
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +89,10 @@ _ROW_WISE = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
 """Sharding types that split a table's rows: their backward all-gathers uneven batches, which
 only nccl accepts (see the module docstring)."""
 
-
-class _Table(NamedTuple):
-    """One embedding table as the unsharded model names it."""
-
-    name: str               # the table (= its feature)
-    key: str                # its weight's key in ``model.state_dict()``
-    shape: tuple[int, int]  # (num_embeddings, embedding_dim)
-    states: list[str]       # its fused optimiser state keys, e.g. ["C1.weight.momentum_1"]
+GATHER_COPIES = 3
+"""Copies of the whole model a rank holds while the model is gathered on it: the gathered
+buffers and the assembled state (:meth:`ShardedTrainStep.full_state`), then the single-process
+model built from it, or a checkpoint's serialised bytes."""
 
 
 class _Piece(NamedTuple):
@@ -135,7 +141,7 @@ def _sharding_types(sharder: FusedEmbeddingBagCollectionSharder, device: torch.d
             and (backend == "nccl" or kind not in _ROW_WISE)]
 
 
-def _plan(model: nn.Module, tables: list[_Table], sharder: FusedEmbeddingBagCollectionSharder,
+def _plan(model: nn.Module, tables: list[Table], sharder: FusedEmbeddingBagCollectionSharder,
           kinds: list[str], device: torch.device, capacities: list[tuple[int, int]],
           group: dist.ProcessGroup) -> ShardingPlan:
     """Plan on the group's rank 0 and hand every rank the same plan, or the same
@@ -195,7 +201,7 @@ def _block(full: torch.Tensor, piece: _Piece) -> torch.Tensor:
     return full[start:start + piece.sizes[0]]
 
 
-def _unsharded_state(state: torch.Tensor, table: _Table,
+def _unsharded_state(state: torch.Tensor, table: Table,
                      column_widths: list[int]) -> torch.Tensor:
     """An optimiser state gathered in its sharded tensor's coordinates, as the unsharded
     optimiser holds it: a row-wise state of a column-wise table (one block of rows per column
@@ -245,21 +251,25 @@ class ShardedTrainStep:
                               f"with {dist.get_backend(group)}), found {list(sharding_types)}")
         kinds = allowed if sharding_types is None else list(sharding_types)
 
-        model = seeded_model(schema, model_cfg, optim_cfg, device, seed)
+        model = seeded_model(schema, model_cfg, optim_cfg, device, seed, tables=False)
         keys = embedding_keys(model)
-        initial = embedding_tables(model)
+        rows = {f.name: f.num_embeddings for f in schema.sparse}
         template = sparse_optimizer(model).state_dict()["state"]
         self._tables = [
-            _Table(name=name, key=key, shape=(initial[name].shape[0], initial[name].shape[1]),
-                   states=list(template.get(f"{name}.weight", {})))
+            Table(name=name, key=key, shape=(rows[name], model_cfg.embedding_dim),
+                  states=list(template.get(f"{name}.weight", {})))
             for name, key in keys.items()]
         self._model_keys = list(model.state_dict())
         self._dense_names = [name for name, _ in dense_parameters(model)]
         self._sparse_modules = len(fused_embeddings(model)._emb_modules)
+        self.whole_bytes = model_bytes(schema, model_cfg, optim_cfg).total
+        """Bytes of the whole model as one :class:`TrainStep` holds it (tables, optimiser states,
+        dense part)."""
 
         capacities: list[tuple[int, int]] = [(0, 0)] * self.world_size
         dist.all_gather_object(capacities, _rank_memory(device, memory_bytes, self.world_size),
                                group=group)
+        self._capacities = [ddr if device.type == "cpu" else hbm for ddr, hbm in capacities]
         plan = _plan(model, self._tables, sharder, kinds, device, capacities, group)
         # DMP's first construction in a process broadcasts a setting from rank 0 and remembers
         # it process-wide: a group formed again from a survivor (which remembers) and a fresh
@@ -268,21 +278,32 @@ class ShardedTrainStep:
         collective_utils._INITIALIZED = False
         self.model = DistributedModelParallel(
             model, env=_sharding_env(group, device), device=device, plan=plan, sharders=[sharder])
-        # The sharded tables start from the planner's own initialisation: give them the seeded
-        # model's weights, so a sync run starts from the same model as any other.
-        with torch.no_grad():
-            for piece, shard in self._local_shards():
-                if piece.state < 0:
-                    table = self._tables[piece.table]
-                    shard.copy_(_block(initial[table.name], piece))
+        weights = self.model.state_dict()
+        self._columns = [sorted({(m.shard_offsets[1], m.shard_sizes[1])
+                                 for m in weights[t.key].metadata().shards_metadata})
+                         for t in self._tables]
+        """Per table, its column shards ``(first column, width)`` in column order: a row-wise
+        state of a table split column-wise is one block of rows per column shard, in this
+        order."""
+        # The sharded tables start from the planner's own initialisation: draw this rank's
+        # shards of the seeded tables, so a sync run starts from the same model as any other.
+        held = 0
+        for piece, shard in self._local_shards():
+            held += shard.numel() * shard.element_size()
+            if piece.state < 0:
+                table = self._tables[piece.table]
+                seeded_block(shard, seed, table.name, table.shape,
+                             (piece.offsets[0], piece.offsets[1]))
+        self._held: list[int] = [0] * self.world_size
+        """Per rank, the bytes of its shards (weights and optimiser states)."""
+        dist.all_gather_object(self._held, held, group=group)
         params = dict(self.model.named_parameters())
         self.dense_optimizer = _dense_optimizer([params[name] for name in self._dense_names],
                                                 optim_cfg, device)
         self.rows_trained = 0
-        logger.info("sync train step, rank %d of %d on %s (seed %d, memory %s bytes per rank): "
-                    "%s", self.rank, self.world_size, device, seed,
-                    [ddr if device.type == "cpu" else hbm for ddr, hbm in capacities],
-                    self.plan_summary())
+        logger.info("sync train step, rank %d of %d on %s (seed %d, memory %s bytes per rank, "
+                    "shards %s bytes per rank): %s", self.rank, self.world_size, device, seed,
+                    self._capacities, self._held, self.plan_summary())
 
     def _ebc_plan(self) -> dict[str, ParameterSharding]:
         plans = list(self.model.plan.plan.values())
@@ -359,10 +380,7 @@ class ShardedTrainStep:
             local[:flat.numel()] = flat
         received = [torch.empty_like(local) for _ in layouts] if self.rank == dst else None
         dist.gather(local, received, group=self.group, group_dst=dst)
-        counters = self._step_counters()
-        step_count = torch.stack([saved.max() for saved, _ in counters]).max().to(self.device) \
-            if counters else torch.zeros((), dtype=torch.int64, device=self.device)
-        dist.all_reduce(step_count, dist.ReduceOp.MAX, group=self.group)
+        step_count = self._step_count()
         if received is None:
             return None
 
@@ -394,10 +412,113 @@ class ShardedTrainStep:
                       for key in self._model_keys},
             "dense_optimizer": _clone(self.dense_optimizer.state_dict()),
             "sparse_optimizer": {"state": sparse},
-            "sparse_iter": [step_count.reshape(1).cpu().clone()
-                            for _ in range(self._sparse_modules)],
+            "sparse_iter": self._sparse_iter(step_count),
             "rows_trained": self.rows_trained,
         }
+
+    def _step_count(self) -> torch.Tensor:
+        """Collective: the sparse optimiser's step count, the largest of every rank's kernels."""
+        counters = self._step_counters()
+        step_count = torch.stack([saved.max() for saved, _ in counters]).max().to(self.device) \
+            if counters else torch.zeros((), dtype=torch.int64, device=self.device)
+        dist.all_reduce(step_count, dist.ReduceOp.MAX, group=self.group)
+        return step_count
+
+    def _sparse_iter(self, step_count: torch.Tensor) -> list[torch.Tensor]:
+        """The step count as an unsharded model keeps it: once per FBGEMM kernel."""
+        return [step_count.reshape(1).cpu().clone() for _ in range(self._sparse_modules)]
+
+    def gather_refusal(self, dst: int) -> str | None:
+        """None when the whole model fits on rank ``dst`` beside its own shards while it is
+        gathered there (:data:`GATHER_COPIES` copies of it: :meth:`full_state`, then a model or
+        a checkpoint's bytes made of it); otherwise why not, with the sizes. The same answer on
+        every rank: each knows every rank's memory and shards."""
+        need = GATHER_COPIES * self.whole_bytes + self._held[dst]
+        if need <= self._capacities[dst]:
+            return None
+        return (f"the whole model ({_gib(self.whole_bytes)}) gathered on rank {dst} would need "
+                f"about {_gib(need)} ({GATHER_COPIES} copies beside its own shards of "
+                f"{_gib(self._held[dst])}), more than its {_gib(self._capacities[dst])}")
+
+    def _blocks(self) -> list[tuple[Block, torch.Tensor]]:
+        """This rank's shards (:meth:`_local_shards`) placed in their tables' coordinates."""
+        blocks = []
+        for piece, shard in self._local_shards():
+            table = self._tables[piece.table]
+            state = None if piece.state < 0 else table.states[piece.state]
+            if len(piece.size) == 2:
+                rows, cols = (piece.offsets[0], piece.sizes[0]), (piece.offsets[1], piece.sizes[1])
+            elif piece.size[0] == table.shape[0]:  # a row-wise state over whole rows
+                rows, cols = (piece.offsets[0], piece.sizes[0]), (0, table.shape[1])
+            else:  # one block of rows per column shard, in column order
+                rows = (piece.offsets[0] % table.shape[0], piece.sizes[0])
+                cols = self._columns[piece.table][piece.offsets[0] // table.shape[0]]
+            blocks.append((Block(table.key, state, rows, cols), shard))
+        return blocks
+
+    def write_shards(self, folder: str) -> dict[str, dict[str, Any]]:
+        """Collective: every rank writes its own shards into ``folder`` (an fsspec path every
+        rank reaches), rank 0 the rest of the model too (:mod:`models.shards`); nothing is
+        gathered. Every rank gets each file's name with its size and sha256, or the same
+        :class:`OSError` naming the ranks that could not write (training can go on)."""
+        step_count = self._step_count()
+        written: dict[str, dict[str, Any]] = {}
+        failed = ""
+        try:
+            name, digest = write_rank(folder, self.rank, self.world_size, self._tables,
+                                      self._blocks())
+            written[name] = digest
+            if self.rank == 0:
+                weights = self.model.state_dict()
+                keys = {t.key for t in self._tables}
+                dense_name, dense_digest = write_dense(folder, {
+                    "keys": self._model_keys,
+                    "model": {key: weights[key].detach().cpu().clone()
+                              for key in self._model_keys if key not in keys},
+                    "dense_optimizer": _clone(self.dense_optimizer.state_dict()),
+                    "sparse_iter": self._sparse_iter(step_count),
+                    "rows_trained": self.rows_trained})
+                written[dense_name] = dense_digest
+        except OSError as error:
+            failed = f"rank {self.rank}: {error}"
+        every: list[tuple[dict[str, dict[str, Any]], str]] = [({}, "")] * self.world_size
+        dist.all_gather_object(every, (written, failed), group=self.group)
+        failures = [failure for _, failure in every if failure]
+        if failures:
+            raise OSError(f"the model could not be written into {folder}: {'; '.join(failures)}")
+        return {file: found for part, _ in every for file, found in part.items()}
+
+    def load_shards(self, folder: str, names: Iterable[str]) -> None:
+        """Load a model :meth:`write_shards` wrote (``names``: its files, by any number of
+        ranks): each rank reads only the blocks of its own shards, and the dense part."""
+        files = ShardFiles(folder, names)
+        if files.tables != self._tables:
+            raise ValueError(f"{folder}: its tables {[(t.name, t.shape) for t in files.tables]} "
+                             f"are not this model's {[(t.name, t.shape) for t in self._tables]}")
+        for block, shard in self._blocks():
+            files.fill(shard, self._tables[[t.key for t in self._tables].index(block.table)],
+                       block.state, block.rows, block.cols)
+        dense = files.dense()
+        self._load_dense(dense["model"], dense["dense_optimizer"], dense["sparse_iter"],
+                         dense["rows_trained"])
+
+    def _load_dense(self, model: Mapping[str, torch.Tensor], dense_optimizer: Any,
+                    sparse_iter: Sequence[torch.Tensor], rows_trained: int) -> None:
+        """Load everything but the tables: the dense weights (the keys of ``model`` that are not
+        tables), the dense optimiser's state, the sparse step count and ``rows_trained``."""
+        tables = {t.key for t in self._tables}
+        with torch.no_grad():
+            weights = self.model.state_dict()
+            for key in self._model_keys:
+                if key not in tables:
+                    weights[key].copy_(model[key])
+        # cloned: the torch optimiser would adopt the state's tensors and update them in place
+        self.dense_optimizer.load_state_dict(_clone(dense_optimizer))
+        step_count = max(int(it.max()) for it in sparse_iter)
+        for saved, read in self._step_counters():
+            saved.fill_(step_count)
+            read.zero_()  # re-read from `iter` on the next forward
+        self.rows_trained = int(rows_trained)
 
     def load_full_state(self, state: Mapping[str, Any]) -> None:
         """Load a :meth:`TrainStep.state_dict`-format state (from an async or a sync job of any
@@ -416,17 +537,23 @@ class ShardedTrainStep:
                 full = model[table.key] if piece.state < 0 else \
                     sparse[f"{table.name}.weight"][table.states[piece.state]]
                 shard.copy_(_block(full, piece))
-            weights = self.model.state_dict()
-            for key in self._model_keys:
-                if key not in shapes:
-                    weights[key].copy_(model[key])
-        # cloned: the torch optimiser would adopt the state's tensors and update them in place
-        self.dense_optimizer.load_state_dict(_clone(state["dense_optimizer"]))
-        step_count = max(int(it.max()) for it in state["sparse_iter"])
-        for saved, read in self._step_counters():
-            saved.fill_(step_count)
-            read.zero_()  # re-read from `iter` on the next forward
-        self.rows_trained = int(state["rows_trained"])
+        self._load_dense(model, state["dense_optimizer"], state["sparse_iter"],
+                         state["rows_trained"])
+
+
+def _gib(size: int) -> str:
+    """``size`` bytes as a person reads them (``1.50 GiB``, ``12.3 MiB``)."""
+    if size >= 2**30:
+        return f"{size / 2**30:.2f} GiB"
+    return f"{size / 2**20:.1f} MiB"
+
+
+def read_train_step(folder: str, names: Iterable[str], schema: Schema, model_cfg: ModelConfig,
+                    optim_cfg: OptimConfig, *, device: torch.device | None = None) -> TrainStep:
+    """A plain :class:`TrainStep` holding the model :meth:`ShardedTrainStep.write_shards` wrote
+    into ``folder`` (``names``: its files), on a machine that holds the whole model."""
+    return to_train_step(read_full_state(folder, names), schema, model_cfg, optim_cfg,
+                         device=device)
 
 
 def to_train_step(state: Mapping[str, Any], schema: Schema, model_cfg: ModelConfig,

@@ -25,7 +25,9 @@ loss as a float.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import math
 from typing import Any, Mapping, NamedTuple
 
 import torch
@@ -36,7 +38,7 @@ from antdt.device import huge_pages, pick_device
 from data.schema import Schema
 from models.config import ModelConfig, OptimConfig
 from models.ranking import (build_model, dense_parameters, embedding_keys, embedding_tables,
-                            fused_embeddings, sparse_optimizer)
+                            fused_embedding_collection, fused_embeddings, sparse_optimizer)
 
 logger = logging.getLogger(__name__)
 
@@ -122,14 +124,63 @@ def _clone(obj: Any) -> Any:
     return obj
 
 
+INIT_CHUNK_ELEMENTS = 1 << 20
+"""Floats of one chunk of a table's initial weights: a table is drawn in chunks of
+``max(1, INIT_CHUNK_ELEMENTS // embedding_dim)`` whole rows, each from its own generator."""
+
+
+def _chunk_generator(seed: int, table: str, chunk: int) -> torch.Generator:
+    """The generator of chunk ``chunk`` of ``table``'s initial weights: a stream of its own,
+    named by ``(seed, table, chunk)`` (a table keeps its weights when other tables change)."""
+    digest = hashlib.sha256(f"antdt-table-init/{seed}/{table}/{chunk}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+@torch.no_grad()
+def seeded_block(out: torch.Tensor, seed: int, table: str, shape: tuple[int, int],
+                 offsets: tuple[int, int]) -> None:
+    """Fill ``out`` ``(n, m)`` with rows ``offsets[0] .. +n`` and columns ``offsets[1] .. +m``
+    of the initial weights of ``table`` (``shape``: its ``(num_embeddings, embedding_dim)``).
+
+    TorchRec's default initialisation (uniform in ``±sqrt(1 / num_embeddings)``), drawn chunk by
+    chunk of whole rows (:data:`INIT_CHUNK_ELEMENTS`), each chunk from its own generator: any
+    block of any table is made with one chunk of extra memory, so a rank of the sync mode draws
+    only its own shards, and every mode starts from the same tables for the same seed."""
+    rows, dim = shape
+    n, m = out.shape
+    first, column = offsets
+    if first < 0 or column < 0 or first + n > rows or column + m > dim:
+        raise ValueError(f"a block of {n} x {m} at {offsets} is not inside table {table!r} of "
+                         f"shape {shape}")
+    bound = math.sqrt(1 / rows)
+    per_chunk = max(1, INIT_CHUNK_ELEMENTS // dim)
+    for chunk in range(first // per_chunk, -(-(first + n) // per_chunk) if n else 0):
+        start = chunk * per_chunk
+        values = torch.empty(min(per_chunk, rows - start), dim).uniform_(
+            -bound, bound, generator=_chunk_generator(seed, table, chunk))
+        low, high = max(first, start), min(first + n, start + values.shape[0])
+        out[low - first:high - first].copy_(values[low - start:high - start, column:column + m])
+
+
 def seeded_model(schema: Schema, model_cfg: ModelConfig, optim_cfg: OptimConfig,
-                 device: torch.device, seed: int) -> nn.Module:
-    """:func:`models.ranking.build_model` initialised from ``seed`` in a forked RNG (the caller's
-    RNG stream is left alone): the same seed gives the same weights in every training mode."""
+                 device: torch.device, seed: int, *, tables: bool = True) -> nn.Module:
+    """:func:`models.ranking.build_model` initialised from ``seed``, the same in every training
+    mode. The dense parts are drawn from ``seed`` in a forked RNG (the caller's RNG stream is
+    left alone) and do not depend on the tables; each table from its own streams
+    (:func:`seeded_block`). ``tables=False``: the tables stay on the ``meta`` device (nothing
+    allocated), for a sharded model that draws its own shards."""
     cuda = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
+        # TorchRec draws the tables from the global RNG as it builds them; seeded_block
+        # replaces them, and the seed below makes the dense draws independent of their sizes.
+        embeddings = fused_embedding_collection(schema, model_cfg, optim_cfg,
+                                                device if tables else torch.device("meta"))
         torch.manual_seed(seed)
-        return build_model(schema, model_cfg, optim_cfg, device)
+        model = build_model(schema, model_cfg, optim_cfg, device, embeddings)
+    if tables:
+        for feature, table in embedding_tables(model).items():
+            seeded_block(table, seed, feature, (table.shape[0], table.shape[1]), (0, 0))
+    return model
 
 
 class TrainStep:

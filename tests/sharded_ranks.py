@@ -16,6 +16,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from antdt.agent.modes.synchronous import own_seconds
 from antdt.errors import ConfigError
+from data.schema import Schema
 from models.config import ModelConfig, OptimConfig
 from models.sharded import ShardedTrainStep
 from ranks import Group
@@ -153,3 +154,59 @@ def assert_states_close(found: Any, expected: Any, *, rtol: float = 1e-5,
         assert isinstance(found, float) and math.isnan(found), f"{where}: {found}"
     else:
         assert found == expected, f"{where}: {found!r} != {expected!r}"
+
+
+def written(group: Group, ranks: int, folder: str, splits: list[tuple[int, ...]],
+            model_cfg: ModelConfig, optim_cfg: OptimConfig,
+            sharding_types: list[str] | None = None
+            ) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None] | None:
+    """On the first ``ranks`` ranks: train one step per split, then write the shards into
+    ``folder``; every file as this rank was told of them, and the gathered state (rank 0)."""
+    process_group = group.first(ranks)
+    if process_group is None:
+        return None
+    step = ShardedTrainStep(SCHEMA, model_cfg, optim_cfg, device=CPU, seed=0,
+                            process_group=process_group, sharding_types=sharding_types)
+    for i, split in enumerate(splits):
+        step.step(local_batch(group, make_rows(i, sum(split)), split), sum(split))
+    return step.write_shards(folder), step.full_state()
+
+
+def loaded(group: Group, ranks: int, folder: str, names: list[str], model_cfg: ModelConfig,
+           optim_cfg: OptimConfig, sharding_types: list[str] | None = None
+           ) -> tuple[dict[str, Any] | None, dict[str, str]] | None:
+    """On the first ``ranks`` ranks: a sharded step loading the shards in ``folder``; its
+    gathered state (rank 0) and its plan."""
+    process_group = group.first(ranks)
+    if process_group is None:
+        return None
+    step = ShardedTrainStep(SCHEMA, model_cfg, optim_cfg, device=CPU, seed=1,
+                            process_group=process_group, sharding_types=sharding_types)
+    step.load_shards(folder, names)
+    return step.full_state(), step.plan_summary()
+
+
+def gather_refusals(group: Group, ranks: int, memory_bytes: int, schema: Schema
+                    ) -> list[str | None] | None:
+    """On the first ``ranks`` ranks with ``memory_bytes`` each: the gather refusal of every
+    rank as this rank sees it."""
+    process_group = group.first(ranks)
+    if process_group is None:
+        return None
+    step = ShardedTrainStep(schema, SMALL, ADAGRAD, device=CPU, memory_bytes=memory_bytes,
+                            process_group=process_group)
+    return [step.gather_refusal(rank) for rank in range(ranks)]
+
+
+def write_failure(group: Group, ranks: int, folder: str) -> str | None:
+    """On the first ``ranks`` ranks: the :class:`OSError` writing the shards into ``folder``
+    raised (its message), or None where it wrote them."""
+    process_group = group.first(ranks)
+    if process_group is None:
+        return None
+    step = ShardedTrainStep(SCHEMA, SMALL, ADAGRAD, device=CPU, process_group=process_group)
+    try:
+        step.write_shards(folder)
+    except OSError as error:
+        return str(error)
+    return None

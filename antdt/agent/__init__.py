@@ -10,8 +10,8 @@ sharding service leases to it.
 - :mod:`~antdt.agent.faults`: injected faults for tests and benchmarks.
 """
 
-from antdt.agent.contract import (AgentReport, AgentSpec, Outcome, Reader, ReaderFactory, Trainer,
-                                  TrainerFactory, event_topic)
+from antdt.agent.contract import (AgentReport, AgentSpec, Outcome, Reader, ReaderFactory,
+                                  SavedModel, Trainer, TrainerFactory, event_topic)
 from antdt.agent.faults import CRASH_EXIT_CODE, Faults
 from antdt.agent.loop import Agent, run_agent
 from antdt.agent.plugin import (PLUGIN_NAME, AgentPlugin, cancel_here, forget_here, pause_profiler,
@@ -19,7 +19,8 @@ from antdt.agent.plugin import (PLUGIN_NAME, AgentPlugin, cancel_here, forget_he
 
 __all__ = [
     "CRASH_EXIT_CODE", "PLUGIN_NAME", "Agent", "AgentPlugin", "AgentReport", "AgentSpec",
-    "Faults", "Outcome", "Reader", "ReaderFactory", "Trainer", "TrainerFactory", "cancel_here",
+    "Faults", "Outcome", "Reader", "ReaderFactory", "SavedModel", "Trainer", "TrainerFactory",
+    "cancel_here",
     "event_topic", "forget_here", "pause_profiler", "plugin_of", "register", "resume_profiler",
     "run_agent",
 ]

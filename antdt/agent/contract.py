@@ -88,7 +88,9 @@ class AgentSpec:
     ``join``: the worker joined a running job; it copies a live member's model before training
     (:meth:`antdt.sync.background.BackgroundSync.start`). ``threads``: torch threads. ``device``:
     forced device (default: :func:`antdt.device.pick_device` on the worker: cuda when it has a
-    GPU).
+    GPU). ``model_dir``: where the ranks of a synchronous job write its final model, each its
+    own part (:class:`SavedModel`), when the whole would not fit the worker that gathers it
+    (None: such a job is refused as its group forms).
     """
 
     job: str
@@ -99,6 +101,7 @@ class AgentSpec:
     threads: int = 1
     device: str | None = None
     faults: Faults = field(default_factory=Faults)
+    model_dir: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_rows, bool) or not isinstance(self.batch_rows, int) \
@@ -114,6 +117,18 @@ class AgentSpec:
 
 
 @dataclass(frozen=True)
+class SavedModel:
+    """A model the ranks of a synchronous job wrote into ``folder``, each its own part, because
+    the whole would not fit the worker that would gather it: a checkpoint holds it in place of
+    ``model.pt``, and such a job's final model is one. ``files``: each file's name with its
+    size and sha256 (``{"bytes": ..., "sha256": ...}``, as a checkpoint's manifest lists them).
+    """
+
+    folder: str
+    files: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
 class AgentReport:
     """What an agent returns to the driver.
 
@@ -126,7 +141,8 @@ class AgentReport:
     waited for sync rounds (the replica was too far ahead; part of ``busy_s``; in the
     synchronous mode: for its peers at each step). ``holds_model``: the finished agent left the
     final model on its worker (every worker in the async mode, the first rank in the
-    synchronous mode).
+    synchronous mode). ``saved_model``: the final model as the ranks of a synchronous job wrote
+    it, when it did not fit one worker (the first rank's report; then no worker holds it).
     """
 
     worker: str
@@ -143,6 +159,7 @@ class AgentReport:
     sync_wait_s: float = 0.0
     cpu_s: float = 0.0
     holds_model: bool = False
+    saved_model: SavedModel | None = None
 
 
 def event_topic(job: str) -> str:

@@ -44,8 +44,8 @@ from distributed import Worker, get_worker, secede
 from distributed.utils import sync
 
 from antdt import config
-from antdt.agent.contract import (AgentReport, AgentSpec, Outcome, ReaderFactory, TrainerFactory,
-                                  event_topic)
+from antdt.agent.contract import (AgentReport, AgentSpec, Outcome, ReaderFactory, SavedModel,
+                                  TrainerFactory, event_topic)
 from antdt.agent.faults import FaultInjector
 from antdt.agent.modes import Declined, worker_mode
 from antdt.agent.plugin import plugin_of
@@ -96,6 +96,8 @@ class Agent:
         self._window = _Window(time.perf_counter())
         self.holds_model = False
         """The finished agent's worker holds the final model (kept for the master)."""
+        self.saved_model: SavedModel | None = None
+        """The files the finished ranks wrote the final model to (rank 0's agent)."""
 
     def run(self) -> AgentReport:
         """Train until the job finishes or stops or the agent is cancelled; then end cleanly."""
@@ -126,7 +128,7 @@ class Agent:
             loss=self._loss_sum / self.batches if self.batches else math.nan,
             exchanges=self.mode.exchanges, device=str(self.device),
             joined_from=self.mode.joined_from, sync_wait_s=self.mode.waited_s, cpu_s=self.cpu_s,
-            holds_model=self.holds_model)
+            holds_model=self.holds_model, saved_model=self.saved_model)
         logger.info("agent of job %s on %s %s: %d rows in %d batches, %.1fs", self.spec.job,
                     self.worker.address, outcome, report.rows, report.batches, report.seconds)
         return report
@@ -240,7 +242,9 @@ class Agent:
         if outcome == "finished":
             final = self.mode.finish()
             self.shards.close()
-            if final is not None:
+            if isinstance(final, SavedModel):
+                self.saved_model = final
+            elif final is not None:
                 self._plugin.keep(self.spec.job, final)
                 self.holds_model = True
             return

@@ -104,17 +104,18 @@ class AgentPlugin(WorkerPlugin):
     def state(self, job: str) -> Any:
         return self.trainer(job).state()
 
-    def checkpoint_state(self, job: str, copy_ledger: Callable[[], Mapping[str, Any]]
-                         ) -> tuple[Mapping[str, Any], Any]:
+    def checkpoint_state(self, job: str, copy_ledger: Callable[[], Mapping[str, Any]],
+                         folder: str) -> tuple[Mapping[str, Any], Any]:
         """A checkpoint of ``job``'s agent training here, taken between two steps: the job's
         ledger (``copy_ledger()``, with every worker's synced rows under ``synced``) and the
         agent's :meth:`Trainer.checkpoint_state`, holding exactly the rows that ledger counts
-        done (:meth:`antdt.agent.modes.WorkerMode.checkpoint`)."""
+        done (:meth:`antdt.agent.modes.WorkerMode.checkpoint`; a model too large to gather is
+        written into the version ``folder`` in parts, a :class:`SavedModel`)."""
         mode = self._running.get(job)
         if mode is None:
             raise AntdtError(f"no agent of job {job!r} is training on this worker; training "
                              f"here: {sorted(self._running)}")
-        return mode.checkpoint(copy_ledger)
+        return mode.checkpoint(copy_ledger, folder)
 
     def forget(self, job: str) -> None:
         self._cancel.pop(job, None)

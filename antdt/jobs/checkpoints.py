@@ -6,9 +6,13 @@ the workers and the submitting client all reach)::
 
     <checkpoint_dir>/<job_id>/
         progress.json          the master's latest note of the job (rows, state), every tick
+        model/                 a sync job's final model when it does not fit one worker: the
+                               parts its ranks wrote (:mod:`models.shards`), named by its run
         v000001/ v000002/ ...  one folder per checkpoint (the newest ``keep`` good ones stay)
             model.pt           model and optimiser state, ``torch.save`` of the trainer's
-                               ``checkpoint_state()`` (written by a worker)
+                               ``checkpoint_state()`` (written by a worker); or, for a sync
+                               job whose model does not fit one worker, the parts its ranks
+                               wrote (``model-00000-of-00003.bin`` ..., each rank its own)
             ledger.bin         the shard ledger (:mod:`antdt.sharding.checkpoint` format),
                                copied with the model and written by the same worker
             MANIFEST.json      written last: each file's size and sha256, the rows it covers,
@@ -41,6 +45,7 @@ MODEL = "model.pt"
 LEDGER = "ledger.bin"
 PROGRESS = "progress.json"
 _VERSION = re.compile(r"^v(\d{6,})$")
+_CHUNK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -163,8 +168,16 @@ def save_model(path: str, state: Any) -> dict[str, Any]:
     return write(path, buffer.getvalue())
 
 
+def model_files(manifest: Manifest) -> dict[str, dict[str, Any]]:
+    """The files of ``manifest``'s model (every file but the ledger: ``model.pt``, or the parts
+    a sync job's ranks wrote), each with its size and sha256."""
+    return {name: dict(found) for name, found in manifest.files.items() if name != LEDGER}
+
+
 def load_model(manifest: Manifest) -> Any:
-    """The model state of ``manifest``'s version, its checksum verified (tensors on the CPU)."""
+    """The model state of ``manifest``'s version, its checksum verified (tensors on the CPU);
+    only for a version with one ``model.pt`` (the parts of a sharded model are each loaded by
+    the ranks that hold them)."""
     import torch
 
     data = _read(manifest.model)
@@ -199,10 +212,11 @@ def read_manifest(path: str) -> Manifest:
 
 def verify(path: str) -> Manifest:
     """The manifest of the version folder ``path`` once every file it lists has its size and
-    checksum; :class:`CheckpointError` naming the file otherwise."""
+    checksum (read a few MB at a time: a model's files may be larger than this process's
+    memory); :class:`CheckpointError` naming the file otherwise."""
     manifest = read_manifest(path)
     for name in manifest.files:
-        _check(manifest, name, _read(join(path, name)))
+        _compare(manifest, name, _file_digest(join(path, name)))
     return manifest
 
 
@@ -299,11 +313,30 @@ def _read(path: str) -> bytes:
         raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc
 
 
+def _file_digest(path: str) -> dict[str, Any]:
+    """:func:`digest` of the file at ``path``, read in chunks."""
+    hashed = hashlib.sha256()
+    size = 0
+    try:
+        with fsspec.open(path, "rb") as f:
+            while chunk := f.read(_CHUNK_BYTES):
+                hashed.update(chunk)
+                size += len(chunk)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"checkpoint file {path} is missing") from exc
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from exc
+    return {"bytes": size, "sha256": hashed.hexdigest()}
+
+
 def _check(manifest: Manifest, name: str, data: bytes) -> None:
+    _compare(manifest, name, digest(data))
+
+
+def _compare(manifest: Manifest, name: str, found: Mapping[str, Any]) -> None:
     expected = manifest.files.get(name)
     if expected is None:
         raise CheckpointError(f"checkpoint {manifest.path}: its manifest lists no {name}")
-    found = digest(data)
     if found != expected:
         raise CheckpointError(
             f"checkpoint file {join(manifest.path, name)} is corrupt: {found['bytes']} bytes "

@@ -39,6 +39,10 @@ WriteModel = Callable[[str, str], Awaitable[dict[str, Any] | None]]
 size and checksum under ``files``, the ledger's counters under ``rows``; None when the worker
 left the cluster first)."""
 
+MODEL_DIR = "model"
+"""The folder in a job's checkpoint folder that a sync job's final model too large for one
+worker is written to (:attr:`Checkpointer.model_dir`)."""
+
 Log = Callable[[str, str], None]
 """``log(level, message)``: the job's log."""
 
@@ -72,6 +76,12 @@ class Checkpointer:
     @property
     def enabled(self) -> bool:
         return self.folder is not None
+
+    @property
+    def model_dir(self) -> str | None:
+        """Where the ranks of a sync job write its final model in parts when it does not fit
+        one worker (``<checkpoint_dir>/<job_id>/model``; None without a checkpoint_dir)."""
+        return None if self.folder is None else checkpoints.join(self.folder, MODEL_DIR)
 
     @property
     def last_path(self) -> str | None:

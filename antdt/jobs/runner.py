@@ -517,7 +517,7 @@ class JobRunner:
             else Faults()
         spec = AgentSpec(job=self.job_id, batch_rows=self.plan.batch_rows, mode=self.plan.mode,
                          sync_period=period, join=join, threads=self.plan.threads,
-                         faults=faults)
+                         faults=faults, model_dir=self.checkpoints.model_dir)
         self._agents[index] = self.client.submit(
             tasks.agent_task, spec, self.code.trainer, self.code.reader, restore,
             workers=[worker], allow_other_workers=False, pure=False,
@@ -658,16 +658,21 @@ class JobRunner:
     def _report(self) -> dict[str, Any]:
         """The master's account of the job, for ``hooks.finish``: its counters (and the rows
         trained while this master trained, ``rows_trained_here``: a resumed job's ledger
-        starts with its checkpoint's), timings, agents, controller actions and lease spans
-        (seconds since training started)."""
+        starts with its checkpoint's), timings, agents, controller actions, lease spans
+        (seconds since training started) and ``saved_model``, the final model's files when its
+        ranks wrote it in parts (``{"folder": ..., "files": {name: size and sha256}}``)."""
         self._read_ledger()
+        saved = next((s.report.saved_model for s in self.placement.slots
+                      if s.report is not None and s.report.saved_model is not None), None)
         return {"job_id": self.job_id, "name": self.plan.name,
                 **self.journal.report(self.placement.slots),
                 "rows_trained_here": self.journal.rows["trained"] - self._trained_before,
                 "wall_s": time() - self.submitted_at, "stopped": self.stopped,
                 "sharding": self.plan.sharding, "rows_replayed": self.rows_replayed,
                 "resumes": self.resumes, "checkpoints": self.checkpoints.summary(),
-                "adapted": self.placement.adapted}
+                "adapted": self.placement.adapted,
+                "saved_model": None if saved is None else {"folder": saved.folder,
+                                                           "files": dict(saved.files)}}
 
     # ---- tasks on workers -------------------------------------------------------------------
 

@@ -18,7 +18,8 @@ from distributed.utils import sync
 import torch
 
 from antdt import rpc
-from antdt.agent import AgentReport, AgentSpec, Trainer, TrainerFactory, plugin_of, run_agent
+from antdt.agent import (AgentReport, AgentSpec, SavedModel, Trainer, TrainerFactory, plugin_of,
+                         run_agent)
 from antdt.device import FROZEN_HEAP
 from antdt.errors import CheckpointError
 from antdt.jobs import checkpoints
@@ -38,10 +39,15 @@ def prepare_worker(modules: Sequence[str]) -> None:
 def agent_task(spec: AgentSpec, trainer: bytes, reader: bytes,
                restore: str | None = None) -> AgentReport:
     """Run one agent (:func:`antdt.agent.run_agent`) with the job's pickled factories; with
-    ``restore`` (a checkpoint version folder) its trainer starts from the checkpoint's model."""
+    ``restore`` (a checkpoint version folder) its trainer starts from the checkpoint's model:
+    its ``model.pt``, or the parts a sync job's ranks wrote (a :class:`SavedModel`: each rank
+    reads only its own shards of them)."""
     make = load(trainer, "trainer")
     if restore is not None:
-        make = _Restored(make, checkpoints.load_model(checkpoints.read_manifest(restore)))
+        manifest = checkpoints.read_manifest(restore)
+        make = _Restored(make, checkpoints.load_model(manifest)
+                         if checkpoints.MODEL in manifest.files
+                         else SavedModel(manifest.path, checkpoints.model_files(manifest)))
     return run_agent(spec, make, load(reader, "reader"))
 
 
@@ -50,7 +56,8 @@ def checkpoint_task(job: str, path: str) -> dict[str, Any]:
     running here and the job's ledger, copied together (:meth:`AgentPlugin.checkpoint_state`:
     the model holds exactly the rows the ledger counts done). Returns each file's size and
     checksum, the ledger's counters (a manifest's ``rows``), the worker and the seconds it
-    took."""
+    took. A model too large to gather is written into ``path`` by the ranks of its sync job,
+    each its own part, and listed here."""
     worker = get_worker()
     started = time.perf_counter()
 
@@ -58,12 +65,15 @@ def checkpoint_task(job: str, path: str) -> dict[str, Any]:
         return rpc.ok(sync(worker.loop, worker.scheduler.antdt_ledger_copy, job=job),
                       error=CheckpointError)
 
-    ledger, state = plugin_of(worker).checkpoint_state(job, copy_ledger)
+    ledger, state = plugin_of(worker).checkpoint_state(job, copy_ledger, path)
     taken = time.perf_counter()
     files = {checkpoints.LEDGER: checkpoints.write(checkpoints.join(path, checkpoints.LEDGER),
-                                                   ledger["ledger"]),
-             checkpoints.MODEL: checkpoints.save_model(checkpoints.join(path, checkpoints.MODEL),
-                                                       state)}
+                                                   ledger["ledger"])}
+    if isinstance(state, SavedModel):
+        files.update(state.files)
+    else:
+        files[checkpoints.MODEL] = checkpoints.save_model(
+            checkpoints.join(path, checkpoints.MODEL), state)
     return {"files": files, "rows": checkpoints.ledger_rows(ledger), "worker": worker.address,
             "copy_s": taken - started, "write_s": time.perf_counter() - taken}
 

@@ -74,6 +74,11 @@ class JobSummary:
     adapted: str | None = None
     """Why the job trained on fewer workers than it asked for (``train.min_batches_per_worker``;
     None: it did not)."""
+    model_dir: str | None = None
+    """Where a sync job's ranks wrote the final model, each its own part, because it does not
+    fit one worker (None: the model is in the run). Such a model is not evaluated (AUC nan):
+    load it with ``models.sharded.read_train_step`` on a machine that holds it, or on ranks
+    with ``ShardedTrainStep.load_shards``."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -102,6 +107,8 @@ class JobSummary:
             f"speed    {self.samples_per_s:,.0f} samples/s, {self.wall_s:.1f} s wall",
             f"control  {self.straggler_actions:,} straggler action(s)",
             *([f"adapted  {self.adapted}"] if self.adapted is not None else []),
+            *([f"model    written in parts by the ranks (larger than one worker, not "
+               f"evaluated): {self.model_dir}"] if self.model_dir is not None else []),
             *([f"registered {self.registered_model} version {self.registered_version}"]
               if self.registered_model is not None else []),
             *self.next_steps(),

@@ -76,9 +76,11 @@ class RankingHooks:
 
     def finish(self, run: Mapping[str, Any], trainer: Any,
                report: Mapping[str, Any]) -> dict[str, Any]:
-        """Evaluate the consensus model (None: the job stopped early, AUC nan), log the final
-        counters, the controller's actions, the timeline and the model, registered when the job
-        names a registered model; return the summary."""
+        """Evaluate the consensus model (None: the job stopped early, or its ranks wrote it in
+        parts, ``report["saved_model"]``; AUC nan), log the final counters, the controller's
+        actions, the timeline and the model, registered when the job names a registered model,
+        or where its parts are (tag ``antdt.model_dir``, artifact ``model_parts.yaml``: each
+        file's size and sha256); return the summary."""
         from data.reader import ShardReader
         from models.evaluate import evaluate
         from pipeline.tracking.registry import log_and_register
@@ -94,6 +96,7 @@ class RankingHooks:
             auc, logloss = metrics["auc"], metrics["logloss"]
         rows = report["rows"]
         agents = report["agents"]
+        saved = report.get("saved_model")
         train_s = float(report["train_s"])
         summary = JobSummary(
             run_id=tracker.run_id, mode=self.job.train.mode, workers=len(agents), auc=auc, logloss=logloss,
@@ -105,7 +108,8 @@ class RankingHooks:
             straggler_actions=len(report["actions"]), tracking_uri=tracker.tracking_uri,
             rows_replayed=int(report.get("rows_replayed", 0)),
             experiment_id=tracker.experiment_id,
-            timeline=tracker.artifact_location("timeline.png"), adapted=report.get("adapted"))
+            timeline=tracker.artifact_location("timeline.png"), adapted=report.get("adapted"),
+            model_dir=None if saved is None else str(saved["folder"]))
         tracker.summary({k: v for k, v in summary.metrics().items() if not math.isnan(v)})
         tracker.summary({f"ledger.{'' if k.startswith('epoch') else 'rows_'}{k}": v
                          for k, v in rows.items() if isinstance(v, int)})
@@ -124,6 +128,9 @@ class RankingHooks:
             tracker.tag("antdt.stopped", report["stopped"])
         if summary.adapted is not None:
             tracker.tag("antdt.adapted", summary.adapted)
+        if saved is not None:
+            tracker.tag("antdt.model_dir", str(saved["folder"]))
+            tracker.artifact_yaml(dict(saved), "model_parts.yaml")
         if trainer is None:
             tracker.end("FINISHED")
         else:  # the model is the last thing logged: the run ends with it

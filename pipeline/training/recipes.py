@@ -12,16 +12,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import dask.config
 import torch
-from distributed import get_worker
+from dask.utils import format_bytes
+from distributed import Worker, get_worker
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from antdt.agent import SavedModel
+from antdt.errors import ConfigError
 from data.reader import ShardReader
 from data.schema import Schema
 from models.config import ModelConfig, OptimConfig
 from models.ranking import dense_parameters, embedding_tables
 from models.sharded import ShardedTrainStep, to_train_step
+from models.shards import read_full_state
 from models.train_step import TrainStep
 
 
@@ -59,7 +64,11 @@ class RankingTrainer:
         ``tables`` as the embedding weights when given."""
         return self.train_step.state_dict(tables)
 
-    def restore_state(self, state: Mapping[str, Any]) -> None:
+    def restore_state(self, state: Mapping[str, Any] | SavedModel) -> None:
+        """Load a checkpoint's state: :meth:`checkpoint_state`'s, or the parts a sync job's
+        ranks wrote (read whole: this worker holds the whole model)."""
+        if isinstance(state, SavedModel):
+            state = read_full_state(state.folder, state.files)
         self.train_step.load_state_dict(state)
 
 
@@ -103,11 +112,22 @@ class ShardedRankingTrainer:
                          lengths=torch.zeros(0, dtype=torch.int32)),
                      labels=torch.zeros(0))
 
+    def gather_refusal(self, dst: int) -> str | None:
+        return self.sharded.gather_refusal(dst)
+
     def full_state(self, dst: int) -> dict[str, Any] | None:
         return self.sharded.full_state(dst)
 
-    def restore_state(self, state: Mapping[str, Any]) -> None:
-        self.sharded.load_full_state(state)
+    def write_shards(self, folder: str) -> dict[str, dict[str, Any]]:
+        return self.sharded.write_shards(folder)
+
+    def restore_state(self, state: Mapping[str, Any] | SavedModel) -> None:
+        """Load a checkpoint's state on every rank: a gathered one, or each rank its own shards
+        of the parts the ranks wrote."""
+        if isinstance(state, SavedModel):
+            self.sharded.load_shards(state.folder, state.files)
+        else:
+            self.sharded.load_full_state(state)
 
     def final(self, state: Mapping[str, Any]) -> RankingTrainer:
         recipe = self.recipe
@@ -117,11 +137,39 @@ class ShardedRankingTrainer:
         return self.sharded.plan_summary()
 
 
+def rank_memory(worker: Worker) -> int | None:
+    """The bytes a rank's shards may take on ``worker`` (None: it has no memory limit, the
+    planner shares the machine's memory): its Dask memory limit up to where the worker pauses
+    (it then starts no task, not even a checkpoint's; else up to where its nanny restarts it),
+    less what the worker process holds already (what the nanny counts: its resident memory).
+    That baseline is the Python and torch runtime with the job's modules imported (the training
+    stack, MLflow's store) and the process group formed: 0.62-0.65 GiB on a LocalCluster worker
+    as its first group forms, about 0.09 GiB more when a group forms again in the same process
+    (measured with psutil, torch 2.13 + TorchRec 1.8, 2026-11-28). The planner keeps 15% of
+    what it is given for the step's own buffers (TorchRec's default reservation), which covered
+    a rank's growth while it trained (0.03-0.06 GiB)."""
+    manager = worker.memory_manager
+    limit = manager.memory_limit
+    if not limit:
+        return None
+    fraction = manager.memory_pause_fraction or \
+        dask.config.get("distributed.worker.memory.terminate") or 1.0
+    held = worker.monitor.get_process_memory()
+    budget = int(limit * fraction) - held
+    if budget <= 0:
+        raise ConfigError(f"worker {worker.address}: its memory limit {format_bytes(limit)} "
+                          f"(up to {fraction:.0%} of it usable) leaves nothing for the model's "
+                          f"shards beside the {format_bytes(held)} its process holds already; "
+                          "give the workers more memory")
+    return budget
+
+
 @dataclass(frozen=True)
 class ShardedTrainerRecipe:
     """Builds a :class:`ShardedRankingTrainer` on a worker that joined its job's process group;
-    the planner is told the worker's memory limit (the Dask worker's, else the machine's share).
-    The seed makes the model start as :class:`TrainerRecipe`'s does."""
+    the planner is told what the worker's memory leaves for the rank's shards
+    (:func:`rank_memory`; without a limit, the machine's share). The seed makes the model start
+    as :class:`TrainerRecipe`'s does."""
 
     schema: Schema
     model: ModelConfig
@@ -129,9 +177,8 @@ class ShardedTrainerRecipe:
     seed: int
 
     def __call__(self, device: torch.device) -> ShardedRankingTrainer:
-        limit = get_worker().memory_manager.memory_limit
         step = ShardedTrainStep(self.schema, self.model, self.optim, device=device,
-                                seed=self.seed, memory_bytes=int(limit) if limit else None)
+                                seed=self.seed, memory_bytes=rank_memory(get_worker()))
         return ShardedRankingTrainer(step, self)
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import gc
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import dask.config
@@ -13,7 +15,8 @@ import distributed  # importing it puts its defaults (distributed.nanny.*) in da
 import pytest
 import torch
 
-from antdt.device import GIL_SWITCH_S, HUGE_PAGE, collapse_steps, huge_pages, pick_device
+from antdt.device import (GIL_SWITCH_S, HUGE_PAGE, FrozenHeap, collapse_steps, huge_pages,
+                          pick_device)
 from pages import huge_bytes_at, kernel_collapses, on_huge_pages
 
 # Run in a fresh interpreter: whether an 8 MB malloc is served by a fresh mmap (glibc counts
@@ -95,3 +98,29 @@ def test_marked_memory_moves_onto_huge_pages_a_step_at_a_time() -> None:
     assert moved == [HUGE_PAGE] * (asked // HUGE_PAGE)  # one storage once, step by step
     assert on_huge_pages(table)
     assert torch.equal(table, values)
+
+
+class _Node:
+    """An object in a reference cycle (only a full collection frees it)."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_frozen_heaps_collection_frees_cyclic_garbage_a_freeze_kept() -> None:
+    """A cycle left over from before a training loop is frozen with the heap and survives
+    gc.collect(); FrozenHeap.collect frees it and freezes the rest again while training."""
+    heap = FrozenHeap()
+    try:
+        node = _Node()
+        gone = weakref.ref(node)
+        del node
+        with heap:  # the loop's start freezes the garbage with everything else
+            gc.collect()
+            assert gone() is not None
+            heap.collect()
+            assert gone() is None
+            assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()

@@ -1,22 +1,27 @@
 """ShardedTrainStep on real gloo groups of spawned ranks: a split global batch trains exactly like
-the whole batch in one process, checkpoints move between world sizes and to a plain TrainStep,
-and a plan that cannot fit is refused with the sizes."""
+the whole batch in one process, checkpoints move between world sizes and to a plain TrainStep
+(gathered, or written by every rank and loaded on any number of ranks), and a plan that cannot
+fit is refused with the sizes."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from data.schema import Schema
 from models.config import ModelConfig, OptimConfig
-from models.sharded import to_train_step
-from models.train_step import TrainStep
+from models.sharded import read_train_step, to_train_step
+from models.shards import read_full_state
+from models.train_step import TrainStep, model_bytes
 from ranks import Ranks
-from sharded_ranks import (ADAGRAD, SGD, WIDE, assert_states_close, batch, make_rows, refusal,
-                           train)
+from sharded_ranks import (ADAGRAD, SGD, WIDE, assert_states_close, batch, gather_refusals,
+                           loaded, make_rows, refusal, train, write_failure, written)
 from small_model import CPU, SCHEMA, SMALL
 
 pytestmark = pytest.mark.slow
@@ -118,3 +123,74 @@ def test_tables_that_do_not_fit_are_refused_on_every_rank(ranks: Ranks) -> None:
     assert message is not None
     for part in ("3 tables", "3,200 bytes", "2 rank(s)", "[10000] bytes"):
         assert part in message, message
+
+
+@pytest.mark.parametrize("optim", [ADAGRAD, OptimConfig(sparse_optimizer="adagrad")],
+                         ids=["rowwise_adagrad", "adagrad"])
+def test_shards_each_rank_wrote_load_on_any_number_of_ranks(ranks: Ranks, tmp_path: Path,
+                                                           optim: OptimConfig) -> None:
+    """Two ranks holding column shards write them; the files are the gathered state, and
+    three ranks table-wise, one rank and a plain TrainStep load exactly that state."""
+    folder = str(tmp_path / "model")
+    two = ranks.run(written, 2, folder, [(5, 3), (2, 6)], WIDE, optim, ["column_wise"])
+    files, state = two[0]
+    assert two[1][0] == files and two[1][1] is None
+    assert sorted(files) == ["model-00000-of-00002.bin", "model-00001-of-00002.bin",
+                             "model-dense.pt"]
+    for name, digest in files.items():
+        data = (tmp_path / "model" / name).read_bytes()
+        assert digest == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == sorted(files)  # no temps
+    assert state is not None and state["rows_trained"] == 16
+    assert_states_close(read_full_state(folder, files), state, rtol=1e-6)
+
+    three, _, _ = ranks.run(loaded, 3, folder, list(files), WIDE, optim, ["table_wise"])
+    one = ranks.run(loaded, 1, folder, list(files), WIDE, optim)[0]
+    assert set(three[1].values()) == {"table_wise [0]", "table_wise [1]", "table_wise [2]"}
+    for found in (three, one):
+        assert_states_close(found[0], state, rtol=1e-6)
+    served = read_train_step(folder, files, SCHEMA, WIDE, optim)
+    assert_states_close(served.state_dict(), state, rtol=1e-6)
+
+
+def test_shards_missing_a_rank_are_refused_naming_the_files(ranks: Ranks,
+                                                            tmp_path: Path) -> None:
+    folder = str(tmp_path / "model")
+    files = ranks.run(written, 2, folder, [], SMALL, ADAGRAD)[0][0]
+    partial = [name for name in files if name != "model-00001-of-00002.bin"]
+    with pytest.raises(ValueError, match=r"expected model-dense.pt and one file per rank .* "
+                                         r"found \['model-00000-of-00002.bin', "
+                                         r"'model-dense.pt'\]"):
+        read_full_state(folder, partial)
+
+
+def test_shards_that_cannot_be_written_fail_on_every_rank_naming_each(ranks: Ranks,
+                                                                      tmp_path: Path) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    messages = ranks.run(write_failure, 2, str(blocked / "model"))
+    assert messages[2] is None and messages[0] == messages[1]
+    assert messages[0] is not None
+    assert messages[0].startswith(f"the model could not be written into {blocked / 'model'}: "
+                                  "rank 0: ")
+    assert "; rank 1: " in messages[0]
+
+
+BIG = Schema.from_dict({"label": "label", "dense": ["I1", "I2"],
+                        "sparse": [{"name": "C1", "num_embeddings": 200_000},
+                                   {"name": "C2", "num_embeddings": 200_000}]})
+"""Tables of 13 MB: the planner's own reserve (a few MB) no longer hides them."""
+
+
+def test_a_rank_whose_memory_cannot_hold_the_whole_model_is_not_gathered_on(
+        ranks: Ranks) -> None:
+    """Every rank gives the same answer for each rank, naming the sizes."""
+    assert ranks.run(gather_refusals, 2, 80 * 2**20, BIG)[:2] == [[None, None]] * 2
+    refused = ranks.run(gather_refusals, 2, 12 * 2**20, BIG)
+    assert refused[0] == refused[1]
+    whole = model_bytes(BIG, SMALL, ADAGRAD).total
+    shard = 200_000 * (8 + 1) * 4  # one table and its row-wise Adagrad state
+    assert refused[0] is not None and refused[0][1] == (
+        f"the whole model ({whole / 2**20:.1f} MiB) gathered on rank 1 would need about "
+        f"{(3 * whole + shard) / 2**20:.1f} MiB (3 copies beside its own shards of "
+        f"{shard / 2**20:.1f} MiB), more than its 12.0 MiB")

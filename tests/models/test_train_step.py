@@ -12,7 +12,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from models.config import ModelConfig, OptimConfig
 from models.evaluate import evaluate
 from models.ranking import dense_parameters, embedding_tables, sparse_optimizer
-from models.train_step import TrainStep, model_bytes
+import models.train_step
+from data.schema import Schema
+from models.train_step import TrainStep, model_bytes, seeded_block
 from small_model import CPU, SCHEMA, SMALL
 
 
@@ -78,6 +80,33 @@ def test_same_seed_same_batches_same_weights() -> None:
     other = TrainStep(SCHEMA, SMALL, OptimConfig(), device=CPU, seed=8)
     assert not torch.equal(weights(other)["over_arch.model.1.weight"],
                            weights(a)["over_arch.model.1.weight"])
+
+
+def test_any_block_of_a_table_is_drawn_alone_as_the_whole_table_has_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 7 rows of 8 floats: a block across chunks and columns equals the table's
+    slice, tables keep their weights when another table changes size, and the values follow
+    TorchRec's default (uniform within 1/sqrt(rows)); the dense part does not depend on the
+    tables either."""
+    monkeypatch.setattr(models.train_step, "INIT_CHUNK_ELEMENTS", 7 * 8)
+    step = TrainStep(SCHEMA, SMALL, OptimConfig(), device=CPU, seed=4)
+    tables = embedding_tables(step.model)
+    block = torch.empty(20, 3)
+    seeded_block(block, 4, "C1", (50, 8), (12, 5))
+    assert torch.equal(block, tables["C1"][12:32, 5:8])
+    assert tables["C1"].abs().max() <= 50 ** -0.5
+    assert tables["C1"].std() > 0.5 * 50 ** -0.5 / 3 ** 0.5  # uniform: bound / sqrt(3)
+    grown = Schema.from_dict({**SCHEMA.to_dict(), "sparse": [
+        {"name": "C1", "num_embeddings": 50}, {"name": "C2", "num_embeddings": 3000},
+        {"name": "tags", "num_embeddings": 20, "multi_valued": True}]})
+    grown_step = TrainStep(grown, SMALL, OptimConfig(), device=CPU, seed=4)
+    other = embedding_tables(grown_step.model)
+    assert torch.equal(other["C1"], tables["C1"]) and torch.equal(other["tags"], tables["tags"])
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(dense_parameters(step.model),
+                                                            dense_parameters(grown_step.model)))
+    with pytest.raises(ValueError, match=r"a block of 20 x 3 at \(40, 5\) is not inside table "
+                                         r"'C1' of shape \(50, 8\)"):
+        seeded_block(block, 4, "C1", (50, 8), (40, 5))
 
 
 def test_seed_leaves_the_callers_rng_alone() -> None:

@@ -114,7 +114,7 @@ class AsyncMode:
             self.sync.hurry()
             cancelled.wait(SETTLE_POLL_S)
 
-    def checkpoint(self, copy_ledger: Callable[[], Mapping[str, Any]]
+    def checkpoint(self, copy_ledger: Callable[[], Mapping[str, Any]], folder: str
                    ) -> tuple[Mapping[str, Any], Any]:
         """Under the replica lock, the ledger copied after it was taken: the tables written are
         exactly the rows that copy counts done (:meth:`ReplicaSync.committed_tables`); the dense

@@ -32,7 +32,7 @@ class IndependentMode(EverySynced):
     def step(self, batch: Any, rows_after: int) -> float:
         return self.trainer.step(batch)
 
-    def checkpoint(self, copy_ledger: Callable[[], Mapping[str, Any]]
+    def checkpoint(self, copy_ledger: Callable[[], Mapping[str, Any]], folder: str
                    ) -> tuple[Mapping[str, Any], Any]:
         return copy_ledger(), self.trainer.checkpoint_state()
 

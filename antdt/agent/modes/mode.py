@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from distributed import Worker
 
-from antdt.agent.contract import AgentSpec, Outcome, Reader, Trainer
+from antdt.agent.contract import AgentSpec, Outcome, Reader, SavedModel, Trainer
 from antdt.agent.faults import FaultInjector
 from antdt.errors import AntdtError
 from antdt.sharding.client import ShardClient
@@ -106,16 +106,19 @@ class WorkerMode(Protocol):
         """Before the agent stops leasing for a while: bring its trained rows to synced, within
         a bounded time (or until ``cancelled``)."""
 
-    def checkpoint(self, copy_ledger: Callable[[], Mapping[str, Any]]
+    def checkpoint(self, copy_ledger: Callable[[], Mapping[str, Any]], folder: str
                    ) -> tuple[Mapping[str, Any], Any]:
         """The job's ledger (``copy_ledger()``, every worker's synced rows under ``synced``) and
         the trainer's checkpoint state holding exactly the rows that copy counts done; called
-        from another thread between two steps."""
+        from another thread between two steps. ``folder``: the checkpoint's version folder,
+        where a model too large to gather is written in parts (the state is then a
+        :class:`SavedModel`)."""
 
-    def finish(self) -> Trainer[Any] | None:
+    def finish(self) -> Trainer[Any] | SavedModel | None:
         """The job finished: form the final state (every row's effect in the final model);
-        the trainer holding it on this worker, kept for the master, or None when the final
-        model is held elsewhere."""
+        the trainer holding it on this worker, kept for the master, the files the final model
+        was written to when no worker could hold it (:attr:`AgentSpec.model_dir`), or None
+        when the final model is held or written elsewhere."""
 
     def stop(self) -> None:
         """The job did not finish here: stop taking part (before the leases are given back)."""

@@ -32,6 +32,13 @@ batch (``batch_rows`` x ranks); rank 0 reads the sizes every ``antdt.sharding.co
 and sends them in the header, so every rank switches at the same step and each step's global
 batch stays the same.
 
+Checkpoints and the final model. Where the whole model fits the worker that gathers it, it is
+gathered there (a checkpoint's ``model.pt``; the final model kept on rank 0 for the master). A
+model too large for that is never gathered: every rank writes its own shards (a
+:class:`~antdt.agent.contract.SavedModel`), into the checkpoint's version folder, and the final
+model into the job's ``model_dir``; a job with no ``model_dir`` whose model could not be gathered
+is refused as its group forms, in one line naming the sizes, rather than at its end.
+
 What the ledger counts done. A rank's rows count as synced once their step completed: the model
 (its shards on every rank) holds them. A rank that dies takes its shards with it, so the job
 never goes on without it: every rank's next collective fails (:class:`GroupBroken`), and the
@@ -59,9 +66,11 @@ from distributed import Worker
 from distributed.utils import sync
 
 from antdt import config, rpc
-from antdt.agent.contract import AgentSpec, Outcome, Trainer, TrainerFactory
+from antdt.agent.contract import (AgentSpec, Outcome, SavedModel, Trainer, TrainerFactory,
+                                  event_topic)
 from antdt.agent.modes.mode import AgentParts, Declined, EverySynced
-from antdt.errors import AntdtError, CheckpointError, SyncError
+from antdt.device import FROZEN_HEAP
+from antdt.errors import AntdtError, CheckpointError, ConfigError, SyncError
 from antdt.monitor import BATCHES, BUSY
 from antdt.rpc import Reply
 from antdt.sharding import Claim, Finished, Lease, Revoked, Stop, Wait, shares
@@ -106,7 +115,11 @@ class ShardedTrainer(Protocol):
     ``empty_batch()`` is a batch of no rows. ``full_state(dst)`` (every rank calls it) is the
     whole model and optimiser state on rank ``dst`` (None on the others), in the form a
     checkpoint holds and ``restore_state`` takes; ``final(state)`` is a single-process trainer
-    over it, what the master evaluates and logs."""
+    over it, what the master evaluates and logs. ``gather_refusal(dst)`` is None when the whole
+    fits on rank ``dst`` (the same answer on every rank), else why not, naming the sizes; then
+    ``write_shards(folder)`` (every rank calls it) writes each rank's part into ``folder`` and
+    gives every file's name with its size and sha256, and ``restore_state`` also takes the
+    :class:`SavedModel` of those files."""
 
     rank: int
     world_size: int
@@ -115,7 +128,11 @@ class ShardedTrainer(Protocol):
 
     def empty_batch(self) -> Any: ...
 
+    def gather_refusal(self, dst: int) -> str | None: ...
+
     def full_state(self, dst: int) -> Any: ...
+
+    def write_shards(self, folder: str) -> dict[str, dict[str, Any]]: ...
 
     def restore_state(self, state: Any) -> None: ...
 
@@ -209,6 +226,7 @@ class _Request:
     the next step boundary."""
 
     copy_ledger: Callable[[], Mapping[str, Any]]
+    folder: str
     done: threading.Event = field(default_factory=threading.Event)
     result: tuple[Mapping[str, Any], Any] | None = None
     error: BaseException | None = None
@@ -354,6 +372,11 @@ class SyncMode(EverySynced):
         store = dist.PrefixStore(reply["prefix"], dist.TCPStore(
             host, int(reply["port"]), is_master=False, timeout=forming))
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        # A group formed again in this process: the last one's model can still be held by the
+        # reference cycles of its broken collective's traceback (frames that held the trainer),
+        # frozen out of every collection since. Free it before this one's shards are allocated,
+        # or the worker holds two models (its memory is sized for one).
+        FROZEN_HEAP.collect()
         try:
             dist.init_process_group(backend, store=store, rank=self.rank,
                                     world_size=len(self.workers), timeout=forming)
@@ -366,9 +389,18 @@ class SyncMode(EverySynced):
             raise GroupBroken(f"rank {self.rank} of job {self.spec.job} could not form its "
                               f"group: {exc}") from exc
         assert self.trainer is not None
-        logger.info("job %s: rank %d of %d on %s (%s); tables: %s", self.spec.job, self.rank,
-                    len(self.workers), self.worker.address, backend,
-                    dict(self.trainer.plan_summary()))
+        refusal = self.trainer.gather_refusal(0)
+        if refusal is not None and self.spec.model_dir is None:
+            self.leave()
+            raise ConfigError(f"job {self.spec.job}: {refusal}, and the job has no folder to "
+                              "write it in parts (set train.checkpoint_dir)")
+        # into the job's log (``antdt logs``) too: where each table went, and how the model is kept
+        message = (f"rank {self.rank} of {len(self.workers)} ({backend}); tables: "
+                   f"{dict(self.trainer.plan_summary())}"
+                   + ("" if refusal is None else f"; the model is written in parts: {refusal}"))
+        logger.info("job %s on %s: %s", self.spec.job, self.worker.address, message)
+        self.worker.log_event(event_topic(self.spec.job), {
+            "kind": "log", "level": "info", "message": message, "worker": self.worker.address})
 
     def train(self, agent: AgentParts) -> Outcome:
         """The step loop (see the module docstring)."""
@@ -449,7 +481,9 @@ class SyncMode(EverySynced):
     def _checkpoint(self, agent: AgentParts, asker: int) -> None:
         """Every rank at this step boundary: report every trained row (their steps completed),
         wait for the others to have done so, then the model's state goes to the asking rank,
-        which copies the ledger in between: the two hold exactly the same rows."""
+        which copies the ledger in between: the two hold exactly the same rows. A model too
+        large for the asking rank is written by every rank into the checkpoint's folder (the
+        asker's, sent to the others) instead."""
         agent.shards.flush()
         self._collective(dist.barrier, "the checkpoint's barrier")
         request = self._request if asker == self.rank else None
@@ -458,22 +492,41 @@ class SyncMode(EverySynced):
             try:
                 ledger = request.copy_ledger()
             except BaseException as exc:  # handed to the asking thread, training goes on
-                request.error = exc
+                request.error = CheckpointError(f"copying the ledger failed: {exc!r}")
         assert self.trainer is not None
         trainer = self.trainer
-        state = self._collective(lambda: trainer.full_state(asker), "the checkpoint's gather")
+        state: Any = None
+        if trainer.gather_refusal(asker) is None:
+            state = self._collective(lambda: trainer.full_state(asker),
+                                     "the checkpoint's gather")
+        else:
+            folder = [None if request is None else request.folder]
+            self._collective(lambda: dist.broadcast_object_list(folder, src=asker),
+                             "the checkpoint's folder")
+            assert isinstance(folder[0], str)
+            try:
+                state = self._write(folder[0], "the checkpoint's shards")
+            except OSError as exc:  # every rank has it; the checkpoint fails, training goes on
+                if request is not None:
+                    request.error = exc
         if request is not None:
-            if ledger is not None:
+            if ledger is not None and request.error is None:
                 request.result = (ledger, state)
             self._request = None
             request.done.set()
+
+    def _write(self, folder: str, what: str) -> SavedModel:
+        """Every rank writes its part of the model into ``folder``; the files of all."""
+        assert self.trainer is not None
+        trainer = self.trainer
+        return SavedModel(folder, self._collective(lambda: trainer.write_shards(folder), what))
 
     # ---- the rest of WorkerMode ---------------------------------------------------------------
 
     def step(self, batch: Any, rows_after: int) -> float:
         raise SyncError("the synchronous mode trains in its own step loop, not the lease loop")
 
-    def checkpoint(self, copy_ledger: Callable[[], Mapping[str, Any]]
+    def checkpoint(self, copy_ledger: Callable[[], Mapping[str, Any]], folder: str
                    ) -> tuple[Mapping[str, Any], Any]:
         """Asked from another thread: every rank writes its part at the next step boundary
         (:meth:`_checkpoint`); waits for it at most the collective timeout."""
@@ -481,23 +534,31 @@ class SyncMode(EverySynced):
             if self._request is not None:
                 raise CheckpointError(f"job {self.spec.job}: a checkpoint is already being "
                                       "taken on this rank")
-            request = self._request = _Request(copy_ledger)
+            request = self._request = _Request(copy_ledger, folder)
         if not request.done.wait(self._timeout_s):
             self._request = None
             raise CheckpointError(f"job {self.spec.job}: rank {self.rank} reached no step "
                                   f"boundary within {self._timeout_s:g}s")
         if request.error is not None:
-            raise CheckpointError(f"job {self.spec.job}: copying the ledger failed: "
-                                  f"{request.error!r}") from request.error
+            raise CheckpointError(f"job {self.spec.job}: the checkpoint failed: "
+                                  f"{request.error}") from request.error
         assert request.result is not None
         return request.result
 
-    def finish(self) -> Trainer[Any] | None:
-        """The final model goes to rank 0, which keeps a single-process trainer over it."""
+    def finish(self) -> Trainer[Any] | SavedModel | None:
+        """The final model goes to rank 0, which keeps a single-process trainer over it; a model
+        too large for rank 0 is written by every rank into the job's ``model_dir``, and rank 0
+        hands on where."""
         assert self.trainer is not None
         trainer = self.trainer
-        state = self._collective(lambda: trainer.full_state(0), "gathering the final model")
-        final = trainer.final(state) if self.rank == 0 else None
+        final: Trainer[Any] | SavedModel | None
+        if trainer.gather_refusal(0) is None:
+            state = self._collective(lambda: trainer.full_state(0), "gathering the final model")
+            final = trainer.final(state) if self.rank == 0 else None
+        else:
+            assert self.spec.model_dir is not None, "refused in start()"
+            saved = self._write(self.spec.model_dir, "writing the final model")
+            final = saved if self.rank == 0 else None
         self.leave()
         return final
 

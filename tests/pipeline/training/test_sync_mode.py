@@ -4,21 +4,34 @@ rank's process killed for real, a rank hung in a collective."""
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import math
 import os
 import signal
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import dask.config
 import mlflow
+import psutil
 import pytest
 import yaml
+from dask.utils import format_bytes
 from distributed import Client, LocalCluster
 
-from antdt.jobs import JobClient
+from antdt.errors import ConfigError
+from antdt.jobs import JobClient, checkpoints
+from data.schema import Schema
+from data.synth import SynthResult
+from models.shards import ShardFiles
+from models.train_step import model_bytes
 from pipeline.job.config import load_job
-from pipeline.training.cluster import train_async
+from pipeline.training.cluster import replica_bytes, run, train_async
+from pipeline.training.following import outcome
+from pipeline.training.recipes import rank_memory
 from waits import bounded
 
 TRAIN_ROWS = 16_000
@@ -96,12 +109,12 @@ def test_a_killed_rank_forms_the_group_again_from_the_checkpoint(cluster: LocalC
     nanny restarts the dead one), and the job ends with every row trained and none lost."""
     job = load_job(sync_job, ["train.epochs=2"])
     with dask.config.set(FAST):
-        run = bounded.start(train_async, job, scheduler=cluster.scheduler_address)
+        started = bounded.start(train_async, job, scheduler=cluster.scheduler_address)
         with Client(cluster.scheduler_address) as client, JobClient(client) as jobs:
             pids = client.run(os.getpid)
             bounded.until(lambda: trained_rows(jobs) >= 4096, "4,096 rows trained")
             os.kill(pids[sorted(pids)[1]], signal.SIGKILL)
-        summary = run.result()
+        summary = started.result()
     assert summary.rows_lost == 0 and summary.rows_quarantined == 0
     assert summary.rows_replayed > 0
     assert summary.rows_trained >= 2 * TRAIN_ROWS
@@ -118,3 +131,160 @@ def test_a_hung_rank_breaks_the_step_within_the_timeout_and_the_job_ends(
         summary = bounded.call(train_async, job, scheduler=cluster.scheduler_address)
     assert summary.rows_lost == 0
     assert summary.rows_replayed > 0
+
+
+@pytest.mark.parametrize("limit, pause", [("4GiB", 0.8), ("4GiB", False), (None, 0.8)])
+def test_a_ranks_room_is_the_workers_limit_up_to_its_pause_less_what_it_holds(
+        limit: str | None, pause: float | bool) -> None:
+    """Below the pause (or, without one, the nanny's 95%), less the process's own memory; no
+    limit: None (the planner shares the machine); a limit already used up: refused."""
+    with dask.config.set({"distributed.worker.memory.pause": pause}), \
+            LocalCluster(n_workers=1, processes=False, memory_limit=limit,
+                         dashboard_address=":0") as local:
+        worker = next(iter(local.workers.values()))
+        held = worker.monitor.get_process_memory()
+        room = rank_memory(worker)
+        if limit is None:
+            assert room is None
+            return
+        usable = (pause or 0.95) * 4 * 2**30
+        assert room is not None and abs(room - (usable - held)) < 64 * 2**20
+        worker.memory_manager.memory_limit = held
+        with pytest.raises(ConfigError, match=r"its memory limit .* \(up to \d+% of it usable\) "
+                                              r"leaves nothing for the model's shards beside "
+                                              r"the .* its process holds already"):
+            rank_memory(worker)
+
+
+class PeakRss:
+    """The highest resident memory each process reached, sampled every 20 ms in a thread (the
+    nanny looks every 100 ms) until :meth:`stop`."""
+
+    def __init__(self, pids: Iterable[int]) -> None:
+        self.processes = {pid: psutil.Process(pid) for pid in pids}
+        self.peaks = dict.fromkeys(self.processes, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="peak-rss", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            for pid, process in self.processes.items():
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    self.peaks[pid] = max(self.peaks[pid], process.memory_info().rss)
+
+    def stop(self) -> dict[int, int]:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        return dict(self.peaks)
+
+
+def big_schema(small_data: SynthResult, tmp_path: Path, rows: int) -> tuple[dict[str, Any], Path]:
+    """``small_data``'s schema with ``rows`` rows in each of the tables of its last six
+    features (their ids hashed into that many buckets), and where it was written."""
+    schema = Schema.from_yaml(Path(small_data.out) / "schema.yaml").to_dict()
+    for feature in schema["sparse"][2:]:
+        feature["num_embeddings"] = rows
+    path = tmp_path / "big-schema.yaml"
+    path.write_text(yaml.safe_dump(schema))
+    return schema, path
+
+
+def parts_of(ranks: int) -> set[str]:
+    """The files of a model written in parts by ``ranks`` ranks (:mod:`models.shards`)."""
+    return {f"model-{rank:05d}-of-{ranks:05d}.bin" for rank in range(ranks)} | {"model-dense.pt"}
+
+
+LIMIT = 2 * 2**30
+"""Each worker's Dask memory limit in the big-tables test: it pauses at 80% (1.6 GiB), and its
+nanny restarts it at 95%."""
+BIG_ROWS = 11_000_000
+"""Rows of each of six tables in the big-tables test: 6 x 11M x 8 floats and row-wise
+Adagrad's float per row, 2.21 GiB, more than a worker's limit. A worker's process holds about
+0.66 GiB before any shard (torch, TorchRec, MLflow's store imported), so each rank has room for
+about 0.8 GiB of shards below the pause: three ranks hold them."""
+
+
+@pytest.mark.slow
+def test_tables_larger_than_a_worker_train_in_sync_mode_and_async_is_refused(
+        sync_job: Path, small_data: SynthResult, tmp_path: Path) -> None:
+    """Three workers limited to 2 GiB each train 2.21 GiB of tables in sync mode: every rank
+    builds only its shards, the final model is written in parts by the ranks, no worker is
+    paused or restarted; the same job in async mode is refused in one line. (Checkpoints are
+    written the same way: see the next test.)"""
+    schema, big = big_schema(small_data, tmp_path, BIG_ROWS)
+    job = load_job(sync_job, [f"data.schema={big}", "train.epochs=2",
+                              f"train.checkpoint_every={10**9}"])
+    size = model_bytes(Schema.from_dict(schema), job.model, job.train.optim)
+    assert size.tables + size.sparse_state > LIMIT
+    with dask.config.set(FAST), LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                                             memory_limit=LIMIT, dashboard_address=":0"
+                                             ) as local, Client(local) as client:
+        client.wait_for_workers(3, timeout=60)
+        pids = client.run(os.getpid)
+        watch = PeakRss(pids.values())
+        record = bounded.call(run, job, scheduler=local.scheduler_address)
+        peaks = watch.stop()
+        assert client.run(os.getpid) == pids  # no worker was restarted
+        with JobClient(client, register=False) as jobs:
+            logs = [r["message"] for r in jobs.logs(record["job_id"])]
+        async_job = load_job(sync_job, [f"data.schema={big}", "train.mode=async"])
+        refused = bounded.call(run, async_job, scheduler=local.scheduler_address)
+
+    summary = outcome(record)
+    assert summary.mode == "sync" and summary.workers == 3
+    assert summary.rows_trained == 2 * TRAIN_ROWS
+    assert summary.rows_lost == summary.rows_retrained == summary.rows_replayed == 0
+    # every rank stayed below the worker's pause (80% of its limit), let alone the nanny's 95%
+    assert max(peaks.values()) < 0.8 * LIMIT, sorted(peaks.values())
+    # the planner split the tables: each rank holds some of them, none holds them all
+    plans = [ast.literal_eval(line.partition("tables: ")[2].partition("; ")[0])
+             for line in logs if " of 3 (gloo); tables: " in line]
+    assert len(plans) == 3 and plans[0] == plans[1] == plans[2], logs
+    holders = [sharding.partition(" ")[2] for name, sharding in plans[0].items()
+               if name in {f["name"] for f in schema["sparse"][2:]}]
+    assert {"[0]", "[1]", "[2]"} <= set(holders), plans[0]
+
+    folder = Path(job.train.checkpoint_dir or "") / record["job_id"]
+    assert summary.model_dir == str(folder / "model")
+    final = ShardFiles(summary.model_dir, parts_of(3))
+    assert final.dense()["rows_trained"] == 2 * TRAIN_ROWS
+    assert sum(f.stat().st_size for f in (folder / "model").iterdir()) > LIMIT
+
+    worker = sorted(pids)[0]
+    need = replica_bytes(Schema.from_dict(schema), async_job.model, async_job.train.optim)
+    assert refused["state"] == "failed"
+    assert refused["error"] == (
+        f"the model needs {format_bytes(need)} per worker in async mode (every worker holds a "
+        f"full replica), but worker {worker}'s memory limit is 2.00 GiB (3 of the job's 3 "
+        f"workers have less than it needs); train it with --mode sync (train.mode: sync, the "
+        f"tables sharded across workers) or give the workers more memory")
+
+
+@pytest.mark.slow
+def test_a_group_whose_model_is_kept_in_parts_forms_again_from_its_parts(
+        sync_job: Path, small_data: SynthResult, tmp_path: Path) -> None:
+    """Workers limited to 1.25 GiB could not gather 0.3 GiB of tables (a gather holds the
+    model three times over): every checkpoint is written in parts by the ranks. Rank 0 hangs
+    after 7,168 rows; rank 1's collective times out, the master stops both and forms the group
+    again from the last checkpoint's parts (each rank reading its own shards), and the job ends
+    with no row lost and every row in the model once."""
+    _, big = big_schema(small_data, tmp_path, 1_500_000)
+    job = load_job(with_faults(sync_job, [{"worker": 0, "hang_after_rows": 7168}]),
+                   [f"data.schema={big}", "train.checkpoint_every=4096"])
+    with dask.config.set({**FAST, "antdt.sync-steps.collective-timeout": "5s"}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                         memory_limit=1.25 * 2**30, dashboard_address=":0") as local:
+        record = bounded.call(run, job, scheduler=local.scheduler_address)
+        with Client(local) as client, JobClient(client, register=False) as jobs:
+            logs = [r["message"] for r in jobs.logs(record["job_id"])]
+    summary = outcome(record)
+    assert summary.rows_lost == summary.rows_quarantined == 0
+    assert summary.rows_replayed > 0 and summary.rows_trained >= TRAIN_ROWS
+    assert any(line.startswith("restarting from checkpoint ") for line in logs), logs
+    folder = Path(job.train.checkpoint_dir or "") / record["job_id"]
+    written = [checkpoints.verify(str(version)) for version in sorted(folder.glob("v*"))]
+    assert written and all(set(m.files) == parts_of(2) | {"ledger.bin"} for m in written)
+    assert summary.model_dir == str(folder / "model")
+    # the model holds every row once: the parts it resumed from, then the rows after them
+    assert ShardFiles(summary.model_dir, parts_of(2)).dense()["rows_trained"] == TRAIN_ROWS
