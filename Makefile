@@ -45,7 +45,7 @@ $(DEMO_DATA)/oracle.json: | $(STAMP)
 	$(BIN)/antdt data synth $(DEMO_DATA) --rows 2800000 --days 7 --seed 0
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
