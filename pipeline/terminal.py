@@ -44,6 +44,9 @@ QUIET_ENVIRONMENT = {
     "TORCH_LOGS": "-all",
     # warnings in the processes we start (a LocalCluster's workers)
     "PYTHONWARNINGS": "ignore",
+    # TorchRec's loggers in those workers (through Dask's logging config): its planner warns on
+    # every sync rank about estimates of tensors it is not shown
+    "DASK_LOGGING__TORCHREC": "error",
 }
 
 
