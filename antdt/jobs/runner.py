@@ -463,12 +463,12 @@ class JobRunner:
     def _enable_controller(self, workers: int) -> None:
         """The async mode's controller runs the configured policies when the plan's sharding is
         antdt's; the synchronous mode's only sizes the ranks' local batches (with
-        ``adaptive_batch``), their sum fixed at ``batch_rows`` per rank. Before the job's
+        ``adaptive_batch``), their sum fixed at the global batch ``batch_rows``. Before the job's
         ledger is registered or restored: the policies take effect with it."""
         plan = self.plan
         if plan.mode == "sync":
             self.ctx.controller.enable(self.job_id, plan.adaptive_batch,
-                                       [BalanceBatch(plan.batch_rows * workers)])
+                                       [BalanceBatch(plan.batch_rows)])
         else:
             self.ctx.controller.enable(self.job_id, plan.sharding == "antdt")
 

@@ -50,9 +50,10 @@ class JobPlan:
     """The plain values of a job: what the master, the ledger and the agents need.
 
     ``mode``: ``async`` (a full replica per worker, synchronised in the background) or ``sync``
-    (one model sharded across the workers, synchronous steps; ``batch_rows`` is then each
-    rank's local batch at the start, and with ``adaptive_batch`` the controller sizes the local
-    batches by the workers' speed, their sum fixed: :mod:`antdt.agent.modes.synchronous`).
+    (one model sharded across the workers, synchronous steps; ``batch_rows`` is then the global
+    batch, split equally among the ranks at the start, and with ``adaptive_batch`` the
+    controller sizes the local batches by the workers' speed, their sum fixed:
+    :mod:`antdt.agent.modes.synchronous`).
     ``row_groups`` are ``(path, row_group, num_rows)`` of every training row group (bad ones
     included, so their rows are counted) and ``quarantine`` the bad units ``(path, row_group or
     None, reason)``. ``sync_period`` is a :class:`~antdt.sync.SyncPeriod` as text (``"4 peer
@@ -192,6 +193,13 @@ class JobPlan:
         one of 73 batches 0.009 below, one of 293 0.003 below. So every worker gets at least
         ``min_batches_per_worker`` batches (counting every epoch), down to one worker.
 
+        A sync job steps on one global batch of ``batch_rows`` rows whatever its number of
+        ranks, so its size sets no such bound; only every rank needs a row of each global batch.
+
+        >>> JobPlan("j", [("a.parquet", 0, 50_000)], batch_rows=3, shard_rows=16,
+        ...         mode="sync").fitted_workers(4)
+        (3, 'a global batch of 3 rows has a row for at most 3 ranks; training on 3')
+
         >>> plan = JobPlan("j", [("a.parquet", 0, 50_000)], batch_rows=4096, shard_rows=16384,
         ...                workers=4, min_batches_per_worker=128)
         >>> plan.fitted_workers(8)
@@ -201,6 +209,12 @@ workers; training on 1')
         (4, None)
         """
         asked = available if self.workers is None else self.workers
+        if self.mode == "sync":
+            fitted = min(asked, self.batch_rows)
+            why = None if fitted == asked else (
+                f"a global batch of {self.batch_rows:,} rows has a row for at most "
+                f"{self.batch_rows:,} ranks; training on {fitted}")
+            return min(fitted, available), why
         if self.min_batches_per_worker <= 0 or asked <= 1:
             return min(asked, available), None
         batches = -(-self.rows * self.epochs // self.batch_rows)

@@ -39,8 +39,10 @@ antdt sharding, the same job). A way's figure is its median run by ``samples_per
 the training seconds; ``steady_samples_per_s`` leaves the fixed costs out), every run's under
 ``runs_samples_per_s``; a sync run also lists each worker's last local batch (``batch_rows``)
 and its own rate (``own_rates``: rows over its own seconds, what the controller balances), by
-worker index. The dataset is sized for ``--target-s`` seconds of fault-free synchronous
-training (a sync calibration run). Each scenario reports ``adaptive_over_fixed`` and
+worker index. The sync ways' global batch is 4,096 rows a rank (``RANK_BATCH`` x workers, as
+TorchRec under torchrun is run) unless ``--set train.batch_size`` names it; the async way's
+batch is that over the workers, each worker's step as many rows as a rank's. The dataset is
+sized for ``--target-s`` seconds of fault-free synchronous training (a sync calibration run). Each scenario reports ``adaptive_over_fixed`` and
 ``async_over_fixed`` (ratios of the medians, steady ones too) against its target (adaptive >=
 1.8x fixed with one worker 4x slower, >= 0.9x with none) and the ideal for this machine:
 
@@ -199,10 +201,16 @@ def fluid_share(workers: int, slowdown: float) -> float:
     return (workers - 1 + 1 / slowdown) / workers
 
 
-def sync_way_job(job: JobConfig, way: SyncWay, faults: list[FaultConfig]) -> JobConfig:
-    """``job`` as the sync mode's ``way`` runs it, with ``faults``."""
+RANK_BATCH = 4096
+"""``--mode sync``: rows a rank of the sync ways' default global batch (module docstring)."""
+
+
+def sync_way_job(job: JobConfig, way: SyncWay, workers: int,
+                 faults: list[FaultConfig]) -> JobConfig:
+    """``job`` as the sync mode's ``way`` runs it on ``workers`` workers, with ``faults``."""
     if way == "async":
-        return with_train(job, mode="async", sharding="antdt", faults=faults)
+        return with_train(job, mode="async", sharding="antdt", faults=faults,
+                          batch_size=max(1, job.train.batch_size // workers))
     return with_train(job, mode="sync", adaptive_batch=way == "adaptive", faults=faults)
 
 
@@ -214,7 +222,7 @@ def run_sync_way(job: JobConfig, way: SyncWay, workers: int,
                  faults: list[FaultConfig]) -> dict[str, Any]:
     """One run of the sync mode's ``way``: its rates, rows, fixed costs and, by worker index,
     each worker's own rate and last local batch."""
-    outcome = run_async(sync_way_job(job, way, faults), workers)
+    outcome = run_async(sync_way_job(job, way, workers, faults), workers)
     summary = outcome.summary
     by_index = sorted(zip(outcome.slots, outcome.batch_rows or [None] * len(outcome.slots)),
                       key=lambda pair: pair[0].index)
@@ -292,6 +300,7 @@ def sync_command(names: list[str], ways: list[SyncWay], workers: int, target_s: 
                  rows: int | None, data_dir: str | None, slowdown: float, monitor_window: str,
                  repeats: int, overrides: tuple[str, ...], as_json: bool) -> None:
     """``--mode sync``: every scenario's ways (the module docstring)."""
+    overrides = (f"train.batch_size={RANK_BATCH * workers}", *overrides)
     job, sizing = sized_job(workers, target_s, rows, data_dir, overrides, as_json, mode="sync")
     result: dict[str, Any] = {"mode": "sync", "workers": workers, **sizing.as_dict(),
                               "slowdown": slowdown, "monitor_window": monitor_window,

@@ -21,8 +21,9 @@
 ``train.mode``: ``async`` (default) trains on a Dask cluster, one replica per worker with
 background model sync; ``sync`` trains one model whose tables are sharded across the workers,
 in synchronous steps (for dedicated clusters, and for tables larger than one worker), each
-worker's local batch sized by its speed unless ``train.adaptive_batch: false`` (equal local
-batches of ``batch_size``; the global batch is ``batch_size`` x workers either way); ``local``
+worker's local batch sized by its speed unless ``train.adaptive_batch: false`` (equal
+local batches); ``batch_size`` is the global batch either way, the rows of one optimizer step
+as in every mode, so the job trains as one process would, however many workers; ``local``
 trains in this process. ``train.sync_period`` (async mode) is
 how often a worker starts a sync round: batches of its peers (default ``4 peer batches``: a
 round every ``4 // (workers - 1)`` of its own batches, at least one, so that a replica trains on

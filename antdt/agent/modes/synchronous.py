@@ -28,7 +28,9 @@ to the own time too, and that sleep counts as the rank's own (it stands for slow
 
 Adaptive batches. The controller's :class:`~antdt.controller.BalanceBatch` sets each worker's
 local batch in proportion to its measured rate (rows over own seconds), summing to the global
-batch (``batch_rows`` x ranks); rank 0 reads the sizes every ``antdt.sharding.commit-interval``
+batch (``batch_rows``: the job's batch is the rows of one optimizer step in every mode, so a
+sync job trains as one process would on the same batch, whatever the number of ranks; the
+ranks start with equal shares of it); rank 0 reads the sizes every ``antdt.sharding.commit-interval``
 and sends them in the header, so every rank switches at the same step and each step's global
 batch stays the same.
 
@@ -409,7 +411,7 @@ class SyncMode(EverySynced):
         world = trainer.world_size
         rows = _Rows(agent)
         header = _Header(world)
-        sizes = [agent.spec.batch_rows] * world
+        sizes = shares([1.0] * world, agent.spec.batch_rows)
         sizes_due = 0.0
         interval = config.seconds("antdt.sharding.commit-interval")
         idle = False
@@ -468,7 +470,8 @@ class SyncMode(EverySynced):
         chosen = reply.get("batch_sizes") or {}
         if not chosen:
             return None
-        wanted = [float(chosen.get(w, agent.spec.batch_rows)) for w in self.workers]
+        wanted = [float(chosen.get(w, agent.spec.batch_rows / len(self.workers)))
+                  for w in self.workers]
         return shares(wanted, total)
 
     def _collective(self, call: Callable[[], Any], what: str) -> Any:

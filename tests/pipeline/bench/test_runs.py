@@ -95,6 +95,29 @@ def test_bench_quality_trains_the_reference_and_the_async_runs(
 
 
 @pytest.mark.slow
+def test_bench_quality_sync_trains_the_reference_and_both_local_batch_ways(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    out = bench(["quality", "--mode", "sync", "--rows", "10000", "--data", str(tmp_path / "data"),
+                 "--workers", "2", "--set", "train.batch_size=512",
+                 "--set", "train.shard_rows=1024", "--tolerance", "0.5",
+                 "--pair-tolerance", "0.5"])
+    assert out["mode"] == "sync" and out["rows"] == 7_500 and out["pair_tolerance"] == 0.5
+    (two,) = out["sync"]
+    assert two["workers"] == 2 and two["slowdown"] == 4.0
+    for way in ("fixed", "adaptive"):
+        (run,) = two[way]["runs"]
+        assert run["rows_trained"] == out["rows"]
+        assert run["rows_lost"] == run["rows_retrained"] == 0
+        assert run["gap"] == pytest.approx(out["reference_auc"] - run["auc"], abs=2e-4)
+        assert two[way]["median_auc"] == run["auc"] and len(run["batch_rows"]) == 2
+    assert two["fixed"]["runs"][0]["batch_rows"] == [None, None]  # equal local batches
+    assert two["fixed_adaptive_difference"] == pytest.approx(
+        abs(two["fixed"]["median_auc"] - two["adaptive"]["median_auc"]), abs=2e-4)
+    assert two["passed"] is out["passed"] is True
+
+
+@pytest.mark.slow
 def test_bench_submit_runs_both_ways_on_one_cluster(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -128,7 +128,7 @@ def test_the_sync_bench_runs_every_way_and_the_fault_free_base(
     monkeypatch.chdir(tmp_path)  # MLflow's default store, in the working directory
     result = bounded.call(CliRunner().invoke, cli, [
         "bench", "stragglers", "--mode", "sync", "--scenario", "persistent", "--workers", "2",
-        "--rows", "10000", "--data", str(tmp_path / "data"), "--set", "train.batch_size=256",
+        "--rows", "10000", "--data", str(tmp_path / "data"), "--set", "train.batch_size=512",
         "--set", "train.shard_rows=1024", "--ways", "fixed,adaptive", "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout.strip().splitlines()[-1])

@@ -46,9 +46,10 @@ hung rank found within 10 s (the workers take it when the cluster starts)."""
 
 @pytest.fixture
 def sync_job(cluster_job: Path, tmp_path: Path) -> Iterator[Path]:
-    """``cluster_job`` in the synchronous mode, with checkpoints every 1,024 rows."""
+    """``cluster_job`` in the synchronous mode: a global batch of 512 rows (256 a rank at the
+    start on two workers), checkpoints every 1,024 rows."""
     raw = yaml.safe_load(cluster_job.read_text())
-    raw["train"].update(mode="sync", batch_size=256, shard_rows=1024,
+    raw["train"].update(mode="sync", batch_size=512, shard_rows=1024,
                         checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=1024)
     raw["train"].pop("sync_period")
     cluster_job.write_text(yaml.safe_dump(raw))
@@ -268,9 +269,12 @@ def test_a_group_whose_model_is_kept_in_parts_forms_again_from_its_parts(
     model three times over): every checkpoint is written in parts by the ranks. Rank 0 hangs
     after 7,168 rows; rank 1's collective times out, the master stops both and forms the group
     again from the last checkpoint's parts (each rank reading its own shards), and the job ends
-    with no row lost and every row in the model once."""
+    with no row lost and every row in the model once. Both ranks are 4x slower, so the master
+    asks for the checkpoint at 4,096 rows seconds before the hang, even on a loaded machine
+    (at full speed the 14,000 rows before it take one second)."""
     _, big = big_schema(small_data, tmp_path, 1_500_000)
-    job = load_job(with_faults(sync_job, [{"worker": 0, "hang_after_rows": 7168}]),
+    job = load_job(with_faults(sync_job, [{"worker": 0, "hang_after_rows": 7168, "slowdown": 4.0},
+                                          {"worker": 1, "slowdown": 4.0}]),
                    [f"data.schema={big}", "train.checkpoint_every=4096"])
     with dask.config.set({**FAST, "antdt.sync-steps.collective-timeout": "5s"}), \
             LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
