@@ -135,7 +135,7 @@ class JobsCollector(PrometheusCollector):
     """The ``dask_antdt_*`` series of the jobs ``jobs()`` yields (see the module docstring);
     ``clock`` is the runners' clock (their ``ended_at``)."""
 
-    def __init__(self, server: Scheduler, jobs: Callable[[], Iterable[JobRunner]],
+    def __init__(self, server: Scheduler | None, jobs: Callable[[], Iterable[JobRunner]],
                  clock: Clock = time) -> None:
         super().__init__(server)
         self.subsystem = SUBSYSTEM
