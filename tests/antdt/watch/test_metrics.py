@@ -16,6 +16,7 @@ from distributed import Client, LocalCluster
 from prometheus_client.registry import CollectorRegistry
 
 from antdt.jobs import JobClient
+from antdt.jobs.runner import JobRunner
 from antdt.jobs.service import JobService
 from antdt.watch.metrics import FAMILIES, JobsCollector
 from fakes import GATES, TOTAL, spec
@@ -36,7 +37,7 @@ def test_registering_describes_and_closing_unregisters_even_with_two_schedulers(
         caplog: pytest.LogCaptureFixture) -> None:
     """A second scheduler in the process cannot serve the names too: it says so and goes on,
     and its close leaves the first one's series served."""
-    def jobs() -> list[object]:
+    def jobs() -> list[JobRunner]:
         raise AssertionError("registering collected")
 
     CollectorRegistry(auto_describe=True).register(JobsCollector(None, jobs))
