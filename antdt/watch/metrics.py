@@ -11,47 +11,47 @@ a scrape is what reads the jobs.
 A scrape reads every job runner the service keeps, in place, on the scheduler's event loop (the
 handler runs there): the ledger's counters and the controller's actions as the runner's journal
 last read them (every ``antdt.jobs.tick``), the agents' progress events, the monitor's verdicts.
-Nothing is kept between scrapes. Labels stay bounded: a job's id (and, in
+Nothing is kept between scrapes. Labels stay bounded: a job's id, ``job_id`` (and, in
 ``dask_antdt_job_info``, its name, mode and sharding), a worker's address with its agent's
 label (``worker0``...), a kind from a closed list. A job that ended more than
 ``antdt.watch.forget-after`` ago has no series any more (its record stays for ``antdt
 status``), so a cluster that runs many jobs does not grow its scrape without end.
 
-=============================================  ======  ===========================================
-series (``dask_antdt_`` + ...)                 type    labels: what it is
-=============================================  ======  ===========================================
-``job_info``                                   gauge   job, name, mode, sharding: 1
-``job_state``                                  gauge   job, state: 1 for the job's state, 0 for the
-                                                       others (``starting`` ... ``failed``)
-``job_workers``                                gauge   job: agents training now
-``job_epochs``, ``job_epoch``                  gauge   job: epochs planned; the epoch being dealt
-``job_rows_expected``                          gauge   job: rows of every epoch
-``job_rows_per_epoch``                         gauge   job: rows of one epoch
-``job_epoch_rows_done``                        gauge   job, epoch: rows done in that epoch
-``job_rows_done``                              gauge   job: rows whose effect is in the model
-``job_rows_trained``                           gauge   job: rows trained, repeats included
-``job_rows_lost``                              gauge   job: rows never done (a stopped job)
-``job_rows_retrained``                         gauge   job: rows trained again, their first
-                                                       effect discarded (duplicated work)
-``job_rows_quarantined``                       gauge   job: rows that could not be read
-``job_rows_replayed``                          gauge   job: rows trained past the checkpoint a job
-                                                       restarted from, trained again
-``job_leases_total``                           counter job, kind (granted, revoked, split)
-``job_controller_actions_total``               counter job, kind (reassign, split, revoke, retire,
-                                                       pace, adjust_batch)
-``job_checkpoints_written_total``              counter job: checkpoints this master wrote
-``worker_rows_total``                          counter job, worker, agent: rows its agent trained
-``worker_rows_per_second``                     gauge   job, worker, agent: its latest pace
-``worker_batch_seconds``                       gauge   job, worker, agent: the monitor's batch time
-                                                       (BPT) of its last judged window
-``worker_state``                               gauge   job, worker, agent, state: 1 for the
-                                                       monitor's verdict (ok, transient,
-                                                       persistent, hung), 0 for the others
-``worker_sync_rounds_total``                   counter job, worker, agent: model exchanges
-``worker_sync_bytes_total``                    counter job, worker, agent: bytes its exchanges
-                                                       received (async mode; each byte moved is
-                                                       counted once, by its receiver)
-=============================================  ======  ===========================================
+=================================  =======  ========================================================
+series (``dask_antdt_`` + ...)     type     labels: what it is
+=================================  =======  ========================================================
+``job_info``                       gauge    job_id, name, mode, sharding: 1
+``job_state``                      gauge    job_id, state: 1 for the job's state, 0 for the others
+                                            (``starting`` ... ``failed``)
+``job_workers``                    gauge    job_id: agents training now
+``job_epochs``, ``job_epoch``      gauge    job_id: epochs planned; the epoch being dealt
+``job_rows_expected``              gauge    job_id: rows of every epoch
+``job_rows_per_epoch``             gauge    job_id: rows of one epoch
+``job_epoch_rows_done``            gauge    job_id, epoch: rows done in that epoch
+``job_rows_done``                  gauge    job_id: rows whose effect is in the model
+``job_rows_trained``               gauge    job_id: rows trained, repeats included
+``job_rows_lost``                  gauge    job_id: rows never done (a stopped job)
+``job_rows_retrained``             gauge    job_id: rows trained again, their first effect discarded
+                                            (duplicated work)
+``job_rows_quarantined``           gauge    job_id: rows that could not be read
+``job_rows_replayed``              gauge    job_id: rows trained past the checkpoint a job restarted
+                                            from, trained again
+``job_leases_total``               counter  job_id, kind (granted, revoked, split)
+``job_controller_actions_total``   counter  job_id, kind (reassign, split, revoke, retire, pace,
+                                            adjust_batch)
+``job_checkpoints_written_total``  counter  job_id: checkpoints this master wrote
+``worker_rows_total``              counter  job_id, worker, agent: rows its agent trained
+``worker_rows_per_second``         gauge    job_id, worker, agent: its latest pace
+``worker_batch_seconds``           gauge    job_id, worker, agent: the monitor's batch time (BPT) of
+                                            its last judged window
+``worker_state``                   gauge    job_id, worker, agent, state: 1 for the monitor's
+                                            verdict (ok, transient, persistent, hung), 0 for the
+                                            others
+``worker_sync_rounds_total``       counter  job_id, worker, agent: model exchanges
+``worker_sync_bytes_total``        counter  job_id, worker, agent: bytes its exchanges received
+                                            (async mode; each byte moved is counted once, by its
+                                            receiver)
+=================================  =======  ========================================================
 
 The rows are gauges, not counters: a job that restarts from a checkpoint goes back to the
 checkpoint's rows. The counters start again from 0 when their source does (a ledger restored
@@ -83,8 +83,10 @@ logger = logging.getLogger(__name__)
 SUBSYSTEM = "antdt"
 """After Dask's namespace (``dask``): the series are ``dask_antdt_*``."""
 
-JOB = ["job"]
-WORKER = ["job", "worker", "agent"]
+JOB = ["job_id"]
+"""Not ``job``: Prometheus gives every series it scrapes a ``job`` label of its own (the scrape
+job), and would rename ours ``exported_job``."""
+WORKER = ["job_id", "worker", "agent"]
 
 LEASE_KINDS = ("granted", "revoked", "split")
 JOB_STATES = tuple(state.value for state in JobState)

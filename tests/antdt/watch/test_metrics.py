@@ -74,16 +74,16 @@ def test_a_running_jobs_agents_have_their_series(jobs: JobClient) -> None:
         samples = scrape(jobs.client.dashboard_link)
     finally:
         GATES[gate].set()
-    assert value(samples, "job_state", job=job_id, state="running") == 1
-    assert value(samples, "job_state", job=job_id, state="finished") == 0
-    assert value(samples, "job_workers", job=job_id) == 2
-    assert value(samples, "job_info", job=job_id, name="fake", mode="async") == 1
+    assert value(samples, "job_state", job_id=job_id, state="running") == 1
+    assert value(samples, "job_state", job_id=job_id, state="finished") == 0
+    assert value(samples, "job_workers", job_id=job_id) == 2
+    assert value(samples, "job_info", job_id=job_id, name="fake", mode="async") == 1
     agents = {s.labels["agent"] for s in samples
-              if s.name == "dask_antdt_worker_rows_total" and s.labels["job"] == job_id}
+              if s.name == "dask_antdt_worker_rows_total" and s.labels["job_id"] == job_id}
     assert agents == {"worker0", "worker1"}
     for agent in agents:  # no verdict yet: ok
-        assert value(samples, "worker_state", job=job_id, agent=agent, state="ok") == 1
-        assert value(samples, "worker_state", job=job_id, agent=agent, state="hung") == 0
+        assert value(samples, "worker_state", job_id=job_id, agent=agent, state="ok") == 1
+        assert value(samples, "worker_state", job_id=job_id, agent=agent, state="hung") == 0
     assert bounded.call(jobs.follow, job_id)["state"] == "finished"
 
 
@@ -93,21 +93,21 @@ def test_a_finished_jobs_series_stay_until_forget_after(jobs: JobClient) -> None
     assert record["state"] == "finished"
 
     samples = scrape(jobs.client.dashboard_link)
-    assert value(samples, "job_state", job=job_id, state="finished") == 1
-    assert value(samples, "job_rows_done", job=job_id) == 2 * TOTAL
-    assert value(samples, "job_rows_trained", job=job_id) == 2 * TOTAL
-    assert value(samples, "job_rows_per_epoch", job=job_id) == TOTAL
-    assert value(samples, "job_rows_expected", job=job_id) == 2 * TOTAL
-    assert value(samples, "job_epoch_rows_done", job=job_id, epoch="1") == TOTAL
-    assert value(samples, "job_rows_lost", job=job_id) == 0
-    assert value(samples, "job_rows_retrained", job=job_id) == 0
-    granted = value(samples, "job_leases_total", job=job_id, kind="granted")
+    assert value(samples, "job_state", job_id=job_id, state="finished") == 1
+    assert value(samples, "job_rows_done", job_id=job_id) == 2 * TOTAL
+    assert value(samples, "job_rows_trained", job_id=job_id) == 2 * TOTAL
+    assert value(samples, "job_rows_per_epoch", job_id=job_id) == TOTAL
+    assert value(samples, "job_rows_expected", job_id=job_id) == 2 * TOTAL
+    assert value(samples, "job_epoch_rows_done", job_id=job_id, epoch="1") == TOTAL
+    assert value(samples, "job_rows_lost", job_id=job_id) == 0
+    assert value(samples, "job_rows_retrained", job_id=job_id) == 0
+    granted = value(samples, "job_leases_total", job_id=job_id, kind="granted")
     assert granted is not None and granted >= 2
-    assert value(samples, "job_workers", job=job_id) == 0
-    assert value(samples, "worker_rows_total", job=job_id) is None  # no agent trains
+    assert value(samples, "job_workers", job_id=job_id) == 0
+    assert value(samples, "worker_rows_total", job_id=job_id) is None  # no agent trains
     with dask.config.set({"antdt.watch.forget-after": "0s"}):
         assert not [s for s in scrape(jobs.client.dashboard_link)
-                    if s.labels.get("job") == job_id]
+                    if s.labels.get("job_id") == job_id]
 
 
 def test_every_family_is_described_with_the_prefix() -> None:

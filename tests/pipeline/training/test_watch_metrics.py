@@ -53,21 +53,21 @@ def test_metrics_show_a_running_jobs_rows_and_its_straggler_then_forget_it(
 
             def straggler_flagged() -> list[Sample] | None:
                 samples = scrape(dashboard)
-                flagged = any(value(samples, "worker_state", job=job_id, agent="worker1",
+                flagged = any(value(samples, "worker_state", job_id=job_id, agent="worker1",
                                     state=state) == 1 for state in FLAGGED)
-                ok = value(samples, "worker_state", job=job_id, agent="worker0", state="ok")
+                ok = value(samples, "worker_state", job_id=job_id, agent="worker0", state="ok")
                 return samples if flagged and ok == 1 else None
 
             samples = bounded.until(straggler_flagged, "worker1 flagged, worker0 ok",
                                     timeout_s=120)
-            assert value(samples, "job_state", job=job_id, state="running") == 1
-            assert value(samples, "job_rows_expected", job=job_id) == 3 * TRAIN_ROWS
-            done = value(samples, "job_rows_done", job=job_id)
+            assert value(samples, "job_state", job_id=job_id, state="running") == 1
+            assert value(samples, "job_rows_expected", job_id=job_id) == 3 * TRAIN_ROWS
+            done = value(samples, "job_rows_done", job_id=job_id)
             assert done is not None and 0 <= done <= 3 * TRAIN_ROWS
-            rows = [value(samples, "worker_rows_total", job=job_id, agent=f"worker{i}")
+            rows = [value(samples, "worker_rows_total", job_id=job_id, agent=f"worker{i}")
                     for i in (0, 1)]
             assert all(r is not None and r > 0 for r in rows), rows
-            pace = [value(samples, "worker_rows_per_second", job=job_id, agent=f"worker{i}")
+            pace = [value(samples, "worker_rows_per_second", job_id=job_id, agent=f"worker{i}")
                     for i in (0, 1)]
             assert pace[0] is not None and pace[1] is not None and pace[0] > pace[1], pace
 
@@ -78,10 +78,10 @@ def test_metrics_show_a_running_jobs_rows_and_its_straggler_then_forget_it(
             ended = scrape(dashboard)
             seen_at = time.time()
             assert seen_at - record["ended_at"] < FORGET_S  # still within its time...
-            assert value(ended, "job_state", job=job_id, state="finished") == 1
-            assert value(ended, "job_rows_done", job=job_id) == 3 * TRAIN_ROWS
-            assert value(ended, "job_rows_lost", job=job_id) == 0
+            assert value(ended, "job_state", job_id=job_id, state="finished") == 1
+            assert value(ended, "job_rows_done", job_id=job_id) == 3 * TRAIN_ROWS
+            assert value(ended, "job_rows_lost", job_id=job_id) == 0
             bounded.until(lambda: not [s for s in scrape(dashboard)
-                                       if s.labels.get("job") == job_id],
+                                       if s.labels.get("job_id") == job_id],
                           "the finished job's series gone", timeout_s=30)
             assert time.time() - record["ended_at"] >= FORGET_S  # ...and gone after it
