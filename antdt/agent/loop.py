@@ -24,7 +24,7 @@ pool, so agents of several jobs, and the jobs' other tasks, run on one worker si
 
 Progress reaches the job's master as Dask events (topic :func:`event_topic`), no extra RPC to
 wait on: ``progress`` every ``antdt.agent.report-interval`` (rows, busy seconds, loss,
-samples/s), ``lease`` at the start and end of every lease (wall-clock times, rows, ``finished`` /
+samples/s, the mode's exchanges and their bytes), ``lease`` at the start and end of every lease (wall-clock times, rows, ``finished`` /
 ``revoked`` or the agent's outcome; the job's timeline is drawn from them), ``fault`` when a hang
 or a pause fires, and ``log`` for each warning or error the agent's training thread and its
 mode's threads log (``antdt logs`` shows them). The per-batch timings reach the monitor through
@@ -297,7 +297,8 @@ class Agent:
                 "kind": "progress", "rows": self.rows, "batches": self.batches,
                 "busy_s": self.busy_s, "cpu_s": self.cpu_s, "window_rows": window.rows,
                 "loss": window.loss / window.batches if window.batches else None,
-                "samples_per_s": window.rows / elapsed})
+                "samples_per_s": window.rows / elapsed, "exchanges": self.mode.exchanges,
+                "exchanged_bytes": self.mode.exchanged_bytes})
         self._window = _Window(now)
 
     def event(self, msg: dict[str, Any]) -> None:

@@ -8,7 +8,8 @@ agents' events received since the last tick (:meth:`Journal.read_events`)::
 
     lease start / end   ─► the lease spans of the timeline (a dead worker's open ones: lost),
                            each worker's first lease, the end of the last lease that trained
-    progress            ─► each agent's rows, busy and CPU seconds, samples/s, the mean loss
+    progress            ─► each agent's rows, busy and CPU seconds, samples/s, exchanges and
+                           their bytes, the mean loss
     fault, log          ─► the job's log, under the agent's worker and the event's time
     controller actions  ─► the job's log and record; their counts per kind
 
@@ -47,16 +48,22 @@ class Journal:
     the scheduler's time; ``changed()`` is called whenever clients should look again (a log
     record was added); the log keeps the newest ``log_length`` records.
 
-    ``rows`` are the ledger's counters as last read, ``actions`` the controller's applied
-    actions (every one), ``health`` the monitor's verdict per worker, ``first_lease`` when
-    each worker's first lease started (seconds after training started)."""
+    ``rows`` are the ledger's counters as last read, ``leases`` its lease counters (granted,
+    revoked, split), ``actions`` the controller's applied actions (every one) and
+    ``action_counts`` their counts per kind, ``health`` the monitor's verdict per worker as
+    ``status`` names it and ``verdicts`` the monitor's own (:meth:`~antdt.monitor.Health.as_dict`:
+    its state, BPT, rate), ``first_lease`` when each worker's first lease started (seconds after
+    training started)."""
 
     def __init__(self, job_id: str, clock: Clock, changed: Callable[[], None],
                  log_length: int) -> None:
         self.job_id = job_id
         self.rows: dict[str, Any] = {}
+        self.leases: dict[str, int] = {}
         self.actions: list[dict[str, Any]] = []
+        self.action_counts: dict[str, int] = {}
         self.health: dict[str, str] = {}
+        self.verdicts: dict[str, Mapping[str, Any]] = {}
         self.batch_rows: dict[str, int] = {}
         """The local batch the controller set each worker (the synchronous mode's shares)."""
         self.first_lease: dict[str, float] = {}
@@ -99,6 +106,8 @@ class Journal:
         self.rows = {key.removeprefix("rows_"): summary[key] for key in ROWS}
         self.rows.update(epoch=summary["epoch"], epochs=summary["epochs"],
                          done_by_epoch=summary["rows_done_by_epoch"])
+        self.leases = {kind: int(summary[f"leases_{kind}"])
+                       for kind in ("granted", "revoked", "split")}
 
     def read_controller(self, actions: Callable[[int], Mapping[str, Any]],
                         workers: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
@@ -112,8 +121,10 @@ class Journal:
             self.log("info", f"controller: {record['action']} {record['worker']}{lease} "
                              f"({record['reason']})")
         self.health = {w: _health(h["state"]) for w, h in workers.items()}
+        self.verdicts = dict(workers)
         self.batch_rows = dict(new.get("batch_sizes") or {})
-        return dict(new["counts"])
+        self.action_counts = dict(new["counts"])
+        return dict(self.action_counts)
 
     def read_events(self, slots: Sequence[Slot], counts: Mapping[str, int]) -> dict[str, float]:
         """Read the agents' events received since the last call (updating the progress of
@@ -135,6 +146,8 @@ class Journal:
                 if slot is not None and slot.report is None:
                     slot.rows, slot.busy_s = int(msg["rows"]), float(msg["busy_s"])
                     slot.cpu_s = float(msg["cpu_s"])
+                    slot.exchanges = int(msg.get("exchanges", slot.exchanges))
+                    slot.exchanged_bytes = msg.get("exchanged_bytes", slot.exchanged_bytes)
             elif kind == "fault":
                 self.log("warning", f"injected {msg.get('fault')} after {msg.get('rows')} rows",
                          source=worker, at=at)

@@ -29,7 +29,8 @@ class Slot:
     """One agent of the job: its worker, number (faults refer to it), when it started and
     ended (seconds after training started; None: still running), its rows, busy seconds and
     the training thread's CPU seconds in them (from its report, or its latest progress event if
-    it died), its latest samples/s."""
+    it died), its latest samples/s, and its mode's model exchanges and the bytes they received
+    as of its latest progress event (None: the mode does not count them)."""
 
     worker: str
     index: int
@@ -40,6 +41,8 @@ class Slot:
     busy_s: float = 0.0
     cpu_s: float = 0.0
     rate: float = 0.0
+    exchanges: int = 0
+    exchanged_bytes: int | None = None
     report: AgentReport | None = None
     dead: bool = False
 

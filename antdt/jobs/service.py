@@ -15,6 +15,8 @@ Handlers (all arguments by keyword; each answers ``{"status": "OK", ...}`` or ``
 ==========================================================  =====================================
 
 Finished jobs stay listed (the newest ``antdt.jobs.history``) until the scheduler restarts.
+While the service runs, the scheduler's ``/metrics`` serves its jobs' ``dask_antdt_*`` series
+(:mod:`antdt.watch.metrics`).
 Tasks reach workers through the service's own client of the scheduler (with the scheduler's TLS
 credentials when it has any).
 """
@@ -44,6 +46,7 @@ from antdt.sharding.service import PLUGIN_NAME as SHARDING
 from antdt.sharding.service import ShardingService
 from antdt.sync.service import SyncService
 from antdt.sync.wire import PLUGIN_NAME as SYNC
+from antdt.watch.metrics import JobsCollector
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,7 @@ class JobService(SchedulerPlugin):
         self.rendezvous = Rendezvous()
         """Where the ranks of synchronous jobs meet (the scheduler hosts their store)."""
         self._client: Client | None = None
+        self._metrics: JobsCollector | None = None
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -80,8 +84,12 @@ class JobService(SchedulerPlugin):
             "antdt_job_cancel": self.cancel,
             "antdt_sync_rank": self.rendezvous.rank,
         })
+        self._metrics = JobsCollector(scheduler, self.runners.values)
+        self._metrics.register()
 
     async def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.unregister()
         if self._client is not None:
             await self._client.close()
 

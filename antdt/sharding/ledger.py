@@ -95,6 +95,10 @@ Counters
 * ``rows_unsynced``: rows of live leases trained but not synced yet (``offset - synced``). A
   :class:`Wait` carries it: while it is above 0 the job may be waiting for any worker's sync
   round (a row is synced once every peer applied it), so an idle worker should keep syncing.
+* ``leases_granted``, ``leases_revoked``, ``leases_split``: leases this ledger handed out, and
+  those whose unclaimed rows the controller took back (a revoke, or a commit of a worker paced
+  to no rows) or cut into parts (a split that moved rows). What an operator watches
+  (:mod:`antdt.watch.metrics`); they start at 0 in a ledger restored from a checkpoint.
 
 At every moment ``rows_trained == rows_done + rows_retrained + rows_unsynced`` and
 ``rows_todo + rows_leased + rows_done + rows_quarantined + rows_lost == total_rows * epochs``;
@@ -204,6 +208,9 @@ class ShardLedger:
         self.rows_lost = 0
         self.rows_leased = 0
         self.rows_unsynced = 0
+        self.leases_granted = 0
+        self.leases_revoked = 0
+        self.leases_split = 0
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -245,6 +252,8 @@ class ShardLedger:
             "rows_trained": self.rows_trained, "rows_retrained": self.rows_retrained,
             "rows_lost": self.rows_lost, "rows_quarantined": self.rows_quarantined,
             "leases": len(self._leases), "workers": len(self._by_worker),
+            "leases_granted": self.leases_granted, "leases_revoked": self.leases_revoked,
+            "leases_split": self.leases_split,
             "static": self.static, "stopped_reason": self._stopped,
         }
 
@@ -301,6 +310,7 @@ class ShardLedger:
                                             start, start, claim_stop, False, now, now)
         self._by_worker.setdefault(worker, {})[lease_id] = None
         self.rows_leased += stop - start
+        self.leases_granted += 1
         path, group = self._table.location(shard)
         return Lease(lease_id, token, worker, epoch, path, group, start, stop, claim_stop,
                      self._batch_rows.get(worker))
@@ -345,6 +355,7 @@ class ShardLedger:
                 listener(event)
         if self._paces.get(lease.worker) == 0 and not lease.revoked:
             lease.revoked = True
+            self.leases_revoked += 1
             self._cut(lease, lease.claim_stop, 1)
         retired = self._retire_if_synced(lease)
         if lease.revoked:
@@ -393,6 +404,7 @@ class ShardLedger:
         """Move the lease's unclaimed rows to the queue front; its holder finishes its claim and
         gets :class:`Revoked`. Returns the requeued piece (None: nothing unclaimed)."""
         lease = self._known(lease_id)
+        self.leases_revoked += not lease.revoked
         lease.revoked = True
         pieces = self._cut(lease, lease.claim_stop, 1)
         return pieces[0] if pieces else None
@@ -406,7 +418,9 @@ class ShardLedger:
         parts = check_int(f"lease {lease_id}: parts", parts, 2, 1_000_000)
         keep = lease.offset + -(-(lease.stop - lease.offset) // parts)
         at = max(lease.claim_stop, keep)
-        return self._cut(lease, at, min(parts - 1, max(1, (lease.stop - at) // self.batch_rows)))
+        pieces = self._cut(lease, at, min(parts - 1, max(1, (lease.stop - at) // self.batch_rows)))
+        self.leases_split += bool(pieces)
+        return pieces
 
     def pace(self, worker: str, rows: int | None) -> None:
         """Hold ``worker``'s leases and claims to at most ``rows`` rows (whole batches; 0: no new

@@ -118,6 +118,7 @@ class BackgroundSync:
         self.exchanges = 0  # exchanges done (regular and final)
         self.peers_merged = 0  # peers merged over all exchanges
         self.peers_failed = 0  # peers skipped over all exchanges
+        self.bytes_received = 0  # tensor bytes pulled over all exchanges (what the job moved)
         self.last_report: ExchangeReport | None = None
         self.bootstrapped_from: str | None = None  # the member a joiner adopted the state of
         self.final_leader: str | None = None  # the final leader this replica ended equal to
@@ -465,6 +466,7 @@ class BackgroundSync:
 
     def _record(self, report: ExchangeReport) -> None:
         self.exchanges += 1
+        self.bytes_received += report.bytes_received
         self.peers_merged += len(report.merged)
         self.peers_failed += len(report.failed)
         self.last_report = report

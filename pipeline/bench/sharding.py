@@ -6,8 +6,11 @@ else a commit of the next batch (synced at once), which returns the next claim. 
 operation is timed on its own for the p50/p99. Memory is traced (tracemalloc) while building the
 ledger and giving every worker a lease, and reported per shard.
 
-RPC: a LocalCluster (in-process workers) with the :class:`~antdt.sharding.service.ShardingService`; a
-client leases and commits batch by batch through the scheduler, one round trip per operation.
+RPC: a LocalCluster (in-process workers) with the :class:`~antdt.sharding.service.ShardingService`
+and the job service; a client leases and commits batch by batch through the scheduler, one round
+trip per operation. Measured twice, on two clusters: alone, and while a thread scrapes the
+scheduler's ``/metrics`` (Dask's series and the ``dask_antdt_*`` ones) at once and then every
+second, as Prometheus would: the ratio is what watching costs the scheduler's RPC.
 
 Sync groups: the scheduler's other per-batch call, a sync group ask
 (:meth:`~antdt.sync.SyncScheduler.ready`), by the same ``--workers`` in groups of 4, each ask
@@ -16,13 +19,18 @@ from a random worker 1 ms after the one before; every 16th ask is timed on its o
 
 from __future__ import annotations
 
+import threading
 import time
 import tracemalloc
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 import numpy as np
 from distributed import Client, LocalCluster
 
+from antdt.jobs.service import JobService
 from antdt.sharding import Claim, Lease, RowGroup, ShardLedger
 from antdt.sharding.service import ShardingService, register_job
 from antdt.sync import SyncScheduler
@@ -121,32 +129,74 @@ def group_throughput(workers: int, asks: int, seed: int = 0) -> dict[str, float]
             "us_per_ask_p99": float(np.percentile(micros, 99))}
 
 
-def rpc_throughput(ops: int, shard_rows: int, batch_rows: int) -> float:
-    """Lease + commit operations per second through a LocalCluster's scheduler."""
+@contextmanager
+def scraping(dashboard: str, every_s: float | None) -> Iterator[list[float]]:
+    """While inside: fetch ``/metrics`` of the scheduler whose dashboard is ``dashboard`` at
+    once and then every ``every_s`` (None: never), in a thread; yields the seconds each fetch
+    took, filled in as they end. A fetch that fails is raised on the way out."""
+    took: list[float] = []
+    failed: list[OSError] = []
+    stop = threading.Event()
+    url = "/".join(dashboard.split("/")[:3]) + "/metrics"
+
+    def scrape() -> None:
+        while True:
+            start = time.perf_counter()
+            try:
+                with urllib.request.urlopen(url, timeout=30) as response:
+                    response.read()
+            except OSError as exc:
+                failed.append(exc)
+                return
+            took.append(time.perf_counter() - start)
+            if stop.wait(every_s):
+                return
+
+    thread = threading.Thread(target=scrape, name="bench-scrape", daemon=True)
+    if every_s is not None:
+        thread.start()
+    try:
+        yield took
+    finally:
+        stop.set()
+        if every_s is not None:
+            thread.join()
+    if failed:
+        raise failed[0]
+
+
+def rpc_throughput(ops: int, shard_rows: int, batch_rows: int,
+                   scrape_every_s: float | None = None) -> tuple[float, list[float]]:
+    """Lease + commit operations per second through a LocalCluster's scheduler, and the
+    seconds of each scrape of its ``/metrics`` every ``scrape_every_s`` meanwhile (None: no
+    scrape)."""
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
         client.register_plugin(ShardingService())
+        client.register_plugin(JobService())
         groups = dataset(max(1, ops), shard_rows)
         register_job(client, "bench", groups, shard_rows=shard_rows, batch_rows=batch_rows)
         worker = next(iter(client.sync(client.scheduler.identity, n_workers=-1)["workers"]))
         lease_op, commit_op = client.scheduler.antdt_lease, client.scheduler.antdt_commit
         lease: dict | None = None
         claim = 0
-        start = time.perf_counter()
-        for _ in range(ops):
-            if lease is None:
-                reply = client.sync(lease_op, job="bench", worker=worker, wait_s=0)
-                lease, claim = reply["lease"], reply["lease"]["claim_stop"]
-                continue
-            reply = client.sync(commit_op, job="bench", commits=[{
-                "lease_id": lease["lease_id"], "token": lease["token"], "offset": claim,
-                "synced_offset": claim}])
-            answer = reply["replies"][0]
-            if answer["kind"] == "claim":
-                claim = answer["stop"]
-            else:
-                lease = None
-        return ops / (time.perf_counter() - start)
+        with scraping(cluster.dashboard_link, scrape_every_s) as scrapes:
+            start = time.perf_counter()
+            for _ in range(ops):
+                if lease is None:
+                    reply = client.sync(lease_op, job="bench", worker=worker, wait_s=0)
+                    lease, claim = reply["lease"], reply["lease"]["claim_stop"]
+                    continue
+                reply = client.sync(commit_op, job="bench", commits=[{
+                    "lease_id": lease["lease_id"], "token": lease["token"], "offset": claim,
+                    "synced_offset": claim}])
+                answer = reply["replies"][0]
+                if answer["kind"] == "claim":
+                    claim = answer["stop"]
+                else:
+                    lease = None
+            rate = ops / (time.perf_counter() - start)
+        return rate, scrapes
 
 
 @click.command("sharding")
@@ -162,14 +212,16 @@ def rpc_throughput(ops: int, shard_rows: int, batch_rows: int) -> float:
 @click.option("--json", "as_json", is_flag=True)
 def command(workers: int, shards: int, ops: int, rpc_ops: int, group_asks: int, shard_rows: int,
             batch_rows: int, as_json: bool) -> None:
-    """Shard ledger throughput, latency and memory at scale; lease/commit over Dask RPC; sync
-    group asks at scale."""
+    """Shard ledger throughput, latency and memory at scale; lease/commit over Dask RPC, alone
+    and with a scrape of the scheduler's /metrics every second; sync group asks at scale."""
     groups = dataset(shards, shard_rows)
     traced, num_shards = ledger_memory(groups, shard_rows, batch_rows, workers)
     start = time.perf_counter()
     speed = ledger_throughput(groups, shard_rows, batch_rows, workers, ops)
     ledger_s = time.perf_counter() - start
-    rpc_ops_per_s = rpc_throughput(rpc_ops, shard_rows, batch_rows)
+    rpc_ops_per_s, _ = rpc_throughput(rpc_ops, shard_rows, batch_rows)
+    scraped_ops_per_s, scrapes = rpc_throughput(rpc_ops, shard_rows, batch_rows,
+                                                scrape_every_s=1.0)
     groups_speed = group_throughput(workers, group_asks)
     emit({"workers": workers, "shards": num_shards, "ops": int(speed["ops"]),
           "ops_per_s": round(speed["ops_per_s"]),
@@ -178,6 +230,9 @@ def command(workers: int, shards: int, ops: int, rpc_ops: int, group_asks: int, 
           "bytes_per_shard": round(traced / num_shards, 1),
           "ledger_seconds": round(ledger_s, 2),
           "rpc_ops": rpc_ops, "rpc_ops_per_s": round(rpc_ops_per_s),
+          "rpc_ops_per_s_scraped": round(scraped_ops_per_s),
+          "rpc_scraped_ratio": round(scraped_ops_per_s / rpc_ops_per_s, 3),
+          "scrapes": len(scrapes), "ms_per_scrape": round(1000 * sum(scrapes) / len(scrapes), 1),
           "group_asks": group_asks, "group_asks_per_s": round(groups_speed["asks_per_s"]),
           "us_per_group_ask_p50": round(groups_speed["us_per_ask_p50"], 2),
           "us_per_group_ask_p99": round(groups_speed["us_per_ask_p99"], 2)}, as_json)

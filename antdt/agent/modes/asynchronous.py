@@ -52,6 +52,10 @@ class AsyncMode:
         return self.sync.waited_s
 
     @property
+    def exchanged_bytes(self) -> int:
+        return self.sync.bytes_received
+
+    @property
     def threads(self) -> Collection[int]:
         thread = self.sync.thread_id
         return () if thread is None else (thread,)

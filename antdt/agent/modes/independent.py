@@ -18,6 +18,7 @@ class IndependentMode(EverySynced):
     joined_from: str | None = None
     exchanges = 0
     waited_s = 0.0
+    exchanged_bytes = 0
     threads: Collection[int] = ()
 
     def __init__(self, trainer: Trainer[Any]) -> None:

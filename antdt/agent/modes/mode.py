@@ -66,6 +66,8 @@ class WorkerMode(Protocol):
 
     ``joined_from`` is the member whose model a joiner copied; ``exchanges`` and ``waited_s`` go
     into the agent's report (model exchanges made, seconds training waited for them);
+    ``exchanged_bytes`` the bytes its exchanges received (None: a mode that does not count
+    them), which the agent's progress events carry to the job's metrics;
     ``threads`` are the ids of the threads the mode runs beside the training thread (their
     warnings reach ``antdt logs``)."""
 
@@ -76,6 +78,9 @@ class WorkerMode(Protocol):
 
     @property
     def waited_s(self) -> float: ...
+
+    @property
+    def exchanged_bytes(self) -> int | None: ...
 
     @property
     def threads(self) -> Collection[int]: ...

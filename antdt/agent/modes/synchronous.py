@@ -359,6 +359,11 @@ class SyncMode(EverySynced):
         """Seconds this rank waited for its peers at the steps' headers."""
         return self._waited_s
 
+    @property
+    def exchanged_bytes(self) -> None:
+        """Not counted: the steps' collectives are TorchRec's and gloo's, which do not say."""
+        return None
+
     def start(self, join: bool) -> None:
         """Join the job's process group and build the sharded trainer on it."""
         if join:

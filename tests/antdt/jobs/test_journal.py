@@ -12,7 +12,8 @@ from antdt.jobs.placement import Slot
 
 LEDGER = {"rows_expected": 100, "rows_done": 40, "rows_trained": 50, "rows_todo": 50,
           "rows_leased": 10, "rows_lost": 0, "rows_retrained": 5, "rows_quarantined": 0,
-          "epoch": 0, "epochs": 1, "rows_done_by_epoch": [40]}
+          "epoch": 0, "epochs": 1, "rows_done_by_epoch": [40], "leases_granted": 6,
+          "leases_revoked": 1, "leases_split": 2}
 
 
 class Clock:
@@ -75,6 +76,7 @@ def test_the_ledgers_counters_are_read_without_their_prefix() -> None:
     rows = Rig().journal.rows
     assert rows["expected"] == 100 and rows["done"] == 40 and rows["quarantined"] == 0
     assert rows["done_by_epoch"] == [40] and rows["epochs"] == 1
+    assert Rig().journal.leases == {"granted": 6, "revoked": 1, "split": 2}
 
 
 def test_controller_actions_are_read_once_logged_and_counted() -> None:
@@ -93,6 +95,7 @@ def test_controller_actions_are_read_once_logged_and_counted() -> None:
     assert rig.journal.read_controller(controller.actions, health) == {"split": 2}
     assert rig.journal.health == {"tcp://a": "normal", "tcp://b": "hung",
                                   "tcp://c": "straggler"}
+    assert rig.journal.verdicts == health and rig.journal.action_counts == {"split": 2}
 
 
 def test_progress_events_update_the_agents_and_make_the_ticks_metrics() -> None:
@@ -102,11 +105,13 @@ def test_progress_events_update_the_agents_and_make_the_ticks_metrics() -> None:
     rig.journal.received({"kind": "progress", "worker": "tcp://b", "samples_per_s": 10.0,
                           "loss": 0.7, "rows": 4, "busy_s": 1.0, "cpu_s": 0.5})
     rig.journal.received({"kind": "progress", "worker": "tcp://a", "samples_per_s": 50.0,
-                          "loss": None, "rows": 20, "busy_s": 3.0, "cpu_s": 2.5})
+                          "loss": None, "rows": 20, "busy_s": 3.0, "cpu_s": 2.5,
+                          "exchanges": 3, "exchanged_bytes": 4096})
     metrics = rig.journal.read_events(rig.slots, {"split": 2})
     a, b = rig.slots
     assert (a.rows, a.busy_s, a.cpu_s, a.rate) == (20, 3.0, 2.5, 50.0)
-    assert (b.rows, b.rate) == (4, 10.0)
+    assert (a.exchanges, a.exchanged_bytes) == (3, 4096)
+    assert (b.rows, b.rate, b.exchanges, b.exchanged_bytes) == (4, 10.0, 0, None)
     assert metrics == {
         f"{SERIES}rows_done": 40, f"{SERIES}rows_trained": 50, f"{SERIES}rows_retrained": 5,
         f"{SERIES}samples_per_s": 60.0, f"{SERIES}workers": 2,

@@ -147,6 +147,8 @@ def test_revoke_moves_only_unclaimed_rows_to_the_front() -> None:
     assert ledger.commit(lease.lease_id, lease.token, 4, 4) == Revoked(lease.lease_id, 4, True)
     train_lease(ledger, fast)
     assert ledger.state is JobState.FINISHED and ledger.rows_trained == 20
+    summary = ledger.summary()  # a lease revoked twice counts once
+    assert (summary["leases_granted"], summary["leases_revoked"]) == (2, 1)
     ledger.check_invariants()
 
 
@@ -166,6 +168,8 @@ def test_split_keeps_the_first_part_and_queues_the_rest_in_order() -> None:
     assert short.split(lease.lease_id, 5) == [(0, 0, 2, 4)]
     with pytest.raises(LedgerError, match="parts"):
         short.split(lease.lease_id, 1)
+    assert short.split(lease.lease_id, 2) == []  # nothing unclaimed left: not a split
+    assert (ledger.leases_split, short.leases_split, short.leases_granted) == (1, 1, 1)
 
 
 def test_a_paced_worker_leases_at_most_its_pace_and_none_at_zero() -> None:
@@ -180,6 +184,7 @@ def test_a_paced_worker_leases_at_most_its_pace_and_none_at_zero() -> None:
     ledger.pace("fast", 0)  # its next commit revokes the unclaimed rows
     reply = ledger.commit(other.lease_id, other.token, 8, 8, claim_rows=8)
     assert isinstance(reply, Revoked) and reply.stop == 8
+    assert ledger.leases_revoked == 1
     assert isinstance(ledger.lease("fast"), Wait)
     ledger.pace("fast", None)
     assert ledger.paces == {"slow": 4}

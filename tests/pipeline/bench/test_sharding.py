@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from pipeline.bench.sharding import command
@@ -19,6 +20,10 @@ def test_bench_sharding_prints_the_figures() -> None:
             "us_per_group_ask_p99"} <= figures.keys()
     assert figures["workers"] == 10 and figures["shards"] == 1000
     assert figures["ops_per_s"] > 0 and figures["rpc_ops_per_s"] > 0
+    assert figures["rpc_ops_per_s_scraped"] > 0 and figures["scrapes"] >= 1
+    assert figures["rpc_scraped_ratio"] == pytest.approx(
+        figures["rpc_ops_per_s_scraped"] / figures["rpc_ops_per_s"], abs=0.01)
+    assert 0 < figures["ms_per_scrape"] < 30_000
     assert figures["group_asks"] == 500 and figures["group_asks_per_s"] > 0
     assert 0 < figures["us_per_op_p50"] <= figures["us_per_op_p99"]
     assert 0 < figures["us_per_group_ask_p50"] <= figures["us_per_group_ask_p99"]
