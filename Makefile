@@ -16,7 +16,7 @@ STAMP  := $(VENV)/.antdt-installed
 SETUP_LOG := $(VENV)/setup.log
 LOGGED := >> $(SETUP_LOG) 2>&1 || { cat $(SETUP_LOG) >&2; echo "setup failed: $(SETUP_LOG)" >&2; exit 1; }
 
-.PHONY: setup browser demo demo-data test test-fast bench typecheck clean constraints
+.PHONY: setup test-tools demo demo-data test test-fast bench typecheck clean constraints
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt Makefile
@@ -44,19 +44,22 @@ demo-data: $(DEMO_DATA)/oracle.json
 $(DEMO_DATA)/oracle.json: | $(STAMP)
 	$(BIN)/antdt data synth $(DEMO_DATA) --rows 2800000 --days 7 --seed 0
 
-# The browser tests' Chromium and its driver, from Debian's packages where they are missing (no
-# browser download: Selenium drives /usr/bin/chromium through /usr/bin/chromedriver).
-BROWSER_LOG := $(VENV)/browser.log
-browser:
-	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || { \
-		echo "browser: installing Debian's chromium and chromium-driver (log: $(BROWSER_LOG))"; \
+# What the tests run besides Python, from Debian's packages where it is missing: Chromium and
+# its driver for the browser tests (no browser download: Selenium drives /usr/bin/chromium
+# through /usr/bin/chromedriver), Prometheus's promtool to check and test the alerting rules.
+TOOLS_LOG := $(VENV)/test-tools.log
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+test-tools:
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver -a -x /usr/bin/promtool || { \
+		echo "test-tools: installing Debian's chromium, chromium-driver and prometheus" \
+			"(log: $(TOOLS_LOG))"; \
 		mkdir -p $(VENV); \
-		$(if $(filter 0,$(shell id -u)),,sudo) apt-get update > $(BROWSER_LOG) 2>&1 && \
-		DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo) \
-			apt-get install -y --no-install-recommends chromium chromium-driver \
-			>> $(BROWSER_LOG) 2>&1 || { cat $(BROWSER_LOG) >&2; exit 1; }; }
+		$(SUDO) apt-get update > $(TOOLS_LOG) 2>&1 && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y --no-install-recommends \
+			chromium chromium-driver prometheus >> $(TOOLS_LOG) 2>&1 \
+			|| { cat $(TOOLS_LOG) >&2; exit 1; }; }
 
-test: setup browser
+test: setup test-tools
 	$(BIN)/python -m pytest -q --durations=25
 
 test-fast: setup

@@ -1,8 +1,8 @@
 """The operators' files in deploy/: the Grafana dashboard and the Prometheus alerting rules load,
 and every query in them names only series the collector exports (the names are the collector's
-own, from :meth:`~antdt.watch.metrics.JobsCollector.describe`). With ``promtool`` on the PATH
-(Debian's ``prometheus`` package), it checks the rules and runs each alert against series that
-should fire it and series that should not."""
+own, from :meth:`~antdt.watch.metrics.JobsCollector.describe`). Prometheus's own ``promtool``
+(Debian's ``prometheus`` package, ``make test-tools``) checks the rules and runs each alert
+against series that should fire it and series that should not."""
 
 from __future__ import annotations
 
@@ -137,8 +137,8 @@ def series(name: str, labels: dict[str, str]) -> str:
     return name + "{" + ", ".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
 def test_promtool_checks_the_rules_and_each_alert_fires_when_it_should(tmp_path: Path) -> None:
+    assert shutil.which("promtool"), "promtool is not installed: make test-tools"
     check = subprocess.run(["promtool", "check", "rules", str(ALERTS)], capture_output=True,
                            text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
