@@ -1,0 +1,1 @@
+"""What a person or an operator watches of running jobs, through Dask's own web server."""
