@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 REFRESH_S = 2.0
 """How often a page of a job that has not ended reloads its content."""
 
+
 def run_link(run: Mapping[str, Any] | None) -> str | None:
     """The tracking run's page in the MLflow UI, when its tracking URI is an MLflow server's
     (``http(s)://``; its user part left out); None for a file or database store, which has no
@@ -72,14 +73,37 @@ def run_link(run: Mapping[str, Any] | None) -> str | None:
 
 class _Handler(RequestHandler):
     """What every page and API call shares: the scheduler (``server``, handed in by Dask as
-    ``dask_server``) and its job service's runners, looked up at every request."""
+    ``dask_server``), its job service's runners (looked up at every request: without a
+    service the request ends here, 503 with a message) and the answers that say what is
+    missing, as a page or, for the API (``api``), as JSON. ``root`` leads from the page to the
+    web server's root (or its prefix): the pages link to Dask's own by relative paths."""
 
     server: Scheduler
+    runners: Mapping[str, JobRunner]
+    api = False
+    root = "../"
 
-    def runners(self) -> Mapping[str, JobRunner] | None:
-        """The job service's runners, or None when the scheduler has no job service."""
+    def prepare(self) -> None:
         runners = getattr(self.server.plugins.get(PLUGIN_NAME), "runners", None)
-        return runners if isinstance(runners, dict) else None
+        if not isinstance(runners, dict):
+            self.missing(503, "no antdt job service", NO_SERVICE)
+            return
+        self.runners = runners
+
+    def runner(self, job_id: str) -> JobRunner | None:
+        """Job ``job_id``'s runner; None once a 404 answered that there is none."""
+        runner = self.runners.get(job_id)
+        if runner is None:
+            self.missing(404, "unknown job", f"No job {job_id!r} on this scheduler: finished "
+                         "jobs stay listed until it restarts (the newest antdt.jobs.history "
+                         "of them).", jobs=sorted(self.runners)[-20:])
+        return runner
+
+    def missing(self, status: int, title: str, message: str, **extra: Any) -> None:
+        if self.api:
+            self.json(status, {"error": message, **extra})
+        else:
+            self.page(status, "message.html", title=title, message=message)
 
     def json(self, status: int, body: Any) -> None:
         self.set_status(status)
@@ -87,73 +111,53 @@ class _Handler(RequestHandler):
         self.set_header("Cache-Control", "no-store")
         self.finish(json.dumps(body, default=str))
 
-    def page(self, status: int, name: str, root: str, final: bool = True,
-             **values: Any) -> None:
-        """Render template ``name``; ``root`` leads from this page to the server's root (the
-        pages link to Dask's own by relative paths, so they work under a prefix too); a page
-        that is not ``final`` reloads its content every :data:`REFRESH_S`."""
+    def page(self, status: int, name: str, final: bool = True, **values: Any) -> None:
+        """Render template ``name``; a page that is not ``final`` reloads its content every
+        :data:`REFRESH_S`."""
         self.set_status(status)
         self.set_header("Cache-Control", "no-store")
-        self.finish(PAGES.load(name).generate(root=root, final=final,
+        self.finish(PAGES.load(name).generate(root=self.root, final=final,
                                               refresh_ms=int(REFRESH_S * 1000),
                                               **FORMATS, **values))
 
 
 class JobsPage(_Handler):
     def get(self) -> None:
-        runners = self.runners()
-        if runners is None:
-            self.page(503, "message.html", "../", title="no antdt job service",
-                      message=NO_SERVICE)
-            return
         now = time()
-        self.page(200, "jobs.html", "../", title="antdt jobs",
-                  final=False, jobs=[job_row(r, now) for r in reversed(list(runners.values()))])
+        self.page(200, "jobs.html", title="antdt jobs", final=False,
+                  jobs=[job_row(r, now) for r in reversed(list(self.runners.values()))])
 
 
 class JobPage(_Handler):
+    root = "../../"
+
     def get(self, job_id: str) -> None:
-        runners = self.runners()
-        if runners is None:
-            self.page(503, "message.html", "../../", title="no antdt job service",
-                      message=NO_SERVICE)
-            return
-        runner = runners.get(job_id)
+        runner = self.runner(job_id)
         if runner is None:
-            self.page(404, "message.html", "../../", title="unknown job",
-                      message=f"No job {job_id!r} on this scheduler (finished jobs stay listed "
-                              f"until it restarts, the newest antdt.jobs.history of them).")
             return
         view = job_view(runner, time())
         timeline = view["timeline"]
-        self.page(200, "job.html", "../../", title=f"job {job_id}", job=view,
-                  final=view["final"], run_link=run_link(view["run"]),
+        self.page(200, "job.html", title=f"job {job_id}", job=view, final=view["final"],
+                  run_link=run_link(view["run"]),
                   timeline_svg=timeline_svg(timeline["lanes"], timeline["spans"],
                                             timeline["marks"], timeline["now"]))
 
 
 class JobsApi(_Handler):
+    api = True
+
     def get(self) -> None:
-        runners = self.runners()
-        if runners is None:
-            self.json(503, {"error": NO_SERVICE})
-            return
         now = time()
-        self.json(200, {"jobs": [job_row(r, now) for r in runners.values()]})
+        self.json(200, {"jobs": [job_row(r, now) for r in self.runners.values()]})
 
 
 class JobApi(_Handler):
+    api = True
+
     def get(self, job_id: str) -> None:
-        runners = self.runners()
-        if runners is None:
-            self.json(503, {"error": NO_SERVICE})
-            return
-        runner = runners.get(job_id)
-        if runner is None:
-            self.json(404, {"error": f"unknown job {job_id!r}",
-                            "jobs": sorted(runners)[-20:]})
-            return
-        self.json(200, {"job": job_view(runner, time())})
+        runner = self.runner(job_id)
+        if runner is not None:
+            self.json(200, {"job": job_view(runner, time())})
 
 
 NO_SERVICE = ("This scheduler has no antdt job service: no antdt job was submitted since it "

@@ -112,7 +112,7 @@ def test_an_unknown_job_is_a_404_page_and_a_404_json_error(jobs: JobClient) -> N
     assert "No job &#x27;no-such-job&#x27;" in html
     status, kind, body = get(page.replace("/antdt/jobs/", "/antdt/api/jobs/"))
     assert (status, kind) == (404, "application/json; charset=UTF-8")
-    assert json.loads(body)["error"] == "unknown job 'no-such-job'"
+    assert json.loads(body)["error"].startswith("No job 'no-such-job' on this scheduler")
 
 
 def test_what_users_name_is_escaped(jobs: JobClient) -> None:
