@@ -57,18 +57,18 @@ def job_view(runner: JobRunner, now: float) -> dict[str, Any]:
     control = runner.ctx.controller.jobs.get(runner.job_id)
     health: Mapping[str, Mapping[str, Any]] = {} if control is None \
         else control.monitor.summary()["workers"]
+    leases = [] if ledger is None else ledger.leases()
     report = runner.journal.report(runner.placement.slots)
     spans = list(report["spans"])
-    if ledger is not None and t0 is not None:
+    if t0 is not None:
         spans.extend({"worker": labels.get(lease.worker, lease.worker),
                       "lease_id": lease.lease_id, "start": lease.leased_at - t0,
                       "end": now - t0, "rows": lease.offset - lease.start, "outcome": "open"}
-                     for lease in ledger.leases())
+                     for lease in leases)
     spans.sort(key=lambda span: span["end"])
     backlog: dict[str, int] = {}
-    if ledger is not None:
-        for lease in ledger.leases():
-            backlog[lease.worker] = backlog.get(lease.worker, 0) + lease.stop - lease.offset
+    for lease in leases:
+        backlog[lease.worker] = backlog.get(lease.worker, 0) + lease.stop - lease.offset
     return {**job_row(runner, now), "record": record,
             "workers": _workers(runner.placement.slots, health, backlog),
             "timeline": {"now": 0.0 if t0 is None else (runner.ended_at or now) - t0,

@@ -7,11 +7,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import dask.config
@@ -166,6 +169,36 @@ def test_the_pages_say_so_when_the_job_service_is_gone() -> None:
             assert (status, kind) == (503, "text/html; charset=UTF-8") and "unregistered" in html
         status, _, body = get(f"{listing}api/jobs/{job_id}")
         assert status == 503 and "no antdt job service" in json.loads(body)["error"]
+
+
+@pytest.mark.slow
+def test_a_dask_scheduler_with_the_preload_serves_the_pages_before_any_job(
+        tmp_path: Path) -> None:
+    """``dask scheduler --preload antdt.watch.pages``: ``/antdt/`` answers (that there is no
+    job service yet) from the scheduler's start, beside Dask's own pages."""
+    file = tmp_path / "scheduler.json"
+    scheduler = subprocess.Popen(
+        [str(Path(sys.executable).parent / "dask"), "scheduler", "--host", "127.0.0.1",
+         "--port", "0", "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(file),
+         "--preload", "antdt.watch.pages"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        port = bounded.until(lambda: _dashboard_port(file), "the scheduler's file",
+                             timeout_s=120)
+        status, _, html = get(f"http://127.0.0.1:{port}/antdt/")
+        assert status == 503 and "no antdt job service" in html
+        assert get(f"http://127.0.0.1:{port}/status")[0] == 200
+    finally:
+        scheduler.terminate()
+        scheduler.wait(timeout=60)
+
+
+def _dashboard_port(file: Path) -> int | None:
+    """The dashboard's port from a scheduler's file, once it is written whole."""
+    try:
+        return int(json.loads(file.read_text())["services"]["dashboard"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def test_the_page_address_follows_the_dashboard_link() -> None:
