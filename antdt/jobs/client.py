@@ -26,6 +26,7 @@ from antdt import rpc
 from antdt.errors import JobError
 from antdt.jobs.spec import JobSpec
 from antdt.sharding import JobState
+from antdt.watch.urls import page_url
 
 FINAL = {state.value for state in JobState if state.final}
 WAIT_S = 10.0
@@ -154,6 +155,13 @@ class JobClient:
         killed. Returns ``{"cancelled", "job"}`` (``cancelled`` False once it is finishing or
         over)."""
         return self._call("antdt_job_cancel", job_id=job_id, reason=reason)
+
+    def page(self, job_id: str | None = None) -> str | None:
+        """The address of job ``job_id``'s live page on the scheduler's web server (None: of
+        the list of jobs; :mod:`antdt.watch.pages`), from the dashboard's address Dask gives
+        clients; None when the scheduler tells none."""
+        link = self.client.dashboard_link
+        return page_url(link, job_id) if link else None
 
     def _serves_jobs(self) -> bool:
         """Whether the scheduler has antdt's job service (asked until it has: a job another

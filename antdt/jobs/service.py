@@ -40,18 +40,16 @@ from antdt.controller import ControllerService
 from antdt.controller import PLUGIN_NAME as CONTROLLER
 from antdt.errors import JobError
 from antdt.jobs.runner import JobContext, JobRunner
-from antdt.jobs.spec import JobCode, JobPlan, JobSpec
+from antdt.jobs.spec import PLUGIN_NAME, JobCode, JobPlan, JobSpec
 from antdt.rpc import Reply
 from antdt.sharding.service import PLUGIN_NAME as SHARDING
 from antdt.sharding.service import ShardingService
 from antdt.sync.service import SyncService
 from antdt.sync.wire import PLUGIN_NAME as SYNC
+from antdt.watch import pages
 from antdt.watch.metrics import JobsCollector
 
 logger = logging.getLogger(__name__)
-
-PLUGIN_NAME = "antdt-jobs"
-"""``scheduler.plugins[PLUGIN_NAME]``."""
 
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """A job id: it names Dask task keys and event topics, so it stays plain."""
@@ -86,6 +84,7 @@ class JobService(SchedulerPlugin):
         })
         self._metrics = JobsCollector(scheduler, self.runners.values)
         self._metrics.register()
+        pages.add_routes(scheduler)  # /antdt/ on the scheduler's web server (kept after close)
 
     async def close(self) -> None:
         if self._metrics is not None:

@@ -30,6 +30,11 @@ from antdt.errors import CheckpointError, JobError
 from antdt.jobs.checkpoints import Every
 from antdt.sync.period import DEFAULT_PERIOD
 
+PLUGIN_NAME = "antdt-jobs"
+"""The job service's name, ``scheduler.plugins[PLUGIN_NAME]`` (:mod:`antdt.jobs.service`): named
+here, with the rest its clients share with it, so the job pages (:mod:`antdt.watch.pages`) find
+the service on the scheduler without importing it (nor torch)."""
+
 Mode = Literal["async", "sync"]
 """The plan's training mode (:data:`antdt.agent.contract.Mode`, named again here: the clients
 of the job service (``antdt status``, ``logs``, ``cancel``) import this module, never torch)."""

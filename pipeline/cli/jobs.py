@@ -110,6 +110,8 @@ def follow_and_report(jobs: Any, job_id: str, address: str | None, as_json: bool
     says how to re-attach; on a LocalCluster it ends the job with the process."""
     from pipeline.training.following import follow, outcome
 
+    if not as_json:
+        announce_page(jobs, job_id)
     try:
         with progress_bar(label, enabled=not as_json) as bar:
             record = follow(jobs, job_id, bar)
@@ -126,6 +128,13 @@ def follow_and_report(jobs: Any, job_id: str, address: str | None, as_json: bool
     else:
         for line in summary.lines():
             click.echo(line)
+
+
+def announce_page(jobs: Any, job_id: str) -> None:
+    """Say where the job's live page is, on stderr (stdout stays the job's id or summary)."""
+    page = jobs.page(job_id)
+    if page is not None:
+        stderr.print(f"job page: {page}", highlight=False, markup=False, soft_wrap=True)
 
 
 resume_option = click.option(
@@ -215,8 +224,9 @@ def submit(job_path: str, cluster: Cluster, mode: str | None, overrides: tuple[s
         if no_wait:
             if as_json:
                 click.echo(json.dumps({"job_id": job_id, "attached": reply["attached"],
-                                       "state": record["state"]}))
+                                       "state": record["state"], "page": jobs.page(job_id)}))
             else:
+                announce_page(jobs, job_id)
                 click.echo(job_id)
             return
         if not as_json:
@@ -243,13 +253,20 @@ def status(job_id: str | None, cluster: Cluster, as_json: bool) -> None:
     """Every job on the cluster (running, finished, failed, cancelled), or JOB_ID in detail."""
     with cluster.jobs(register=False) as jobs:
         found = jobs.status(job_id)
+        pages = {r["job_id"]: jobs.page(r["job_id"]) for r in
+                 (found if job_id is None else [found])}
+        listing = jobs.page()
     if as_json:
-        click.echo(json.dumps(found, sort_keys=True, default=str))
+        click.echo(json.dumps([{**r, "page": pages[r["job_id"]]} for r in found]
+                              if job_id is None else {**found, "page": pages[job_id]},
+                              sort_keys=True, default=str))
         return
     if job_id is None:
         print_whole(jobs_table(found) if found else "no jobs on this cluster")
+        if found and listing is not None:
+            click.echo(f"job pages: {listing}")
         return
-    print_whole(*job_details(found))
+    print_whole(*job_details(found, pages[job_id]))
 
 
 @click.command()
@@ -319,7 +336,8 @@ def jobs_table(records: list[Mapping[str, Any]]) -> Table:
     return table
 
 
-def job_details(r: Mapping[str, Any]) -> list[Any]:
+def job_details(r: Mapping[str, Any], page: str | None = None) -> list[Any]:
+    """JOB_ID's record as ``antdt status JOB_ID`` prints it, with its live ``page``."""
     rows = r.get("rows") or {}
     sync = r.get("mode") == "sync"
     lines = [f"job {r['job_id']} ({r['name']}, {r.get('mode', 'async')} mode): {r['state']}",
@@ -331,6 +349,8 @@ def job_details(r: Mapping[str, Any]) -> list[Any]:
         lines.append(f"rows done {_rows(r)} ({per_epoch}); trained {rows['trained']:,}, "
                      f"lost {rows['lost']:,}, retrained {rows['retrained']:,}, "
                      f"quarantined {rows['quarantined']:,}")
+    if page is not None:
+        lines.append(f"page {page}")
     run = r.get("run") or {}
     if run:
         lines.append(f"MLflow run {run['run_id']} (experiment {run['experiment_id']}, "

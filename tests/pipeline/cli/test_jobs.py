@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,13 @@ def test_a_job_outlives_the_client_that_submitted_it(cluster: DaskProcesses, job
                            in ("finished", "failed", "cancelled") and r, "the job's end")
     assert record["state"] == "finished", record["error"]
     assert record["rows"]["lost"] == 0 and record["rows"]["done"] == 2 * TRAIN_ROWS
+    # the job service put the job's page on the scheduler's web server; the submit named it
+    assert submitted["page"].startswith("http://127.0.0.1:")
+    assert submitted["page"].endswith(f"/antdt/jobs/{job_id}")
+    assert status(cluster.address, job_id, tmp_path)["page"] == submitted["page"]
+    with urllib.request.urlopen(submitted["page"], timeout=30) as answer:
+        page = answer.read().decode()
+    assert 'data-final="1"' in page and f"job {job_id}" in page
     job = load_job(job_file)
     mlflow.set_tracking_uri(job.mlflow.tracking_uri)
     run = mlflow.get_run(record["run"]["run_id"])
