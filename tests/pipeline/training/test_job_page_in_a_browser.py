@@ -1,5 +1,5 @@
 """A running job's live page in a real browser: Debian's Chromium driven by Selenium through
-``/usr/bin/chromedriver`` (no browser download; ``make browser`` installs both), a LocalCluster of
+``/usr/bin/chromedriver`` (no browser download; ``make test-tools`` installs both), a LocalCluster of
 two worker processes, a real job over Parquet with TorchRec, worker 1 four times slower.
 
 The screenshot the test takes goes to its temporary folder; with ``ANTDT_WATCH_SCREENSHOT=PATH``
@@ -47,7 +47,7 @@ def browser(tmp_path: Path) -> Iterator[webdriver.Chrome]:
     missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not os.access(path, os.X_OK)]
     if missing:
         pytest.fail(f"the browser test needs Debian's chromium and chromium-driver, missing "
-                    f"{missing}: run `make browser`", pytrace=False)
+                    f"{missing}: run `make test-tools`", pytrace=False)
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
