@@ -179,7 +179,8 @@ routes: list[tuple[str, type[web.RequestHandler], dict[str, Any]]] = [
 def add_routes(scheduler: Scheduler) -> bool:
     """Serve the pages on ``scheduler``'s web server (at its root) unless it serves them
     already (from the routes setting, a preload, an earlier job service); whether they were
-    added now."""
+    added now. Dask's dashboard links to them either way (:func:`link_from_dashboard`)."""
+    link_from_dashboard(scheduler)
     application = getattr(scheduler, "http_application", None)
     if not isinstance(application, web.Application) or _serves(application.default_router):
         return False
@@ -187,6 +188,24 @@ def add_routes(scheduler: Scheduler) -> bool:
         ("/" + pattern, handler,
          {**kwargs, "dask_server": scheduler} if issubclass(handler, _Handler) else kwargs)
         for pattern, handler, kwargs in routes])
+    return True
+
+
+def link_from_dashboard(scheduler: Scheduler) -> bool:
+    """Put "Antdt" in the navigation bar of Dask's dashboard pages (``/status``, ``/workers``...):
+    whether it was added now. Dask has no setting for it; its Bokeh application renders every
+    page with the bar's list of pages that ``distributed.dashboard.scheduler.template_variables``
+    keeps for the scheduler (memoized, the same list object), and a relative ``antdt`` there
+    leads to ``/antdt`` under any prefix. Not an interface Dask promises: where it is missing (no
+    bokeh, another Dask) nothing is linked, and antdt's pages still link to Dask's."""
+    try:
+        from distributed.dashboard.scheduler import template_variables
+        pages = template_variables(scheduler).get("pages")
+    except (ImportError, AttributeError, TypeError):  # no bokeh, or Dask's internals moved
+        return False
+    if not isinstance(pages, list) or "antdt" in pages:
+        return False
+    pages.append("antdt")
     return True
 
 

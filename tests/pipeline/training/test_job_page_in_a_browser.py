@@ -106,6 +106,9 @@ def test_a_running_job_s_page_shows_its_workers_the_straggler_and_progress(
             "return window.Bokeh !== undefined && Bokeh.documents.length > 0"),
             "the Dask dashboard's /status page renders its Bokeh document", timeout_s=60)
         assert browser.current_url == client.dashboard_link
+        browser.find_element("link text", "Antdt").click()  # Dask's navigation bar, back to us
+        bounded.until(lambda: browser.find_elements("css selector", f'tr[data-job="{job_id}"]'),
+                      "the jobs' page from the dashboard's link", timeout_s=30)
 
         jobs.cancel(job_id, "the test saw enough")
         assert bounded.call(jobs.follow, job_id)["state"] == "cancelled"
