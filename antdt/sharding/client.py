@@ -150,21 +150,23 @@ class ShardClient:
             wait_s = self.drain_wait_s if self.draining or reply.unsynced else \
                 self.lease_wait_s
 
-    def poll_lease(self, wait_s: float = 0.0) -> Lease | Wait | None:
+    def poll_lease(self, wait_s: float = 0.0, max_rows: int | None = None
+                   ) -> Lease | Wait | None:
         """One lease request (pending commits sent with it) that waits at most ``wait_s`` server
-        side: the next lease, :class:`Wait` (nothing to lease now, the job is not over) or None
-        (the job is over). The synchronous mode asks this way between steps: a rank waiting
-        for rows must not keep its peers waiting in the step's collectives."""
-        return self._ask(wait_s)
+        side: the next lease (of at most ``max_rows`` rows when given), :class:`Wait` (nothing
+        to lease now, the job is not over) or None (the job is over). The synchronous mode asks
+        this way between steps: a rank waiting for rows must not keep its peers waiting in the
+        step's collectives."""
+        return self._ask(wait_s, max_rows)
 
-    def _ask(self, wait_s: float) -> Lease | Wait | None:
+    def _ask(self, wait_s: float, max_rows: int | None = None) -> Lease | Wait | None:
         if self._current is not None:
             raise LedgerError(f"job {self.job!r}: lease {self._current.lease.lease_id} is not "
                               f"finished; commit up to its end before leasing again")
         self._sync_to(None)
         reply = self._rpc("antdt_lease", worker=self.address, commits=self._pending(),
                           claim_rows=self._claim_rows(), wait_s=wait_s,
-                          synced_rows=self.synced_rows)
+                          synced_rows=self.synced_rows, max_rows=max_rows)
         msg = reply["lease"]
         if msg["kind"] == "stop":
             logger.info("job %s: %s stops leasing (%s)", self.job, self.address, msg["reason"])

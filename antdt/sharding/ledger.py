@@ -282,10 +282,16 @@ class ShardLedger:
 
     # ---- worker transitions -------------------------------------------------------------------
 
-    def lease(self, worker: str, claim_rows: int | None = None) -> LeaseReply:
-        """Hand ``worker`` the next rows: the queue front first, then the epoch permutation."""
+    def lease(self, worker: str, claim_rows: int | None = None,
+              max_rows: int | None = None) -> LeaseReply:
+        """Hand ``worker`` the next rows: the queue front first, then the epoch permutation;
+        at most ``max_rows`` of them when given (the front of a piece, the rest stays at the
+        queue front for the others, as with a pace: a sync rank asks for a few of its local
+        batches, so that at the job's end no rank holds many more steps of rows than another)."""
         if not isinstance(worker, str) or not worker:
             raise LedgerError(f"job {self.job!r}: worker must be a non-empty str, found {worker!r}")
+        if max_rows is not None:
+            max_rows = check_int("max_rows", max_rows, 1, 2**31 - 1)
         claim = self._claim_size(claim_rows, worker)
         if self._stopped is not None:
             return Stop(self._stopped)
@@ -296,7 +302,7 @@ class ShardLedger:
                 else Wait(self.rows_unsynced)
         epoch, shard, start, stop = piece
         self._leasing[worker] = None
-        most = min((rows for rows in (pace, self._tail_rows()) if rows is not None),
+        most = min((rows for rows in (pace, self._tail_rows(), max_rows) if rows is not None),
                    default=None)
         if most is not None and stop - start > most:
             self._dealer.push_front([(epoch, shard, start + most, stop)], worker)

@@ -262,13 +262,15 @@ class ShardingService(SchedulerPlugin):
     @rpc.handler
     async def lease(self, job: str, worker: str, claim_rows: int | None = None,
                     commits: Sequence[Mapping[str, Any]] | None = None,
-                    wait_s: float | None = None, synced_rows: int | None = None) -> Reply:
+                    wait_s: float | None = None, synced_rows: int | None = None,
+                    max_rows: int | None = None) -> Reply:
         """Apply ``commits`` and ``synced_rows`` (see :meth:`commit`), then lease the next rows
-        for ``worker``."""
+        for ``worker`` (at most ``max_rows``: :meth:`ShardLedger.lease`)."""
         ledger = self._ledger(job)
         worker = rpc.name("worker", worker)
         claim_rows = rpc.integer("claim_rows", claim_rows, optional=True)
         synced_rows = rpc.integer("synced_rows", synced_rows, optional=True)
+        max_rows = rpc.integer("max_rows", max_rows, 1, optional=True)
         wait = config.seconds("antdt.sharding.lease-wait") if wait_s is None else \
             rpc.seconds("wait_s", wait_s, 300.0)
         assert self.scheduler is not None
@@ -284,7 +286,7 @@ class ShardingService(SchedulerPlugin):
             if worker not in self.scheduler.workers:
                 return {"status": "OK", "replies": replies,
                         "lease": lease_msg(Stop(f"{worker} left the cluster"))}
-            reply = ledger.lease(worker, claim_rows)
+            reply = ledger.lease(worker, claim_rows, max_rows)
             left = deadline - time()
             if not isinstance(reply, Wait) or left <= 0:
                 break

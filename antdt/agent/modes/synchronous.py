@@ -274,10 +274,15 @@ class _Header:
 
 class _Rows:
     """This rank's rows: the lease it trains and where the next batch starts; the lease
-    requests never wait (a rank told to wait trains empty steps and asks again)."""
+    requests never wait (a rank told to wait trains empty steps and asks again). A lease holds
+    at most ``antdt.sync-steps.lease-steps`` of the rank's local batches: leases of whole
+    shards left a slow rank, whose local batch is small, hundreds of steps of rows when the
+    others ran out, trained in tiny global batches at the job's end (0.012 AUC lost)."""
 
     def __init__(self, agent: AgentParts) -> None:
         self.agent = agent
+        self.lease_steps = int(config.number("antdt.sync-steps.lease-steps", low=1,
+                                             integer=True))
         self.lease: Lease | None = None
         self.offset = self.limit = 0
         self.over = False
@@ -294,7 +299,8 @@ class _Rows:
         if self.lease is None:
             if not idle and time.perf_counter() < self.retry_at:
                 return None
-            reply = self.agent.shards.poll_lease(RETRY_S if idle else 0.0)
+            reply = self.agent.shards.poll_lease(RETRY_S if idle else 0.0,
+                                                 max_rows=rows * self.lease_steps)
             if reply is None:
                 self.over = True
                 return None

@@ -196,6 +196,18 @@ def test_a_paced_worker_leases_at_most_its_pace_and_none_at_zero() -> None:
     assert ledger.paces == {}
 
 
+def test_a_lease_asked_for_at_most_some_rows_leaves_the_rest_at_the_front() -> None:
+    """A sync rank asks for a few of its local batches, whatever the job's batch: 3 rows of a
+    12-row shard, the rest leased next, in order; the bound is any number of rows >= 1."""
+    ledger = make(row_groups=[("a", 0, 12)], shard_rows=12, batch_rows=4, guided_end=False)
+    small = ledger.lease("slow", max_rows=3)
+    assert isinstance(small, Lease) and (small.start, small.stop) == (0, 3)
+    rest = ledger.lease("fast", max_rows=100)
+    assert isinstance(rest, Lease) and (rest.start, rest.stop) == (3, 12)
+    with pytest.raises(LedgerError, match=r"max_rows must be in \[1, 2147483647\], found 0"):
+        ledger.lease("slow", max_rows=0)
+
+
 def test_removed_worker_requeues_claim_and_unsynced_rows_counted_retrained() -> None:
     ledger = make(row_groups=[("f", 0, 8)], shard_rows=8, batch_rows=2)
     lease = ledger.lease("dead")
