@@ -39,8 +39,11 @@ def test_train_shows_the_bar_and_the_summary_and_nothing_else(cluster_job: Path,
     result = run(["train", str(cluster_job), "--workers", "2"], cwd=tmp_path)
 
     assert result.returncode == 0, result.stderr
-    stderr = [line for line in result.stderr.split("\n") if line.strip()]
-    assert stderr and all(BAR.match(line) for line in stderr), result.stderr
+    page, *bar = [line for line in result.stderr.split("\n") if line.strip()]
+    # where the job can be watched, then the bar
+    assert re.fullmatch(r"job page: http://127\.0\.0\.1:\d+/antdt/jobs/small-[0-9a-f]{8}", page), \
+        result.stderr
+    assert bar and all(BAR.match(line) for line in bar), result.stderr
     lines = summary_lines(result.stdout)
     assert re.fullmatch(r"run [0-9a-f]{32} \(async, 2 workers\)", lines[0]), lines
     assert [line.split()[0] for line in lines[1:6]] == ["AUC", "logloss", "rows", "speed",
