@@ -9,14 +9,16 @@ import gc
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import dask.config
 import torch
-from distributed import get_worker
+from distributed import Client, LocalCluster, get_worker
 
-from antdt.jobs import JobCode, JobPlan, JobSpec
+from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec
 
 Range = tuple[str, int, int, int]
 """A trivial batch: ``(path, row_group, start, stop)``."""
@@ -25,6 +27,24 @@ GROUPS = [("a.parquet", 0, 100), ("b.parquet", 0, 60)]
 FIRST_ID = {("a.parquet", 0): 0, ("b.parquet", 0): 100}
 TOTAL = 160
 SHARD_ROWS, BATCH_ROWS = 20, 8
+
+QUICK = {"antdt.sharding.lease-wait": "100ms", "antdt.sharding.commit-interval": "100ms",
+         "antdt.agent.report-interval": "50ms", "antdt.jobs.tick": "100ms",
+         "antdt.jobs.metrics-interval": "100ms", "antdt.sync.max-wait": "50ms"}
+"""Leases, commits, reports and the master's ticks quick enough for these tiny jobs."""
+
+
+@contextmanager
+def job_service() -> Iterator[JobClient]:
+    """Two single-thread workers in this process (a LocalCluster with its dashboard, so its
+    web server serves the job pages and ``/metrics``) and the job service, at :data:`QUICK`."""
+    with dask.config.set(QUICK), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                         dashboard_address=":0") as cluster, Client(cluster) as client:
+        cluster.wait_for_workers(2)
+        with JobClient(client) as job_client:
+            yield job_client
+
 
 GATES: dict[str, threading.Event] = {}
 """Named gates a :class:`RangeReader` waits on before each read (workers share this process)."""

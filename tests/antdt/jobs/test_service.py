@@ -19,22 +19,15 @@ from distributed import Client, LocalCluster
 from antdt.errors import JobError
 from antdt.jobs import JobClient
 from fakes import (CALLS, FROZEN_AT_BUILD, FROZEN_AT_FINISH, GATES, TOTAL, RecordingHooks, calls,
-                   ran_on, spec, wait_for_gate)
+                   job_service, ran_on, spec, wait_for_gate)
 from waits import bounded
 
 
 @pytest.fixture(scope="module")
 def jobs() -> Iterator[JobClient]:
     """Two single-thread workers in this process and the job service."""
-    settings = {"antdt.sharding.lease-wait": "100ms", "antdt.sharding.commit-interval": "100ms",
-                "antdt.agent.report-interval": "50ms", "antdt.jobs.tick": "100ms",
-                "antdt.jobs.metrics-interval": "100ms", "antdt.sync.max-wait": "50ms"}
-    with dask.config.set(settings), \
-            LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
-                         dashboard_address=":0") as cluster, Client(cluster) as client:
-        cluster.wait_for_workers(2)
-        with JobClient(client) as job_client:
-            yield job_client
+    with job_service() as job_client:
+        yield job_client
 
 
 def test_a_job_trains_every_row_and_reports_through_its_hooks(jobs: JobClient) -> None:

@@ -19,14 +19,9 @@ from antdt.jobs import JobClient
 from antdt.jobs.runner import JobRunner
 from antdt.jobs.service import JobService
 from antdt.watch.metrics import FAMILIES, JobsCollector
-from fakes import GATES, TOTAL, spec
+from fakes import GATES, TOTAL, job_service, spec
 from scrapes import scrape, value
 from waits import bounded
-
-SETTINGS = {"antdt.sharding.lease-wait": "100ms", "antdt.sharding.commit-interval": "100ms",
-            "antdt.agent.report-interval": "50ms", "antdt.jobs.tick": "100ms",
-            "antdt.jobs.metrics-interval": "100ms", "antdt.sync.max-wait": "50ms"}
-
 
 def served() -> bool:
     """Whether this process's default registry (the one ``/metrics`` serves) has the series."""
@@ -57,12 +52,8 @@ def test_registering_describes_and_closing_unregisters_even_with_two_schedulers(
 @pytest.fixture(scope="module")
 def jobs() -> Iterator[JobClient]:
     """Two single-thread workers in this process and the job service."""
-    with dask.config.set(SETTINGS), \
-            LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
-                         dashboard_address=":0") as cluster, Client(cluster) as client:
-        cluster.wait_for_workers(2)
-        with JobClient(client) as job_client:
-            yield job_client
+    with job_service() as job_client:
+        yield job_client
 
 
 def test_a_running_jobs_agents_have_their_series(jobs: JobClient) -> None:

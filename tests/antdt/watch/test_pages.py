@@ -26,23 +26,14 @@ from antdt.jobs.spec import PLUGIN_NAME
 from antdt.watch import pages
 from antdt.watch.timeline import timeline_svg
 from antdt.watch.urls import page_url
-from fakes import GATES, TOTAL, spec
+from fakes import GATES, QUICK, TOTAL, job_service, spec
 from waits import bounded
-
-SETTINGS = {"antdt.sharding.lease-wait": "100ms", "antdt.sharding.commit-interval": "100ms",
-            "antdt.agent.report-interval": "50ms", "antdt.jobs.tick": "100ms",
-            "antdt.jobs.metrics-interval": "100ms", "antdt.sync.max-wait": "50ms"}
-
 
 @pytest.fixture(scope="module")
 def jobs() -> Iterator[JobClient]:
     """Two single-thread workers in this process and the job service (which adds the pages)."""
-    with dask.config.set(SETTINGS), \
-            LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
-                         dashboard_address=":0") as cluster, Client(cluster) as client:
-        cluster.wait_for_workers(2)
-        with JobClient(client) as job_client:
-            yield job_client
+    with job_service() as job_client:
+        yield job_client
 
 
 def get(url: str) -> tuple[int, str, str]:
@@ -148,7 +139,7 @@ def test_the_pages_say_so_when_the_job_service_is_gone() -> None:
     service starts (handlers cannot be removed: one set), then answering 503 with a message
     once the service is unregistered."""
     routes = [*dask.config.get("distributed.scheduler.http.routes"), "antdt.watch.pages"]
-    with dask.config.set({**SETTINGS, "distributed.scheduler.http.routes": routes}), \
+    with dask.config.set({**QUICK, "distributed.scheduler.http.routes": routes}), \
             LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
                          dashboard_address=":0") as cluster, Client(cluster) as client:
         listing = client.dashboard_link.removesuffix("status") + "antdt/"
