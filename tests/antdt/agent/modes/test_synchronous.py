@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from antdt.agent.modes.synchronous import Rendezvous, SyncMaster, _Header, own_seconds
+from antdt.agent.modes.synchronous import (Rendezvous, SyncMaster, _Header, own_seconds,
+                                          step_rows)
 from antdt.sharding import shares
 from ranks import Ranks
 from sharded_ranks import wait_in_a_collective
@@ -72,6 +73,23 @@ def test_a_global_batch_splits_by_weight_and_sums_exactly(weights: list[float], 
 def test_a_global_batch_smaller_than_the_ranks_is_refused() -> None:
     with pytest.raises(ValueError, match="cannot split 2 rows among 3 ranks"):
         shares([1.0, 1.0, 1.0], 2)
+
+
+@pytest.mark.parametrize(("sizes", "offered", "rows"), [
+    ([256, 256], [300, 4096], [256, 256]),                 # enough everywhere: the local batches
+    ([5, 1364, 1364, 1363], [40, 4, 7, 10904], [15, 4, 7, 4070]),  # two leases end at once
+    ([100, 300, 300], [0, 1000, 1000], [0, 350, 350]),     # a rank without a lease: even
+    ([100, 300, 300], [0, 320, 1000], [0, 320, 380]),      # a rank's room runs out: the next
+    ([5, 1364, 1364, 1363], [40, 0, 0, 0], [40, 0, 0, 0]),  # the last rows: what is left
+    ([3, 3], [0, 0], [0, 0]),
+])
+def test_a_step_trains_the_global_batch_while_the_ranks_offer_it(
+        sizes: list[int], offered: list[int], rows: list[int]) -> None:
+    """A rank short of its local batch does not make the step smaller: its peers with more on
+    offer take its rows, in proportion to their local batches, each within its offer."""
+    assert step_rows(sizes, offered) == rows
+    assert sum(rows) == min(sum(sizes), sum(offered))
+    assert all(0 <= r <= o for r, o in zip(rows, offered))
 
 
 def test_the_rendezvous_ranks_workers_by_address_and_forms_generations() -> None:
