@@ -324,10 +324,10 @@ class _Header:
 
 class _Rows:
     """This rank's rows: the lease it trains and where the next batch starts; the lease
-    requests never wait (a rank told to wait trains empty steps and asks again). A lease holds
+    requests never wait (a rank told to wait offers no rows and asks again). A lease holds
     at most ``antdt.sync-steps.lease-steps`` of the rank's local batches: leases of whole
     shards left a slow rank, whose local batch is small, hundreds of steps of rows when the
-    others ran out, trained in tiny global batches at the job's end (0.012 AUC lost)."""
+    others ran out, which it then trains alone, at its pace, at the job's end."""
 
     def __init__(self, agent: AgentParts) -> None:
         self.agent = agent
