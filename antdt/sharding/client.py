@@ -180,10 +180,13 @@ class ShardClient:
         return lease
 
     def commit(self, offset: int, synced_rows: int | None = None,
-               stats: Mapping[str, float] | None = None) -> CommitReply:
+               stats: Mapping[str, float] | None = None, claim_ahead: int = 0) -> CommitReply:
         """Rows of the current lease up to ``offset`` are trained; ``synced_rows`` of the
         worker's stream are synced. Returns the claim (possibly unchanged, without an RPC),
-        :class:`Finished`/:class:`Revoked` (lease again) or :class:`Stop`."""
+        :class:`Finished`/:class:`Revoked` (lease again) or :class:`Stop`. ``claim_ahead``: an
+        RPC extends the claim now, not at the next interval, when it holds fewer rows than
+        that past ``offset`` and the lease holds more (a sync rank's next step would otherwise
+        be cut short by its claim, and a slower peer would train the rest)."""
         held = self._current
         if held is None:
             raise LedgerError(f"job {self.job!r}: commit without a lease on {self.address}")
@@ -201,7 +204,8 @@ class ShardClient:
         if offset == held.stop:
             self._current = None
             return Finished(held.lease.lease_id, held.stop, held.synced == held.stop)
-        if offset < held.claim_stop and self._clock() - self._last_rpc < self.interval:
+        if offset < held.claim_stop and self._clock() - self._last_rpc < self.interval \
+                and held.claim_stop - offset >= min(claim_ahead, held.stop - offset):
             return Claim(held.lease.lease_id, held.claim_stop)
         if synced_rows is None:
             self._sync_to(None)

@@ -371,10 +371,12 @@ class _Rows:
         assert self.lease is not None and self.offset + rows <= self.limit
         return self.lease, self.offset, self.offset + rows
 
-    def trained(self, end: int, busy_s: float) -> None:
-        """Rows up to ``end`` of the lease were trained (their step completed)."""
+    def trained(self, end: int, busy_s: float, next_rows: int) -> None:
+        """Rows up to ``end`` of the lease were trained (their step completed); the claim is
+        extended at once if it holds fewer than ``next_rows`` (the local batch) past them."""
         assert self.lease is not None
-        reply = self.agent.shards.commit(end, stats={BUSY: busy_s, BATCHES: 1.0})
+        reply = self.agent.shards.commit(end, stats={BUSY: busy_s, BATCHES: 1.0},
+                                         claim_ahead=next_rows)
         self.offset = end
         if isinstance(reply, (Claim, Revoked)):
             self.limit = reply.stop
@@ -525,7 +527,7 @@ class SyncMode(EverySynced):
                 agent.count(0, busy, cpu, math.nan)
                 continue
             agent.count(counts[self.rank], busy, cpu, loss)
-            rows.trained(span[2], busy)
+            rows.trained(span[2], busy, sizes[self.rank])
             if agent.faults.fire(agent.rows):
                 return "cancelled"
 

@@ -263,3 +263,28 @@ async def test_poll_lease_does_not_wait_for_rows_another_worker_holds(
         await register(c, s, row_groups=[["f", 0, 100]], shard_rows=50, batch_rows=10)
     seen = await c.submit(polling_agent, "j", b.address, workers=[a.address], pure=False)
     assert seen == ["Lease", "Wait", "NoneType"]
+
+
+def claiming_agent(job: str) -> list[int]:
+    """Two commits well within the commit interval: the claim's end (from the lease's start)
+    and the RPCs each took."""
+    shards = ShardClient(job, commit_interval_s=60.0, lease_wait_s=0.0, clock=StepClock())
+    lease = shards.lease()
+    assert lease is not None
+    seen = []
+    for end, ahead in ((5, 5), (6, 8)):
+        rpcs = shards.rpcs
+        reply = shards.commit(lease.start + end, claim_ahead=ahead)
+        assert isinstance(reply, Claim)
+        seen += [reply.stop - lease.start, shards.rpcs - rpcs]
+    return seen
+
+
+@gen_cluster(client=True)
+async def test_a_claim_short_of_the_next_step_is_extended_at_once(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    """A sync rank's next local batch must fit its claim: 5 rows claimed past the offset serve
+    a batch of 5 without an RPC; 4 left for a batch of 8 are extended now, not a minute later."""
+    await register(c, s, row_groups=[["f", 0, 100]], shard_rows=50, batch_rows=10)
+    seen = await c.submit(claiming_agent, "j", workers=[a.address], pure=False)
+    assert seen == [10, 0, 16, 1]
