@@ -353,9 +353,9 @@ class Monitor:
     def workers(self) -> list[str]:
         return list(self._tracks)
 
-    def rate(self, worker: str, min_busy_s: float = 0.0) -> float | None:
+    def rate(self, worker: str) -> float | None:
         """Rows/s of ``worker`` over its sliding window and the current window (None: no
-        evidence yet, or evidence of fewer than ``min_busy_s`` busy seconds)."""
+        evidence yet)."""
         track = self._tracks.get(worker)
         if track is None:
             return None
@@ -363,18 +363,7 @@ class Monitor:
         for _, sample_rows, sample_busy in track.samples:
             rows += sample_rows
             busy += sample_busy
-        return rows / busy if busy > 0 and rows > 0 and busy >= min_busy_s else None
-
-    def restart(self, worker: str) -> None:
-        """Forget ``worker``'s evidence of speed (its samples and its open window; its verdict
-        stays): what it did before its work changed (a new local batch in the synchronous mode,
-        where a step's time is not proportional to its rows) no longer says how fast it is, and
-        a rate averaged over windows at the old size made the batch policy creep towards its
-        target over a minute instead of stepping to it."""
-        track = self._tracks.get(worker)
-        if track is not None:
-            track.samples.clear()
-            track.rows, track.busy, track.batches = 0, 0.0, 0.0
+        return rows / busy if busy > 0 and rows > 0 else None
 
     def summary(self) -> dict[str, Any]:
         """Medians and every worker's health, plain (msgpack-able)."""

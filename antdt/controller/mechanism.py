@@ -143,7 +143,6 @@ class Controller:
         elif isinstance(action, AdjustBatch):
             worker, size = action.worker, action.size
             self.ledger.set_batch_rows(worker, size)
-            self.monitor.restart(worker)
         elif isinstance(action, Pace):
             worker, size = action.worker, action.rows
             self.ledger.pace(worker, size)

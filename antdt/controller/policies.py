@@ -264,18 +264,14 @@ class BalanceBatch(ControllerPolicy):
     """Synchronous mode (AntDT-DD): per-worker local batches proportional to the job's workers'
     rates (rows per second of their own time), summing to ``global_batch`` exactly (largest
     remainders), so every rank takes about as long per step; a size changes only when it moves
-    by more than ``tolerance`` (relative). Waits until every worker of the job has a rate
-    resting on ``evidence_s`` busy seconds since its size last changed (the controller restarts
-    a worker's evidence when it applies a size: part of a step's time does not shrink with its
-    rows, so a rate measured at the old size is not the rate at the new one)."""
+    by more than ``tolerance`` (relative). Waits until every worker of the job has a rate."""
 
     global_batch: int
     tolerance: float = 0.1
-    evidence_s: float = 3.0
 
     def run(self, tick: Tick) -> Iterator[Action]:
         workers = sorted(set(tick.workers) & set(tick.monitor.workers()))
-        rates = [tick.monitor.rate(w, self.evidence_s) for w in workers]
+        rates = [tick.rate(w) for w in workers]
         if not workers or any(rate is None for rate in rates) \
                 or self.global_batch < len(workers):
             return

@@ -333,20 +333,3 @@ def test_batch_sizes_follow_the_rates() -> None:
     rig.run(10, {"a": 20, "b": 20, "c": 10})
     assert len(rig.applied) == 3  # within tolerance: no change
     assert rig.controller.batch_sizes == {"a": 20, "b": 20, "c": 10}
-
-
-def test_a_workers_rate_starts_again_when_its_batch_size_changes() -> None:
-    """Applying a size forgets the worker's evidence of speed: the next sizes rest on
-    ``evidence_s`` busy seconds at the new size only, not on an average that remembers the
-    old one (in a sync step part of the time does not shrink with the rows)."""
-    rig = Rig("abc", [BalanceBatch(global_batch=50, evidence_s=3.0)], rows=100_000)
-    rig.run(4, {"a": 20, "b": 20, "c": 10})  # the first commit of each shows no busy time
-    assert rig.controller.batch_sizes == {"a": 20, "b": 20, "c": 10}
-    assert rig.monitor.rate("c") is None
-    rig.run(2, {"a": 20, "b": 20, "c": 30})
-    # 20 rows of its old claim, then 30: its rate at the old size (10) is forgotten
-    assert rig.monitor.rate("c") == 25.0 and rig.monitor.rate("c", 3.0) is None
-    assert rig.controller.batch_sizes["c"] == 10  # 2 s of evidence: not enough yet
-    rig.run(1, {"a": 20, "b": 20, "c": 30})
-    sizes = rig.controller.batch_sizes
-    assert sizes["c"] > 10 and sum(sizes.values()) == 50, sizes
