@@ -376,6 +376,32 @@ def table_batch(table: pa.Table, schema: Schema, *, where: str = "table") -> Bat
     return _batch(converter.result(), schema, 0, table.num_rows)
 
 
+def concat(batches: Sequence[Batch]) -> Batch:
+    """The rows of ``batches`` (at least one, the same sparse keys), in order, as one batch:
+    each key's bags of every batch in turn (the layout stays key-major)."""
+    if len(batches) == 1:
+        return batches[0]
+    sparse = [batch.sparse_features for batch in batches]
+    keys = sparse[0].keys()
+    for kjt in sparse[1:]:
+        if kjt.keys() != keys:
+            raise ValueError(f"batches with different sparse keys: {keys} and {kjt.keys()}")
+    values = [kjt.values().split(kjt.length_per_key()) for kjt in sparse]
+    lengths = [kjt.lengths().split(kjt.stride()) for kjt in sparse]
+    parts = range(len(batches))
+    joined = KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat([values[b][k] for k in range(len(keys)) for b in parts]),
+        lengths=torch.cat([lengths[b][k] for k in range(len(keys)) for b in parts]),
+        stride=sum(kjt.stride() for kjt in sparse),
+        length_per_key=[sum(kjt.length_per_key()[k] for kjt in sparse)
+                        for k in range(len(keys))],
+    )
+    return Batch(dense_features=torch.cat([batch.dense_features for batch in batches]),
+                 sparse_features=joined,
+                 labels=torch.cat([batch.labels for batch in batches]))
+
+
 def _check_range(decoded: _Decoded, path: str, row_group: int, start: int, stop: int) -> None:
     if not 0 <= start < stop <= decoded.num_rows:
         raise DataError(f"{path} row group {row_group}: row range [{start}, {stop}) is not "

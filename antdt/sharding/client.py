@@ -121,6 +121,7 @@ class ShardClient:
         self._clock = clock
         self._held: dict[int, _Held] = {}
         self._current: _Held | None = None
+        self._next: _Held | None = None
         self._stats: dict[str, float] = {}
         self._stopped: Stop | None = None
         self._last_rpc = clock()
@@ -150,18 +151,23 @@ class ShardClient:
             wait_s = self.drain_wait_s if self.draining or reply.unsynced else \
                 self.lease_wait_s
 
-    def poll_lease(self, wait_s: float = 0.0, max_rows: int | None = None
-                   ) -> Lease | Wait | None:
+    def poll_lease(self, wait_s: float = 0.0, max_rows: int | None = None,
+                   ahead: bool = False) -> Lease | Wait | None:
         """One lease request (pending commits sent with it) that waits at most ``wait_s`` server
         side: the next lease (of at most ``max_rows`` rows when given), :class:`Wait` (nothing
         to lease now, the job is not over) or None (the job is over). The synchronous mode asks
         this way between steps: a rank waiting for rows must not keep its peers waiting in the
-        step's collectives."""
-        return self._ask(wait_s, max_rows)
+        step's collectives. ``ahead``: asked while the current lease is still trained, the lease
+        that follows it (one at most): its rows come after the current lease's in the worker's
+        stream, and :meth:`commit` goes on with it once the current lease is trained to its end
+        (a sync rank's step can end one lease and begin the next)."""
+        return self._ask(wait_s, max_rows, ahead)
 
-    def _ask(self, wait_s: float, max_rows: int | None = None) -> Lease | Wait | None:
-        if self._current is not None:
-            raise LedgerError(f"job {self.job!r}: lease {self._current.lease.lease_id} is not "
+    def _ask(self, wait_s: float, max_rows: int | None = None, ahead: bool = False
+             ) -> Lease | Wait | None:
+        waiting = self._next if ahead else self._current
+        if waiting is not None:
+            raise LedgerError(f"job {self.job!r}: lease {waiting.lease.lease_id} is not "
                               f"finished; commit up to its end before leasing again")
         self._sync_to(None)
         reply = self._rpc("antdt_lease", worker=self.address, commits=self._pending(),
@@ -176,7 +182,11 @@ class ShardClient:
         lease = Lease(**{k: v for k, v in msg.items() if k != "kind"})
         held = _Held(lease, self.trained_rows, lease.start, lease.start, lease.claim_stop,
                      lease.stop, lease.start, lease.start)
-        self._held[lease.lease_id] = self._current = held
+        self._held[lease.lease_id] = held
+        if self._current is None:
+            self._current = held
+        else:
+            self._next = held
         return lease
 
     def commit(self, offset: int, synced_rows: int | None = None,
@@ -202,7 +212,7 @@ class ShardClient:
         for key, value in (stats or {}).items():
             self._stats[key] = self._stats.get(key, 0.0) + value
         if offset == held.stop:
-            self._current = None
+            self._end_current()
             return Finished(held.lease.lease_id, held.stop, held.synced == held.stop)
         if offset < held.claim_stop and self._clock() - self._last_rpc < self.interval \
                 and held.claim_stop - offset >= min(claim_ahead, held.stop - offset):
@@ -227,7 +237,7 @@ class ShardClient:
         for held in list(self._held.values()):
             self._rpc("antdt_release", lease_id=held.lease.lease_id, token=held.lease.token)
             del self._held[held.lease.lease_id]
-        self._current = None
+        self._current = self._next = None
 
     @property
     def current(self) -> Lease | None:
@@ -237,9 +247,16 @@ class ShardClient:
     @property
     def draining(self) -> list[int]:
         """Lease ids fully trained whose synced offset has not reached their end yet."""
-        return [i for i, h in self._held.items() if h is not self._current]
+        return [i for i, h in self._held.items() if h not in (self._current, self._next)]
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _end_current(self) -> None:
+        """The current lease is trained to its end: the lease asked ahead, if any, follows, its
+        rows from here on in the worker's stream."""
+        self._current, self._next = self._next, None
+        if self._current is not None:
+            self._current.cum_start = self.trained_rows
 
     def _sync_to(self, synced_rows: int | None) -> None:
         """Map the worker's synced row count (default: the source, else all trained rows) to
@@ -322,7 +339,7 @@ class ShardClient:
         held.sent_offset, held.sent_synced = item["offset"], item["synced_offset"]
         if kind == "stop":
             self._held.clear()
-            self._current = None
+            self._current = self._next = None
             self._stopped = Stop(answer["reason"])
             return
         if kind == "claim":
@@ -337,7 +354,7 @@ class ShardClient:
         """The reply to the agent for the current lease after an RPC."""
         retired = held.lease.lease_id not in self._held
         if held.offset == held.stop:
-            self._current = None
+            self._end_current()
         if held.revoked:
             return Revoked(held.lease.lease_id, held.stop, retired)
         if held.offset == held.stop:

@@ -8,7 +8,7 @@ that a worker unpickling a recipe imports only the training stack (torch, TorchR
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from antdt.agent import SavedModel
 from antdt.errors import ConfigError
-from data.reader import ShardReader
+from data.reader import ShardReader, concat
 from data.schema import Schema
 from models.config import ModelConfig, OptimConfig
 from models.ranking import dense_parameters, embedding_tables
@@ -103,8 +103,11 @@ class ShardedRankingTrainer:
     def step(self, batch: Batch, global_rows: int) -> float:
         return self.sharded.step(batch, global_rows)
 
-    def empty_batch(self) -> Batch:
-        """A batch of no rows (a rank with no rows still takes part in the step)."""
+    def batch(self, parts: Sequence[Batch]) -> Batch:
+        """The rows of ``parts`` as one batch (:func:`data.reader.concat`); a batch of no rows
+        for none (a rank with no rows still takes part in the step)."""
+        if parts:
+            return concat(parts)
         names = self.schema.sparse_names
         return Batch(dense_features=torch.zeros(0, len(self.schema.dense)),
                      sparse_features=KeyedJaggedTensor.from_lengths_sync(

@@ -15,7 +15,7 @@ from torchrec.datasets.utils import Batch
 
 from antdt.errors import DataError
 from data.hashing import hash_ints, hash_strings
-from data.reader import ShardReader, table_batch
+from data.reader import ShardReader, concat, table_batch
 from data.schema import Schema
 
 SCHEMA = Schema.from_dict({
@@ -121,6 +121,16 @@ def test_batches_cover_the_range_in_order(path: str) -> None:
     assert list(reader.batches(path, 1, 1, 1, batch_size=5)) == []
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         list(reader.batches(path, 0, 0, 3, batch_size=0))
+
+
+def test_batches_of_two_row_groups_concatenate_into_their_rows_in_order(path: str) -> None:
+    """A sync step can end one lease and begin the next: rows 1-2 of the first row group and
+    rows 3-4 (the second's) read as one batch, with every key's bags in row order."""
+    reader = ShardReader(SCHEMA)
+    joined = concat([reader.read(path, 0, 1, 3), reader.read(path, 1, 0, 2)])
+    check_rows(joined, range(1, 5))
+    assert joined.sparse_features.length_per_key() == [4, 4, 5, 5]
+    assert concat([reader.read(path, 0, 0, 3)]).labels.tolist() == [1.0, 0.0, 0.0]
 
 
 def test_row_groups_are_decoded_once_while_cached(path: str) -> None:

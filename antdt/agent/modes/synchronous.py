@@ -11,16 +11,17 @@ breaks its peers' next collective instead of holding the job forever.
 
 The step, on every rank in lock-step (:class:`SyncMode.train`)::
 
-    rows on offer: what the rank's lease may still train (a new lease, asked without waiting,
-        when it has none)
+    rows on offer: what the rank's lease may still train, and the next lease's once less than a
+        local batch is left (leases asked without waiting)
     header: one all-reduce of [rows on offer per rank | next local batches (rank 0) |
                                checkpoint requests | ranks with no rows left | ranks cancelled]
     any rank cancelled: all stop   a checkpoint asked: all write it here (between two steps)
     no rows on any rank: the job's end once every rank's ledger says so, else ask again
     every rank's rows of this step (:func:`step_rows`, the same on every rank): its local
         batch b_r, and the rows a rank short of it lacks taken by ranks with more on offer
-    read this rank's rows, step with B = the rows of every rank (the trainer weights its loss
-        by W / B: the step equals one step on the global batch however it is split)
+    read this rank's rows (a lease's rest and the next lease's front: one batch), step with
+        B = the rows of every rank (the trainer weights its loss by W / B: the step equals one
+        step on the global batch however it is split)
     commit the local rows; the rank's own time goes to the monitor
 
 Every step trains the global batch until the rows run out: a rank whose lease ends short of its
@@ -28,8 +29,9 @@ local batch, or that has no lease for the moment, does not make the step smaller
 take more. Steps smaller than the global batch cost the model far more than their rows
 suggest (Adam moves the dense weights about as far on 5 rows as on 4,096): a job whose slow
 rank trained its last lease alone, in three steps of 5 rows at the end, lost 0.013 AUC, and
-trained on the same rows without those steps' split it lost none. So only a job's (or an
-epoch's) last step, what the leases hold between them, is smaller.
+trained on the same rows without those steps' split it lost none. So only a job's last step,
+what the leases hold between them, is smaller (an epoch's last rows share a step with the next
+epoch's first, as a step can span two leases).
 
 A rank's own time is what its training thread ran or waited for a CPU (:func:`own_seconds`),
 not the wall time: inside the step the collectives (all-to-alls, DDP's all-reduce) make a rank
@@ -86,7 +88,7 @@ from antdt.device import FROZEN_HEAP
 from antdt.errors import AntdtError, CheckpointError, ConfigError, SyncError
 from antdt.monitor import BATCHES, BUSY
 from antdt.rpc import Reply
-from antdt.sharding import Claim, Finished, Lease, Revoked, Stop, Wait, shares
+from antdt.sharding import Claim, CommitReply, Finished, Lease, Revoked, Stop, Wait, shares
 
 logger = logging.getLogger(__name__)
 
@@ -164,21 +166,23 @@ class ShardedTrainer(Protocol):
 
     ``step(batch, global_rows)`` trains the rank's local batch (0 rows too: every rank takes
     part in every step) as its share of a global batch of ``global_rows`` rows;
-    ``empty_batch()`` is a batch of no rows. ``full_state(dst)`` (every rank calls it) is the
-    whole model and optimiser state on rank ``dst`` (None on the others), in the form a
-    checkpoint holds and ``restore_state`` takes; ``final(state)`` is a single-process trainer
-    over it, what the master evaluates and logs. ``gather_refusal(dst)`` is None when the whole
-    fits on rank ``dst`` (the same answer on every rank), else why not, naming the sizes; then
-    ``write_shards(folder)`` (every rank calls it) writes each rank's part into ``folder`` and
-    gives every file's name with its size and sha256, and ``restore_state`` also takes the
-    :class:`SavedModel` of those files."""
+    ``batch(parts)`` is one batch of the rows of ``parts`` (the reader's batches, in order: a
+    step can end one lease and begin the next), a batch of no rows for no parts.
+    ``full_state(dst)`` (every rank calls it) is the whole model and optimiser state on rank
+    ``dst`` (None on the others), in the form a checkpoint holds and ``restore_state`` takes;
+    ``final(state)`` is a single-process trainer over it, what the master evaluates and logs.
+    ``gather_refusal(dst)`` is None when the whole fits on rank ``dst`` (the same answer on
+    every rank), else why not, naming the sizes; then ``write_shards(folder)`` (every rank
+    calls it) writes each rank's part into ``folder`` and gives every file's name with its
+    size and sha256, and ``restore_state`` also takes the :class:`SavedModel` of those
+    files."""
 
     rank: int
     world_size: int
 
     def step(self, batch: Any, global_rows: int) -> float: ...
 
-    def empty_batch(self) -> Any: ...
+    def batch(self, parts: Sequence[Any]) -> Any: ...
 
     def gather_refusal(self, dst: int) -> str | None: ...
 
@@ -322,12 +326,23 @@ class _Header:
         return int(self.values[3 * self.world + 1])
 
 
+Span = tuple[Lease, int, int]
+"""Rows ``[start, stop)`` of a lease."""
+
+
 class _Rows:
-    """This rank's rows: the lease it trains and where the next batch starts; the lease
-    requests never wait (a rank told to wait offers no rows and asks again). A lease holds
-    at most ``antdt.sync-steps.lease-steps`` of the rank's local batches: leases of whole
-    shards left a slow rank, whose local batch is small, hundreds of steps of rows when the
-    others ran out, which it then trains alone, at its pace, at the job's end."""
+    """This rank's rows: the lease it trains and where the next batch starts, and the lease
+    that follows it once the rest of this one is less than a local batch; the lease requests
+    never wait (a rank told to wait offers no rows and asks again).
+
+    A lease holds at most ``antdt.sync-steps.lease-steps`` of the rank's local batches: leases
+    of whole shards left a slow rank, whose local batch is small, hundreds of steps of rows
+    when the others ran out, which it then trains alone, at its pace, at the job's end. A
+    lease's end rarely falls on a step's (the local batches change, a shard's last lease is
+    shorter), so a step may take a lease's rest and the front of the next: without it, ranks
+    whose leases ended in the same step offered only their rests, and the slow rank, the one
+    with rows to spare, took the rest of the global batch (9,872 of 16,384 rows in one step:
+    twice a balanced step's time)."""
 
     def __init__(self, agent: AgentParts) -> None:
         self.agent = agent
@@ -335,48 +350,85 @@ class _Rows:
                                              integer=True))
         self.lease: Lease | None = None
         self.offset = self.limit = 0
+        self.ahead: Lease | None = None
         self.over = False
         self.retry_at = 0.0
         self._started = 0.0
-        self._rows_before = 0
 
     def offer(self, rows: int, idle: bool) -> int:
         """The rows this rank can train in the next step: what its lease's claim holds past
-        the committed offset, asking for a lease (sized for ``rows``, the local batch) when it
-        has none; 0 when it has none now. ``idle``: no rank had rows in the last step, so the
-        request may wait for rows server side (every rank waits in the next header anyway)."""
+        the committed offset, and the next lease's claim once the claim reaches the lease's end
+        with less than ``rows`` (the local batch) left; a lease is asked for (sized for
+        ``rows``) when the rank has none or such a rest. 0 when it has none now. ``idle``: no
+        rank had rows in the last step, so the request may wait for rows server side (every
+        rank waits in the next header anyway)."""
         if self.over or rows <= 0:
             return 0
-        if self.lease is None:
-            if not idle and time.perf_counter() < self.retry_at:
+        lease = self.lease
+        if lease is None:
+            lease = self._ask(rows, RETRY_S if idle else 0.0, ahead=False)
+            if lease is None:
                 return 0
-            reply = self.agent.shards.poll_lease(RETRY_S if idle else 0.0,
-                                                 max_rows=rows * self.lease_steps)
-            if reply is None:
-                self.over = True
-                return 0
-            if isinstance(reply, Wait):
-                self.retry_at = time.perf_counter() + RETRY_S
-                return 0
-            self.lease, self.offset, self.limit = reply, reply.start, reply.claim_stop
-            self._started, self._rows_before = time.time(), self.agent.rows
-            self.agent.event({"kind": "lease", "phase": "start", "lease_id": reply.lease_id,
-                              "time": self._started})
-        return self.limit - self.offset
+            self._begin(lease)
+        elif self.ahead is None and lease.stop - self.offset < rows:
+            self.ahead = self._ask(rows, 0.0, ahead=True)
+        offered = self.limit - self.offset
+        if self.ahead is not None and self.limit == lease.stop:
+            offered += self.ahead.claim_stop - self.ahead.start
+        return offered
 
-    def take(self, rows: int) -> tuple[Lease, int, int] | None:
-        """The span of this step's ``rows`` rows (at most what :meth:`offer` said), or None."""
-        if rows <= 0:
+    def _ask(self, rows: int, wait_s: float, ahead: bool) -> Lease | None:
+        """A lease of at most ``lease_steps`` local batches, or None (asked again after
+        ``RETRY_S`` when told to wait; :attr:`over` when the job is)."""
+        if wait_s == 0 and time.perf_counter() < self.retry_at:
             return None
-        assert self.lease is not None and self.offset + rows <= self.limit
-        return self.lease, self.offset, self.offset + rows
+        reply = self.agent.shards.poll_lease(wait_s, max_rows=rows * self.lease_steps,
+                                             ahead=ahead)
+        if reply is None:
+            self.over = True
+            return None
+        if isinstance(reply, Wait):
+            self.retry_at = time.perf_counter() + RETRY_S
+            return None
+        return reply
 
-    def trained(self, end: int, busy_s: float, next_rows: int) -> None:
-        """Rows up to ``end`` of the lease were trained (their step completed); the claim is
-        extended at once if it holds fewer than ``next_rows`` (the local batch) past them."""
+    def _begin(self, lease: Lease) -> None:
+        self.lease, self.offset, self.limit = lease, lease.start, lease.claim_stop
+        self._started = time.time()
+        self.agent.event({"kind": "lease", "phase": "start", "lease_id": lease.lease_id,
+                          "time": self._started})
+
+    def take(self, rows: int) -> list[Span]:
+        """The spans of this step's ``rows`` rows (at most what :meth:`offer` said): the
+        lease's, then the next lease's front."""
+        if rows <= 0:
+            return []
         assert self.lease is not None
-        reply = self.agent.shards.commit(end, stats={BUSY: busy_s, BATCHES: 1.0},
-                                         claim_ahead=next_rows)
+        first = min(rows, self.limit - self.offset)
+        spans = [(self.lease, self.offset, self.offset + first)] if first else []
+        if rows > first:
+            assert self.ahead is not None and self.ahead.start + rows - first <= \
+                self.ahead.claim_stop
+            spans.append((self.ahead, self.ahead.start, self.ahead.start + rows - first))
+        return spans
+
+    def trained(self, spans: Sequence[Span], busy_s: float, next_rows: int) -> None:
+        """The spans' rows were trained (their step completed); the claim is extended at once
+        if it holds fewer than ``next_rows`` (the local batch) past them. The step's
+        measurements ride with its last commit."""
+        for i, (_, _, end) in enumerate(spans):
+            last = i == len(spans) - 1
+            reply = self.agent.shards.commit(
+                end, stats={BUSY: busy_s, BATCHES: 1.0} if last else None,
+                claim_ahead=next_rows if last else 0)
+            self._committed(end, reply)
+            if self.lease is None:  # its last span, or the job stopped under it
+                return
+
+    def _committed(self, end: int, reply: CommitReply) -> None:
+        """What the commit of rows up to ``end`` said: the claim, or the lease's end (the
+        lease asked ahead follows it)."""
+        assert self.lease is not None
         self.offset = end
         if isinstance(reply, (Claim, Revoked)):
             self.limit = reply.stop
@@ -385,10 +437,12 @@ class _Rows:
         if isinstance(reply, (Finished, Revoked, Stop)):
             self.agent.event({"kind": "lease", "phase": "end", "lease_id": self.lease.lease_id,
                               "start": self._started, "time": time.time(),
-                              "rows": self.agent.rows - self._rows_before,
+                              "rows": end - self.lease.start,
                               "outcome": "revoked" if isinstance(reply, Revoked) else "finished"})
-            self.lease = None
+            self.lease, ahead, self.ahead = None, self.ahead, None
             self.over = isinstance(reply, Stop)
+            if ahead is not None and not self.over:
+                self._begin(ahead)
 
 
 class SyncMode(EverySynced):
@@ -513,9 +567,9 @@ class SyncMode(EverySynced):
                     return "finished" if agent.job_state() == "finished" else "stopped"
                 continue
             cpu_started, own_started = time.thread_time(), own_seconds()
-            span = rows.take(counts[self.rank])
-            batch = trainer.empty_batch() if span is None else \
-                agent.reader.read(span[0].path, span[0].row_group, span[1], span[2])
+            spans = rows.take(counts[self.rank])
+            batch = trainer.batch([agent.reader.read(lease.path, lease.row_group, start, stop)
+                                   for lease, start, stop in spans])
             loss = self._collective(lambda: trainer.step(batch, total), "the step")
             self.steps += 1
             own = own_local + own_seconds() - own_started
@@ -523,11 +577,11 @@ class SyncMode(EverySynced):
             agent.faults.slow_down(agent.rows, own)  # a slow rank is slow on empty steps too
             busy = own + time.perf_counter() - asleep
             cpu = time.thread_time() - cpu_started
-            if span is None:
+            if not spans:
                 agent.count(0, busy, cpu, math.nan)
                 continue
             agent.count(counts[self.rank], busy, cpu, loss)
-            rows.trained(span[2], busy, sizes[self.rank])
+            rows.trained(spans, busy, sizes[self.rank])
             if agent.faults.fire(agent.rows):
                 return "cancelled"
 

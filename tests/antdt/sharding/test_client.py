@@ -11,6 +11,7 @@ from distributed import Client, Scheduler, Worker, get_client, get_worker
 from distributed.utils import sync
 from distributed.utils_test import gen_cluster
 
+from antdt.errors import LedgerError
 from antdt.monitor import BATCHES, BUSY
 from antdt.sharding import Claim, CommitEvent, Lease, Revoked
 from antdt.sharding.client import ShardClient
@@ -288,3 +289,47 @@ async def test_a_claim_short_of_the_next_step_is_extended_at_once(
     await register(c, s, row_groups=[["f", 0, 100]], shard_rows=50, batch_rows=10)
     seen = await c.submit(claiming_agent, "j", workers=[a.address], pure=False)
     assert seen == [10, 0, 16, 1]
+
+
+def leasing_ahead_agent(job: str) -> dict[str, Any]:
+    """A sync rank's step across a lease's end: lease 30 rows, train 25 in steps of 5, lease
+    the next while 5 are left, then train those 5 and the next lease's first 5 as one step."""
+    shards = ShardClient(job, commit_interval_s=60.0, lease_wait_s=0.0, clock=StepClock())
+    first = shards.poll_lease(max_rows=30)
+    assert isinstance(first, Lease)
+    for end in range(5, 30, 5):
+        shards.commit(first.start + end, claim_ahead=5)
+    second = shards.poll_lease(max_rows=30, ahead=True)
+    assert isinstance(second, Lease)
+    try:
+        shards.poll_lease(ahead=True)
+        twice = "no error"
+    except LedgerError as exc:
+        twice = str(exc)
+    draining = list(shards.draining)
+    ended = shards.commit(first.start + 30)
+    current = shards.current
+    went_on = shards.commit(second.start + 5)
+    shards.flush()
+    return {"first": (first.start, first.stop), "second": (second.start, second.stop),
+            "twice": twice, "draining": draining, "ended": type(ended).__name__,
+            "current": None if current is None else current.lease_id,
+            "went_on": type(went_on).__name__, "trained": shards.trained_rows,
+            "second_id": second.lease_id}
+
+
+@gen_cluster(client=True)
+async def test_a_lease_asked_ahead_follows_the_current_one_in_the_same_step(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    """The lease asked ahead takes over once the current lease is trained to its end, and the
+    ledger counts both leases' rows; a second lease ahead is refused."""
+    plugin = await register(c, s, row_groups=[["f", 0, 100]], shard_rows=50, batch_rows=10)
+    seen = await c.submit(leasing_ahead_agent, "j", workers=[a.address], pure=False)
+    first, second = seen["first"], seen["second"]
+    assert first[1] - first[0] == 30 and second[0] != first[0]
+    assert "is not finished" in seen["twice"]
+    assert seen["draining"] == []
+    assert (seen["ended"], seen["current"], seen["went_on"]) == \
+        ("Finished", seen["second_id"], "Claim")
+    assert seen["trained"] == 35
+    assert plugin.jobs["j"].rows_trained == 35
