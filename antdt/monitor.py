@@ -63,6 +63,7 @@ import enum
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -116,6 +117,15 @@ class Health(NamedTuple):
         return {**self._asdict(), "state": self.state.value}
 
 
+class Sample(NamedTuple):
+    """A worker's evidence in one closed window: the window, its average batch (rows per
+    batch) and its BPT (busy seconds per batch)."""
+
+    window: int
+    batch_rows: float
+    bpt: float
+
+
 @dataclass(frozen=True, slots=True)
 class MonitorSettings:
     """Thresholds and windows; :meth:`from_config` reads ``antdt.monitor``."""
@@ -148,6 +158,22 @@ class MonitorSettings:
                    warm_up_batches=int(config.number("antdt.monitor.warm-up-batches",
                                                      integer=True)))
 
+    @classmethod
+    def synchronous(cls) -> MonitorSettings:
+        """:meth:`from_config` for a synchronous job, whose batches are steps: its warm-up is
+        ``antdt.sync-steps.warm-up-steps`` steps and a rank's rate is taken over its last
+        ``antdt.sync-steps.rate-windows`` windows. A step's one-time costs (the first lease and
+        row group, the kernels' first use) are paid in its first step, as every rank built its
+        shards before the first one: with the async mode's eight batches, a benchmark job with
+        a 4x slow rank trained 12 of its 46 steps at equal local batches, at the slow rank's
+        pace. And a rank's step time follows its local batch only in part (its share of the
+        global batch's lookups is per step), so windows at the sizes of a few adjustments ago
+        mislead the controller about the current ones."""
+        return dataclasses.replace(
+            cls.from_config(),
+            warm_up_batches=int(config.number("antdt.sync-steps.warm-up-steps", integer=True)),
+            history=int(config.number("antdt.sync-steps.rate-windows", low=1, integer=True)))
+
 
 @dataclass(slots=True)
 class _Track:
@@ -165,6 +191,8 @@ class _Track:
     seen_update: int = -1
     gap: float | None = None
     samples: deque[tuple[float, int, float]] = field(default_factory=deque)
+    sampled: int = -1
+    """The window of its last sample."""
     bpt: float | None = None
     median: float | None = None
     window: int | None = None
@@ -365,6 +393,15 @@ class Monitor:
             busy += sample_busy
         return rows / busy if busy > 0 and rows > 0 else None
 
+    def last_sample(self, worker: str) -> Sample | None:
+        """``worker``'s evidence in the last window it committed measured batches in (None
+        before any)."""
+        track = self._tracks.get(worker)
+        if track is None or not track.samples:
+            return None
+        bpt, rows, busy = track.samples[-1]
+        return Sample(track.sampled, rows * bpt / busy, bpt)
+
     def summary(self) -> dict[str, Any]:
         """Medians and every worker's health, plain (msgpack-able)."""
         return {"windows": self.windows, "median_bpt": self.median_bpt,
@@ -401,6 +438,7 @@ class Monitor:
             if track.batches > 0 and track.busy > 0:
                 bpt = track.busy / track.batches
                 track.samples.append((bpt, track.rows, track.busy))
+                track.sampled = window
                 bpts.append(bpt)
                 rates.append(track.rows / track.busy)
                 measured.append((worker, track, bpt, True))

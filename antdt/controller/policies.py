@@ -8,14 +8,16 @@ from __future__ import annotations
 import abc
 import importlib
 import math
-from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from antdt import config
 from antdt.controller.actions import (Action, AdjustBatch, Evidence, Pace, Reassign, Retire,
                                       Revoke, Split)
 from antdt.errors import ConfigError
-from antdt.monitor import Monitor, WorkerState
+from antdt.monitor import Monitor, Sample, WorkerState
 from antdt.sharding import LeaseStatus, ShardLedger, shares
 
 
@@ -259,30 +261,104 @@ class RetirePersistent(ControllerPolicy):
                     f"{health.bpt:.3g}s vs median {health.median:.3g}s")))
 
 
+class StepTime(NamedTuple):
+    """A worker's step time as a function of its local batch: ``fixed + per_row x rows``
+    seconds of its own time."""
+
+    fixed: float
+    per_row: float
+
+    def rows(self, seconds: float) -> float:
+        """The local batch whose step takes ``seconds`` (0 when even an empty step takes
+        longer)."""
+        return max(0.0, (seconds - self.fixed) / self.per_row)
+
+
+def balanced_sizes(steps: Sequence[StepTime], total: int) -> list[int]:
+    """Local batches summing to ``total`` (each at least 1 row) whose steps take as long, as
+    far as a worker's fixed part allows: a worker whose empty step already takes longer than
+    the others' steps gets 1 row. Bisection on the common step time.
+
+    >>> balanced_sizes([StepTime(0.0, 1.0), StepTime(0.0, 3.0)], 400)  # rates alone
+    [300, 100]
+    >>> balanced_sizes([StepTime(0.01, 1e-4), StepTime(0.06, 4e-4)], 600)
+    [579, 21]
+    """
+    low, high = 0.0, max(step.fixed + step.per_row * total for step in steps)
+    for _ in range(100):
+        middle = (low + high) / 2
+        if sum(step.rows(middle) for step in steps) < total:
+            low = middle
+        else:
+            high = middle
+    return shares([step.rows(high) for step in steps], total)
+
+
 @dataclass(repr=False)
 class BalanceBatch(ControllerPolicy):
-    """Synchronous mode (AntDT-DD): per-worker local batches proportional to the job's workers'
-    rates (rows per second of their own time), summing to ``global_batch`` exactly (largest
-    remainders), so every rank takes about as long per step; a size changes only when it moves
-    by more than ``tolerance`` (relative). Waits until every worker of the job has a rate."""
+    """Synchronous mode (AntDT-DD): per-worker local batches, summing to ``global_batch``
+    exactly, whose steps take each worker as long (:func:`balanced_sizes`); a size changes only
+    when it moves by more than ``tolerance`` (relative). Waits until every worker of the job
+    has a sample (:meth:`~antdt.monitor.Monitor.last_sample`).
+
+    A worker's step time is not proportional to its local batch: its share of the global
+    batch's embedding lookups, the step's collectives and the optimiser's dense update take as
+    long whatever its batch. Sizes in proportion to the workers' rates (rows per second)
+    therefore settle only slowly where that fixed part is large: a slow worker's rate falls
+    with its batch, so each adjustment cut it by a fifth or so again (a benchmark job's slow
+    rank went from 1,230 rows to 218 over 30 of its 45 steps). So each worker's step time is fitted, ``fixed + per_row x
+    rows``, to its last ``points`` samples once their batches differ by a factor of
+    ``spread`` (least squares: the slope; the last sample: the level, so a change of speed
+    counts at once), the last slope kept while its batch stays put; a worker with no slope yet,
+    or whose fit makes no sense (no positive slope or a negative fixed part), is taken as
+    proportional to its batch, at its last sample's rate."""
 
     global_batch: int
     tolerance: float = 0.1
+    points: int = 4
+    spread: float = 1.25
+    _seen: dict[str, deque[Sample]] = field(default_factory=dict, init=False)
+    _slopes: dict[str, float] = field(default_factory=dict, init=False)
 
     def run(self, tick: Tick) -> Iterator[Action]:
         workers = sorted(set(tick.workers) & set(tick.monitor.workers()))
-        rates = [tick.rate(w) for w in workers]
-        if not workers or any(rate is None for rate in rates) \
-                or self.global_batch < len(workers):
+        samples = [tick.monitor.last_sample(w) for w in workers]
+        if not workers or self.global_batch < len(workers):
             return
-        total = sum(rate for rate in rates if rate is not None)
+        for gone in set(self._seen) - set(workers):  # left the job: a later worker of its
+            del self._seen[gone]                     # address starts afresh
+            self._slopes.pop(gone, None)
+        steps = []
+        for worker, sample in zip(workers, samples):
+            if sample is None:
+                return
+            seen = self._seen.setdefault(worker, deque(maxlen=self.points))
+            if not seen or seen[-1].window != sample.window:
+                seen.append(sample)
+            steps.append(self._step_time(worker, seen))
         even = self.global_batch / len(workers)
-        sizes = shares([rate or 0.0 for rate in rates], self.global_batch)
-        for worker, rate, size in zip(workers, rates, sizes):
+        sizes = balanced_sizes(steps, self.global_batch)
+        for worker, step, size in zip(workers, steps, sizes):
             current = tick.batch_sizes.get(worker, even)
             if abs(size - current) > self.tolerance * current:
                 yield AdjustBatch(worker, size, Evidence.of(tick.monitor.health(worker), (
-                    f"rate {rate:.4g} rows/s of {total:.4g} in all")))
+                    f"step {step.fixed:.3g}s + {step.per_row * 1e3:.3g}s per 1000 rows")))
+
+    def _step_time(self, worker: str, seen: deque[Sample]) -> StepTime:
+        """The worker's step time from its samples (the class docstring)."""
+        rows = [sample.batch_rows for sample in seen]
+        if max(rows) >= self.spread * min(rows):
+            mean_rows = sum(rows) / len(rows)
+            mean_bpt = sum(sample.bpt for sample in seen) / len(seen)
+            self._slopes[worker] = sum((r - mean_rows) * (sample.bpt - mean_bpt)
+                                       for r, sample in zip(rows, seen)) / \
+                sum((r - mean_rows) ** 2 for r in rows)
+        last = seen[-1]
+        slope = self._slopes.get(worker, 0.0)
+        fixed = last.bpt - slope * last.batch_rows
+        if slope <= 0 or fixed < 0:
+            return StepTime(0.0, last.bpt / last.batch_rows)
+        return StepTime(fixed, slope)
 
 
 def load_policies(specs: object = None) -> list[ControllerPolicy]:

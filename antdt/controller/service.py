@@ -21,7 +21,7 @@ from antdt.controller.actions import ActionRecord
 from antdt.controller.mechanism import Controller
 from antdt.controller.policies import ControllerPolicy
 from antdt.errors import ConfigError, LedgerError
-from antdt.monitor import Monitor
+from antdt.monitor import Monitor, MonitorSettings
 from antdt.sharding import CommitEvent, ShardLedger, service
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class ControllerService(SchedulerPlugin):
         self._enabled: dict[str, bool] = {}
         """Per-job switch; jobs not named follow ``antdt.controller.enabled``."""
         self._policies: dict[str, list[ControllerPolicy]] = {}
+        self._monitors: dict[str, MonitorSettings] = {}
         """Per-job policies; jobs not named run ``antdt.controller.policies``."""
         self.scheduler: Scheduler | None = None
         self._sharding: service.ShardingService | None = None
@@ -110,14 +111,18 @@ class ControllerService(SchedulerPlugin):
         self.jobs.clear()
 
     def enable(self, job: str, on: bool = True,
-               policies: Sequence[ControllerPolicy] | None = None) -> None:
+               policies: Sequence[ControllerPolicy] | None = None,
+               monitor: MonitorSettings | None = None) -> None:
         """Switch ``job``'s controller on or off (before or after the job is registered); its
-        monitor keeps running either way. ``policies``: the job's own (default:
-        ``antdt.controller.policies``), from its controller's next forming on (the job
-        registered or restored after this call)."""
+        monitor keeps running either way. ``policies`` and ``monitor``: the job's own (default:
+        ``antdt.controller.policies``, ``antdt.monitor``), from its controller's next forming on
+        (the job registered or restored after this call)."""
         self._enabled[job] = on
         if policies is not None:
             self._policies[job] = list(policies)
+        if monitor is not None:
+            self._monitors[job] = monitor
+        if policies is not None or monitor is not None:
             self.jobs.pop(job, None)  # formed again with them on its next use
 
     def forget(self, job: str) -> None:
@@ -125,6 +130,7 @@ class ControllerService(SchedulerPlugin):
         ``antdt.controller.enabled`` until it is switched."""
         self._enabled.pop(job, None)
         self._policies.pop(job, None)
+        self._monitors.pop(job, None)
 
     def tick(self, job: str | None = None) -> list[ActionRecord]:
         """Tick ``job`` (even if disabled), or every enabled job (a disabled one only updates its
@@ -198,7 +204,8 @@ class ControllerService(SchedulerPlugin):
             return None
         control = self.jobs.get(job)
         if control is None or control.ledger is not ledger:
-            monitor = Monitor(time, batch_rows=ledger.batch_rows)
+            monitor = Monitor(time, batch_rows=ledger.batch_rows,
+                              settings=self._monitors.get(job))
             controller = Controller(ledger, monitor, clock=time, retire=self._retire,
                                     policies=self._policies.get(job),
                                     workers=self._live_workers, min_workers=self.min_workers,

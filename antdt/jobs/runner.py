@@ -63,6 +63,7 @@ from antdt.jobs.keeper import Checkpointer
 from antdt.jobs.metrics import MetricsShipper, Step
 from antdt.jobs.placement import Placement, Slot
 from antdt.jobs.spec import JobSpec
+from antdt.monitor import MonitorSettings
 from antdt.sharding import JobState
 from antdt.sharding.service import ShardingService
 from antdt.sync import SyncPeriod
@@ -468,7 +469,8 @@ class JobRunner:
         plan = self.plan
         if plan.mode == "sync":
             self.ctx.controller.enable(self.job_id, plan.adaptive_batch,
-                                       [BalanceBatch(plan.batch_rows)])
+                                       [BalanceBatch(plan.batch_rows)],
+                                       MonitorSettings.synchronous())
         else:
             self.ctx.controller.enable(self.job_id, plan.sharding == "antdt")
 

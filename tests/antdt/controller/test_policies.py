@@ -16,8 +16,9 @@ from antdt.controller import (ActionRecord, AdjustBatch, BalanceBatch, Controlle
                               ReassignStragglers, Retire, RetireHung, RetirePersistent, Revoke,
                               RevokeHung, Split, SplitTail, Tick, load_policies)
 from antdt.errors import ConfigError
-from antdt.monitor import Monitor, MonitorSettings
-from antdt.sharding import Claim, JobState, Lease, Revoked, ShardLedger
+from antdt.monitor import BATCHES, BUSY, Monitor, MonitorSettings
+from antdt.sharding import (Claim, CommitEvent, JobState, Lease, Revoked, ShardLedger,
+                            shares)
 
 SETTINGS = MonitorSettings(window_s=10.0, history=3, slow_factor=1.5, persistent_windows=3,
                            hang_factor=4.0, hang_floor_s=5.0, warm_up_batches=0)
@@ -323,6 +324,36 @@ def test_default_policies_and_config_errors() -> None:
         load_policies([{"class": "antdt.controller.SplitTail", "parts": 3}])
     with pytest.raises(ConfigError, match=r"policies\[0\] must be a mapping"):
         load_policies(["antdt.controller.SplitTail"])
+
+
+def test_batch_sizes_reach_equal_step_times_when_a_step_has_a_fixed_part() -> None:
+    """Each worker's step has a part that its local batch does not change (its share of the
+    global batch's lookups), c's steps are 4x slower. Sizes in proportion to the rates get
+    there by a fraction per window (c's share 78, then 57: its steps still 19% longer); the
+    fitted step times balance them at the second window (within the policy's tolerance)."""
+    clock = Clock()
+    monitor = Monitor(clock, batch_rows=200, settings=MonitorSettings(
+        window_s=1.0, history=1, warm_up_batches=0, hang_floor_s=100.0))
+    ledger = ShardLedger([("f.parquet", 0, 1000)], shard_rows=100, batch_rows=200, clock=clock)
+    policy = BalanceBatch(global_batch=600)
+    steps = {"a": (0.01, 1e-4), "b": (0.01, 1e-4), "c": (0.02, 4e-4)}
+    sizes = dict.fromkeys(steps, 200)
+    for window in range(2):
+        for _ in range(5):
+            for worker, (fixed, per_row) in steps.items():
+                monitor.observe(CommitEvent(worker, 0, 0, sizes[worker], {
+                    BUSY: fixed + per_row * sizes[worker], BATCHES: 1.0}, clock.now))
+            clock.now += 0.1
+        clock.now = window + 1.0
+        monitor.update(steps)
+        for action in policy.run(Tick(window, clock.now, ledger, monitor, list(steps),
+                                      dict(sizes))):
+            assert isinstance(action, AdjustBatch)
+            sizes[action.worker] = action.size
+    local = dict(zip(steps, shares(list(sizes.values()), 600)))  # as rank 0 sends them
+    assert local["c"] < 50 < 250 < local["a"]
+    times = [fixed + per_row * local[worker] for worker, (fixed, per_row) in steps.items()]
+    assert max(times) / min(times) < 1.06, (local, times)
 
 
 def test_batch_sizes_follow_the_rates() -> None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import dask
 from distributed import Client, Event, Scheduler, Worker
 from distributed.utils_test import gen_cluster
 
-from antdt.controller import PLUGIN_NAME, ControllerService
+from antdt.controller import PLUGIN_NAME, BalanceBatch, ControllerService
+from antdt.monitor import MonitorSettings
 from antdt.sharding import Claim
 from antdt.sharding.client import ShardClient
 from antdt.sharding.service import ShardingService
@@ -115,6 +117,24 @@ async def test_hung_lease_is_revoked_and_leased_by_the_other_worker(
     events = [msg for _, msg in await c.get_events("antdt")]
     assert events == [record] and record["stimulus_id"].startswith("antdt-controller-j-")
     assert plugin.jobs["j"].controller.count == 1
+
+
+@gen_cluster(client=True, config=CONFIG)
+async def test_a_job_enabled_with_its_own_monitor_settings_is_monitored_with_them(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    """A sync job's monitor warms up in steps and takes rates over its last window
+    (``antdt.sync-steps``); another job's follows ``antdt.monitor``."""
+    plugin = await setup(c, s)
+    with dask.config.set({"antdt.sync-steps.warm-up-steps": 1,
+                          "antdt.sync-steps.rate-windows": 1}):
+        settings = MonitorSettings.synchronous()
+    assert (settings.warm_up_batches, settings.history) == (1, 1)
+    assert settings.window_s == MonitorSettings.from_config().window_s
+    plugin.tick("j")
+    assert plugin.jobs["j"].monitor.settings == MonitorSettings.from_config()
+    plugin.enable("j", True, [BalanceBatch(20)], settings)
+    plugin.tick("j")
+    assert plugin.jobs["j"].monitor.settings == settings
 
 
 @gen_cluster(client=True, config={**CONFIG, "antdt.controller.interval": "50ms"})
