@@ -39,13 +39,13 @@ wait for the rank with the most work, so every rank's step lasts about as long a
 a small batch would look as slow as the busiest one. An injected slowdown sleeps in proportion
 to the own time too, and that sleep counts as the rank's own (it stands for slower work).
 
-Adaptive batches. The controller's :class:`~antdt.controller.BalanceBatch` sets each worker's
-local batch in proportion to its measured rate (rows over own seconds), summing to the global
-batch (``batch_rows``: the job's batch is the rows of one optimizer step in every mode, so a
-sync job trains as one process would on the same batch, whatever the number of ranks; the
-ranks start with equal shares of it); rank 0 reads the sizes every ``antdt.sharding.commit-interval``
-and sends them in the header, so every rank switches at the same step and each step's global
-batch stays the same.
+Adaptive batches. The controller's :class:`~antdt.controller.BalanceBatch` sets the workers'
+local batches so that every worker's step takes as long (each one's step time, in own seconds,
+fitted to its measured windows), summing to the global batch (``batch_rows``: the job's batch
+is the rows of one optimizer step in every mode, so a sync job trains as one process would on
+the same batch, whatever the number of ranks; the ranks start with equal shares of it); rank 0
+reads the sizes every ``antdt.sharding.commit-interval`` and sends them in the header, so every
+rank switches at the same step and each step's global batch stays the same.
 
 Checkpoints and the final model. Where the whole model fits the worker that gathers it, it is
 gathered there (a checkpoint's ``model.pt``; the final model kept on rank 0 for the master). A
