@@ -299,7 +299,7 @@ class BalanceBatch(ControllerPolicy):
     """Synchronous mode (AntDT-DD): per-worker local batches, summing to ``global_batch``
     exactly, whose steps take each worker as long (:func:`balanced_sizes`); a size changes only
     when it moves by more than ``tolerance`` (relative). Waits until every worker of the job
-    has a sample (:meth:`~antdt.monitor.Monitor.last_sample`).
+    has a sample of trained rows (:meth:`~antdt.monitor.Monitor.last_sample`).
 
     A worker's step time is not proportional to its local batch: its share of the global
     batch's embedding lookups, the step's collectives and the optimiser's dense update take as
@@ -330,11 +330,12 @@ class BalanceBatch(ControllerPolicy):
             self._slopes.pop(gone, None)
         steps = []
         for worker, sample in zip(workers, samples):
-            if sample is None:
-                return
             seen = self._seen.setdefault(worker, deque(maxlen=self.points))
-            if not seen or seen[-1].window != sample.window:
+            if sample is not None and sample.batch_rows > 0 and \
+                    (not seen or seen[-1].window != sample.window):
                 seen.append(sample)
+            if not seen:
+                return
             steps.append(self._step_time(worker, seen))
         even = self.global_batch / len(workers)
         sizes = balanced_sizes(steps, self.global_batch)
