@@ -23,8 +23,9 @@ Scenarios (each on a fresh cluster):
 * ``lone``       two workers; one is killed with its nanny, the other trains alone for a while,
                  a new worker joins from its model, and the lone one is killed the moment the
                  joiner has trained its first batch;
-* ``scheduler``  two workers, a checkpoint every second; at a random share of the job the
-                 scheduler and every worker are killed; the job resumes from its last
+* ``scheduler``  two workers, a checkpoint every second; at a random share of the job, once
+                 its master noted rows trained past the last checkpoint, the scheduler and
+                 every worker are killed; the job resumes from its last
                  checkpoint on a new cluster (as ``--resume`` does), where one more worker
                  process is killed.
 
@@ -392,6 +393,17 @@ def ignore(message: str) -> None:
     """A torn or corrupt checkpoint's warning: expected after a kill, not reported."""
 
 
+def trained_past_checkpoint(folder: str) -> bool:
+    """The master's last progress note counts rows trained past the job's last complete
+    checkpoint: lost now, those rows are trained again and counted replayed. (Killed the moment
+    a checkpoint appeared, the last note could predate it: rows were trained past it, but none
+    that the resumed job could know of.)"""
+    manifest = checkpoints.latest(folder, ignore)
+    note = checkpoints.read_note(folder)
+    return manifest is not None and note is not None and \
+        int(note.get("rows", {}).get("trained", 0)) > manifest.rows["trained"]
+
+
 def scheduler(run: Run) -> dict[str, Any]:
     spec = run.spec(checkpoint_every="1s")
     assert spec.plan.checkpoint_dir is not None
@@ -403,8 +415,8 @@ def scheduler(run: Run) -> dict[str, Any]:
             record = run.at_share(jobs, run.rng.uniform(0.3, 0.7))
             if record["state"] in FINAL:
                 return record
-            wait_until(lambda: checkpoints.latest(folder, ignore), "the job's first checkpoint",
-                       WAIT_S)
+            wait_until(lambda: trained_past_checkpoint(folder),
+                       "the job's master to note rows trained past its last checkpoint", WAIT_S)
         processes.close()  # the scheduler and every worker, at once
         run.kills += 1
     manifest = checkpoints.latest(folder, ignore)  # a newer one torn by the kill is skipped
