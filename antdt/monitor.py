@@ -59,11 +59,11 @@ O(workers) once per window.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -161,18 +161,14 @@ class MonitorSettings:
     @classmethod
     def synchronous(cls) -> MonitorSettings:
         """:meth:`from_config` for a synchronous job, whose batches are steps: its warm-up is
-        ``antdt.sync-steps.warm-up-steps`` steps and a rank's rate is taken over its last
-        ``antdt.sync-steps.rate-windows`` windows. A step's one-time costs (the first lease and
+        ``antdt.sync-steps.warm-up-steps`` steps. A step's one-time costs (the first lease and
         row group, the kernels' first use) are paid in its first step, as every rank built its
         shards before the first one: with the async mode's eight batches, a benchmark job with
         a 4x slow rank trained 12 of its 46 steps at equal local batches, at the slow rank's
-        pace. And a rank's step time follows its local batch only in part (its share of the
-        global batch's lookups is per step), so windows at the sizes of a few adjustments ago
-        mislead the controller about the current ones."""
+        pace."""
         return dataclasses.replace(
             cls.from_config(),
-            warm_up_batches=int(config.number("antdt.sync-steps.warm-up-steps", integer=True)),
-            history=int(config.number("antdt.sync-steps.rate-windows", low=1, integer=True)))
+            warm_up_batches=int(config.number("antdt.sync-steps.warm-up-steps", integer=True)))
 
 
 @dataclass(slots=True)

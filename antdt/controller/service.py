@@ -67,8 +67,9 @@ class ControllerService(SchedulerPlugin):
         self._enabled: dict[str, bool] = {}
         """Per-job switch; jobs not named follow ``antdt.controller.enabled``."""
         self._policies: dict[str, list[ControllerPolicy]] = {}
-        self._monitors: dict[str, MonitorSettings] = {}
         """Per-job policies; jobs not named run ``antdt.controller.policies``."""
+        self._monitors: dict[str, MonitorSettings] = {}
+        """Per-job monitor settings; jobs not named follow ``antdt.monitor``."""
         self.scheduler: Scheduler | None = None
         self._sharding: service.ShardingService | None = None
         self._retiring: set[str] = set()

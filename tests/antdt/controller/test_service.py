@@ -122,13 +122,12 @@ async def test_hung_lease_is_revoked_and_leased_by_the_other_worker(
 @gen_cluster(client=True, config=CONFIG)
 async def test_a_job_enabled_with_its_own_monitor_settings_is_monitored_with_them(
         c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
-    """A sync job's monitor warms up in steps and takes rates over its last window
-    (``antdt.sync-steps``); another job's follows ``antdt.monitor``."""
+    """A sync job's monitor warms up in steps (``antdt.sync-steps.warm-up-steps``); another
+    job's follows ``antdt.monitor``."""
     plugin = await setup(c, s)
-    with dask.config.set({"antdt.sync-steps.warm-up-steps": 1,
-                          "antdt.sync-steps.rate-windows": 1}):
+    with dask.config.set({"antdt.sync-steps.warm-up-steps": 1}):
         settings = MonitorSettings.synchronous()
-    assert (settings.warm_up_batches, settings.history) == (1, 1)
+    assert settings.warm_up_batches == 1 != MonitorSettings.from_config().warm_up_batches
     assert settings.window_s == MonitorSettings.from_config().window_s
     plugin.tick("j")
     assert plugin.jobs["j"].monitor.settings == MonitorSettings.from_config()
