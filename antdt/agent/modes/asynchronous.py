@@ -111,9 +111,10 @@ class AsyncMode:
         """Wait (at most ``antdt.sync.rpc-timeout``) until the peers have this worker's rows, so
         a paused job's ledger counts them done (a test's state is settled). The paused worker's
         sync keeps exchanging meanwhile: a peer's rows count as synced only once every member
-        pulled them."""
+        pulled them. A worker without live peers publishes its own rows, which syncs them
+        (:meth:`~antdt.sync.ReplicaSync.ledger_offset`): no round would."""
         deadline = time.perf_counter() + config.seconds("antdt.sync.rpc-timeout")
-        while self.sync.synced_offset < self.replica.rows_offset \
+        while self.replica.ledger_offset() < self.replica.rows_offset \
                 and time.perf_counter() < deadline and not cancelled.is_set():
             self.sync.hurry()
             cancelled.wait(SETTLE_POLL_S)

@@ -140,7 +140,9 @@ def test_new_workers_restart_the_job_from_its_last_checkpoint(
         cluster: tuple[LocalCluster, JobClient], tmp_path: Path) -> None:
     local, jobs = cluster
     job_id, gate = paused_job(jobs, tmp_path, after_rows=40)
-    with opened_at_the_end(jobs, gate):
+    # the new workers may take long to start on a loaded machine: the job waits for them
+    with opened_at_the_end(jobs, gate), \
+            dask.config.set({"antdt.sharding.no-workers-timeout": "120s"}):
         close_every_worker(local, jobs)
         local.scale(2)
         record = bounded.call(jobs.follow, job_id)
