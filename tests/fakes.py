@@ -49,31 +49,49 @@ def job_service() -> Iterator[JobClient]:
 GATES: dict[str, threading.Event] = {}
 """Named gates a :class:`RangeReader` waits on before each read (workers share this process)."""
 
+GATE_WAIT_S = 120.0
+"""The longest a worker waits for a test to open its gate: only a hang takes it."""
+
 
 def wait_for_gate(gate: str) -> bool:
     """A task that takes its worker's thread until the gate opens."""
-    return GATES[gate].wait(timeout=30)
+    return GATES[gate].wait(timeout=GATE_WAIT_S)
 
 
 class RangeReader:
     """Reads nothing: the batch is the row range itself. With a gate, each read first waits for
-    it (outside the replica lock, so the worker keeps serving its peers meanwhile)."""
+    it (outside the replica lock, so the worker keeps serving its peers meanwhile). With
+    ``merged_after``, the read after that many waits until the trainer on its worker holds rows
+    another replica trained (its background sync merged them): the next step surely trains on
+    a peer's progress, however fast or slow the machine."""
 
-    def __init__(self, gate: str | None) -> None:
+    def __init__(self, gate: str | None, merged_after: int | None) -> None:
         self.gate = GATES[gate] if gate is not None else None
+        self.merged_after = merged_after
+        self.reads = 0
+        self.worker = get_worker().address
 
     def read(self, path: str, row_group: int, start: int, stop: int) -> Range:
         if self.gate is not None:
-            assert self.gate.wait(timeout=30), "the test never opened the gate"
+            assert self.gate.wait(timeout=GATE_WAIT_S), "the test never opened the gate"
+        if self.reads == self.merged_after:
+            trainer = TRAINERS[self.worker]
+            deadline = time.monotonic() + GATE_WAIT_S
+            while trainer.merged_rows() <= 0:
+                assert time.monotonic() < deadline, \
+                    f"{self.worker}: no peer's rows merged within {GATE_WAIT_S:g}s"
+                time.sleep(0.01)
+        self.reads += 1
         return (path, row_group, start, stop)
 
 
 @dataclass(frozen=True)
 class MakeReader:
     gate: str | None = None
+    merged_after: int | None = None
 
     def __call__(self) -> RangeReader:
-        return RangeReader(self.gate)
+        return RangeReader(self.gate, self.merged_after)
 
 
 class CountingTrainer:
@@ -99,11 +117,13 @@ class CountingTrainer:
         self.bias += 0.01
         self.ranges.append(batch)
         self.own_rows += stop - start
-        # every table entry counts one trained row: the rest came from other replicas
-        self.merged_while_training = max(self.merged_while_training,
-                                         float(self.table.sum()) - self.own_rows)
+        self.merged_while_training = max(self.merged_while_training, self.merged_rows())
         self.losses.append((start % 7) / 10)  # any loss that differs from batch to batch
         return self.losses[-1]
+
+    def merged_rows(self) -> float:
+        """Rows of other replicas this one holds: every table entry counts one trained row."""
+        return float(self.table.sum()) - self.own_rows
 
     def touched(self, batch: Range) -> dict[str, torch.Tensor]:
         path, group, start, stop = batch
@@ -140,13 +160,18 @@ FROZEN_AT_FINISH: list[int] = []
 ended by then, the job's master has not."""
 
 
+TRAINERS: dict[str, CountingTrainer] = {}
+"""The trainer each worker built last (its address: the workers share this process)."""
+
+
 @dataclass(frozen=True)
 class MakeTrainer:
     step_s: float = 0.0
 
     def __call__(self, device: torch.device) -> CountingTrainer:
         FROZEN_AT_BUILD.append(gc.get_freeze_count())
-        return CountingTrainer(self.step_s)
+        trainer = TRAINERS[get_worker().address] = CountingTrainer(self.step_s)
+        return trainer
 
 
 # ---- hooks of test jobs ------------------------------------------------------------------
@@ -189,7 +214,7 @@ class RecordingHooks:
         self._maybe_fail("finish")
         if self.hold is not None and not any(c[0] == "held" for c in CALLS[run["run_id"]]):
             CALLS[run["run_id"]].append(("held", get_worker().address))
-            assert GATES[self.hold].wait(timeout=30), "the test never opened the gate"
+            assert GATES[self.hold].wait(timeout=GATE_WAIT_S), "the test never opened the gate"
             raise RuntimeError("the test closed this worker: a dead worker returns nothing")
         FROZEN_AT_FINISH.append(gc.get_freeze_count())
         table = None if trainer is None else trainer.table.clone()

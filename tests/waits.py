@@ -1,6 +1,8 @@
 """Bounds on the blocking calls of tests (``from waits import bounded``): a deadlock fails the
-test with every thread's stack instead of hanging. The suite-wide pytest-timeout is the last
-resort: it ends the whole run."""
+test with every thread's stack instead of hanging. A test waits for the event it needs (a
+condition polled by :meth:`Bounded.until`, a call's return), never for a duration; the bound only
+catches a hang, so it is generous (minutes on a loaded machine). The suite-wide pytest-timeout
+(signal method) is the last resort: it fails the one test that hung."""
 
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ T = TypeVar("T")
 
 CALL_TIMEOUT_S = 240.0
 """A bounded call's default limit: a job of the test suite takes seconds to a minute."""
+
+WAIT_S = 120.0
+"""A wait's default bound: an event of the suite's comes within seconds; two minutes only
+catch a hang, even with the machine's other core busy."""
 
 
 def thread_stacks() -> str:
@@ -78,7 +84,7 @@ class Bounded:
         return Call(timeout_s, fn, *args, **kwargs)
 
     def gather(self, client: Client, futures: Sequence[Future],
-               timeout_s: float = 60.0) -> list[Any]:
+               timeout_s: float = WAIT_S) -> list[Any]:
         """The futures' results, failing after ``timeout_s`` with every thread's stack (the
         workers' too, when they run in this process)."""
         try:
@@ -88,11 +94,11 @@ class Bounded:
                         f"{thread_stacks()}", pytrace=False)
         return list(client.gather(list(futures)))
 
-    def result(self, future: Future, timeout_s: float = 60.0) -> Any:
+    def result(self, future: Future, timeout_s: float = WAIT_S) -> Any:
         """One future's result, bounded like :meth:`gather`."""
         return self.gather(future.client, [future], timeout_s)[0]
 
-    def until(self, condition: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
+    def until(self, condition: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:
         """Poll ``condition`` until it returns something truthy, and return that; fail after
         ``timeout_s`` naming ``what`` was awaited."""
         deadline = time.monotonic() + timeout_s
@@ -107,7 +113,7 @@ class Bounded:
 bounded = Bounded()
 
 
-async def until(check: Callable[[], Any], what: str, timeout_s: float = 20.0) -> Any:
+async def until(check: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:
     """In a coroutine (a ``gen_cluster`` test): poll ``check`` (its value, or the value it
     returns to await) until it is truthy, and return that; fail after ``timeout_s`` naming
     ``what`` was awaited."""

@@ -61,10 +61,11 @@ def workers(c: Client) -> list[str]:
 
 def start(c: Client, job: str, worker: str, *, sync_period: SyncPeriod | None = None,
           join: bool = False, faults: Faults = Faults(), gate: str | None = None,
-          step_s: float = 0.0) -> Any:
+          step_s: float = 0.0, merged_after: int | None = None) -> Any:
     spec = AgentSpec(job=job, batch_rows=BATCH_ROWS, sync_period=sync_period, join=join,
                      faults=faults)
-    future: Future = c.submit(agent.run_agent, spec, MakeTrainer(step_s), MakeReader(gate),
+    future: Future = c.submit(agent.run_agent, spec, MakeTrainer(step_s),
+                              MakeReader(gate, merged_after),
                               workers=[worker], allow_other_workers=False, pure=False)
     return future
 
@@ -151,17 +152,18 @@ def test_async_agents_end_with_identical_replicas_holding_every_update(
         client: Client, period: SyncPeriod) -> None:
     job = new_job(client, epochs=2, sync=workers(client))
     GATES[job] = threading.Event()
-    futures = [start(client, job, w, sync_period=period, step_s=0.005, gate=job)
+    # each reads its fourth batch only once its replica merged rows the other trained: the
+    # period's rounds must run during training (the final round comes after the last step)
+    futures = [start(client, job, w, sync_period=period, gate=job, merged_after=3)
                for w in workers(client)]
     # both train at once from their first batch on: neither can take every row alone
     bounded.until(lambda: len(live_leases(client, job)) == 2, "both agents hold a lease")
     GATES[job].set()
-    reports: list[AgentReport] = bounded.gather(client, futures)
+    reports: list[AgentReport] = bounded.gather(client, futures, timeout_s=180)
 
     assert [r.outcome for r in reports] == ["finished", "finished"]
     states = [trained(client, job, w) for w in workers(client)]
-    # the period's rounds ran during training: each replica stepped on rows the other trained
-    # (the final round comes only after the last step)
+    # each replica stepped on rows the other trained
     assert all(state["merged_while_training"] > 0 for state in states)
     assert all(r.exchanges >= 2 for r in reports)  # background rounds, and the final one
     # each replica trained only its own rows, yet holds every row's two updates (deltas pulled)
