@@ -5,7 +5,11 @@ dask/distributed's own suite does. ``make test`` runs the first, ``make test-ful
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+
+from pipeline.bench.processes import DaskProcesses, wait_for_workers
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -27,3 +31,14 @@ def pytest_report_header(config: pytest.Config) -> str:
         return "antdt tier: full (the slow tests too)"
     return "antdt tier: default (tests marked slow are left out: --runslow or make test-full)"
 
+
+@pytest.fixture(scope="session")
+def process_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaskProcesses]:
+    """A long-lived cluster of real ``dask scheduler`` and ``dask worker`` processes (three
+    workers of one thread, Dask's and antdt's default settings), shared by every test that only
+    submits jobs to a cluster, as a deployment's DAG or CLI does. A test that kills a process,
+    adds or removes workers or needs other settings starts a cluster of its own."""
+    with DaskProcesses(tmp_path_factory.mktemp("process-cluster")) as processes:
+        processes.add_workers(3)
+        wait_for_workers(processes.address, 3)
+        yield processes

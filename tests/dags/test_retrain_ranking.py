@@ -14,18 +14,18 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from distributed import Client, Event, LocalCluster
+from distributed import Client, Event
 from mlflow import MlflowClient
 
 from antdt.jobs import JobClient
 from broken_files import break_label
 from data.synth import generate
+from pipeline.bench.processes import DaskProcesses
 from waits import bounded
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,14 +65,12 @@ def days(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
-    """A long-lived Dask cluster of two worker processes (the one a deployment points the DAG
-    at); its scheduler's address."""
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as local:
-        local.wait_for_workers(2)
-        yield local.scheduler_address
+@pytest.fixture
+def cluster(process_cluster: DaskProcesses) -> str:
+    """The long-lived Dask cluster a deployment points the DAG at (the suite's, three worker
+    processes; the job file's ``train.workers: 2`` places each job on two of them): its
+    scheduler's address."""
+    return process_cluster.address
 
 
 def conf(days: Path, **params: Any) -> dict[str, Any]:
@@ -113,17 +111,23 @@ def champion(days: Path) -> str:
 
 
 def test_the_dag_folder_imports_fast_without_heavy_modules(airflow_env: dict[str, str]) -> None:
-    """Airflow's DagBag parses dags/ without an error, in under 5 s (its own measure of the
-    file), and parsing imports neither torch, Dask, MLflow nor antdt."""
+    """Airflow's DagBag parses dags/ without an error, and parsing imports nothing but the
+    standard library and what Airflow's own parse imports: neither torch, Dask, MLflow nor
+    antdt (what makes a parse fast on any machine; its seconds are not the test's verdict)."""
     script = textwrap.dedent(f"""
         import json, sys
         from airflow.dag_processing.dagbag import DagBag
+        import airflow.sdk
+        before = set(sys.modules)
         bag = DagBag(dag_folder={str(ROOT / 'dags')!r})
         dag = bag.dags["retrain_ranking"]
+        dag_module = next(m for m in set(sys.modules) - before
+                          if m.endswith("retrain_ranking"))
         print(json.dumps({{
             "errors": {{str(k): str(v) for k, v in bag.import_errors.items()}},
             "dags": sorted(bag.dags),
-            "seconds": max(s.duration.total_seconds() for s in bag.dagbag_stats),
+            "imported": sorted({{m.partition(".")[0] for m in set(sys.modules) - before
+                                if m != dag_module}} - set(sys.stdlib_module_names)),
             "heavy": [m for m in ("torch", "dask", "distributed", "mlflow", "pipeline", "antdt")
                       if m in sys.modules],
             "tasks": [t.task_id for t in dag.topological_sort()],
@@ -137,7 +141,7 @@ def test_the_dag_folder_imports_fast_without_heavy_modules(airflow_env: dict[str
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["errors"] == {}
     assert found["dags"] == ["retrain_ranking"]
-    assert found["seconds"] < 5
+    assert set(found["imported"]) <= {"airflow", "packaging"}  # Airflow's parse's own
     assert found["heavy"] == []
     assert found["tasks"] == ["wait_for_partition", "validate_partition", "train", "promote",
                               "report"]
@@ -213,7 +217,6 @@ def test_days_register_versions_and_only_a_better_one_takes_the_champion(
     assert kept["validation_rows"] == 12_000
 
 
-@pytest.mark.slow
 def test_an_empty_tracking_uri_tracks_to_the_workers_mlflow_tracking_uri(
         airflow_env: dict[str, str], days: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the tracking_uri param empty and MLFLOW_TRACKING_URI set in the Airflow worker's

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,13 +67,11 @@ def job_file(cluster_job: Path) -> Path:
     return cluster_job
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaskProcesses]:
-    """A scheduler and three worker processes, shared by the tests that kill nothing."""
-    with DaskProcesses(tmp_path_factory.mktemp("cluster")) as processes:
-        processes.add_workers(3)
-        wait_for_workers(processes.address, 3)
-        yield processes
+@pytest.fixture
+def cluster(process_cluster: DaskProcesses) -> DaskProcesses:
+    """The suite's long-lived scheduler and three worker processes, for the tests that kill
+    nothing."""
+    return process_cluster
 
 
 @pytest.mark.slow
@@ -216,7 +213,6 @@ def test_status_logs_cancel_and_follow_import_neither_torch_nor_mlflow(
         assert shown in done.stdout + done.stderr, (args, done.stdout, done.stderr)
 
 
-@pytest.mark.slow
 def test_a_bad_job_file_is_refused_before_anything_starts(cluster: DaskProcesses,
                                                          job_file: Path, tmp_path: Path) -> None:
     before = json.loads(antdt("status", "--scheduler", cluster.address, "--json",

@@ -5,18 +5,18 @@ after a failed job, a re-run that trains nothing). The DAG itself: ``tests/dags`
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 from mlflow import MlflowClient
 
 from antdt.errors import DataError
 from antdt.jobs import JobClient
 from broken_files import break_label
 from data.synth import SynthResult
+from pipeline.bench.processes import DaskProcesses
 from pipeline.training.cluster import job_spec
 from pipeline.workflows import retrain
 from pipeline.workflows.retrain import RetrainError, Settings
@@ -112,12 +112,10 @@ def test_a_broken_new_partition_fails_or_is_quarantined(days: Path, cluster_job:
     assert checked["window"]["train_days"] == ["2026-11-01", "2026-11-02"]
 
 
-@pytest.fixture(scope="module")
-def local_cluster() -> Iterator[str]:
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cluster:
-        cluster.wait_for_workers(2)
-        yield cluster.scheduler_address
+@pytest.fixture
+def local_cluster(process_cluster: DaskProcesses) -> str:
+    """The suite's long-lived cluster of worker processes: its scheduler's address."""
+    return process_cluster.address
 
 
 @pytest.mark.slow
