@@ -113,6 +113,7 @@ def test_four_trials_run_as_nested_runs_and_the_best_is_named(job_file: Path) ->
     assert float(versions[0].tags["antdt.auc"]) == pytest.approx(best.data.metrics["auc"])
 
 
+@pytest.mark.slow
 def test_a_failing_trial_is_recorded_and_the_others_complete(
         tmp_path: Path, job_file: Path, tiny_data: SynthResult) -> None:
     broken = tmp_path / "broken"
