@@ -114,18 +114,25 @@ def refusal(group: Group, ranks: int, memory_bytes: int) -> str | None:
     return None
 
 
-def wait_in_a_collective(group: Group, compute_s: float) -> tuple[float, float]:
-    """The last rank computes (spins) for ``compute_s`` seconds, then every rank all-reduces:
-    this rank's wall seconds and own seconds (:func:`own_seconds`) from the start to the end
-    of the all-reduce. A barrier first: a rank that started later than its peer's whole
-    computation would find the all-reduce ready and not wait at all."""
-    dist.barrier()
-    began, own_began = time.perf_counter(), own_seconds()
-    if group.rank == group.world_size - 1:
-        while time.perf_counter() - began < compute_s:
+def wait_in_a_collective(group: Group, work_s: float) -> tuple[float, float]:
+    """Rank 0 waits in an all-reduce while the last rank computes: rank 0 sends the last rank a
+    message as it goes into the all-reduce, and only once it has it does the last rank spin
+    for ``work_s`` seconds of its own CPU time, then join the all-reduce. So rank 0 waits for
+    the whole computation however late either rank runs on a loaded machine (a rank that came
+    late after a barrier could find the all-reduce ready and not wait at all). This rank's own
+    seconds (:func:`own_seconds`) and CPU seconds, from the message to the all-reduce's end."""
+    last = group.world_size - 1
+    own_began, cpu_began = own_seconds(), time.thread_time()
+    if group.rank == 0:
+        dist.send(torch.ones(1), dst=last)
+    elif group.rank == last:
+        dist.recv(torch.ones(1), src=0)
+        own_began, cpu_began = own_seconds(), time.thread_time()
+        while time.thread_time() - cpu_began < work_s:
             pass
     dist.all_reduce(torch.ones(1))
-    return time.perf_counter() - began, own_seconds() - own_began
+    cpu = time.thread_time() - cpu_began  # read before the own seconds: own >= cpu
+    return own_seconds() - own_began, cpu
 
 
 def assert_states_close(found: Any, expected: Any, *, rtol: float = 1e-5,

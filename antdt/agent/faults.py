@@ -5,6 +5,9 @@ A slowdown factor (after each batch, sleep ``(factor - 1)`` x the batch's measur
 (stop making progress after some rows, until cancelled), a pause (before leasing again after
 some rows, wait for a named Dask ``Event``: a test's gate) and a crash (``os._exit`` of the
 worker process after some rows, which looks like a real death to the scheduler and the nanny).
+The lease loop waits in its pause (:meth:`FaultInjector.pause`); the synchronous mode's step
+loop, whose peers wait for every rank in each step, asks for no lease while its pause holds and
+goes on stepping (:meth:`FaultInjector.held`).
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class FaultInjector:
         self.cancelled = cancelled
         self.event = event
         self._paused = False
+        self._gate: Event | None = None
 
     def slow_down(self, rows: int, batch_s: float) -> None:
         """After a batch that took ``batch_s``: sleep the slowdown's share of it."""
@@ -115,6 +119,24 @@ class FaultInjector:
                 return False
             if self.cancelled.is_set():
                 return True
+
+    def held(self, rows: int, wait_s: float = 0.0) -> bool:
+        """The pause of a loop that must not block in it (the synchronous mode's: its peers
+        wait for it in every step): True from the moment it is due (``pause_after_rows``
+        trained; announced then, as :meth:`pause` announces it) while the Dask Event
+        ``pause_until`` is not set, waiting for it at most ``wait_s`` per call; False once the
+        event is set, and from then on."""
+        if not self.pause_due(rows):
+            return False
+        if self._gate is None:
+            logger.warning("agent %s: injected pause after %d rows until event %r", self.where,
+                           rows, self.faults.pause_until)
+            self.event({"kind": "fault", "fault": "pause", "rows": rows})
+            self._gate = Event(self.faults.pause_until)
+        if self._gate.wait(wait_s) if wait_s > 0 else self._gate.is_set():
+            self._paused = True
+            return False
+        return True
 
     def fire(self, rows: int) -> bool:
         """Crash or hang once their row counts are reached; True when a hang was cancelled."""

@@ -37,7 +37,10 @@ A rank's own time is what its training thread ran or waited for a CPU (:func:`ow
 not the wall time: inside the step the collectives (all-to-alls, DDP's all-reduce) make a rank
 wait for the rank with the most work, so every rank's step lasts about as long and a rank with
 a small batch would look as slow as the busiest one. An injected slowdown sleeps in proportion
-to the own time too, and that sleep counts as the rank's own (it stands for slower work).
+to the own time too, and that sleep counts as the rank's own (it stands for slower work). An
+injected pause holds a rank between two leases without breaking the group: it offers no rows
+but goes on stepping, so a test holds a job whose ranks are all paused (empty steps, in which a
+checkpoint is still taken) until it sets the pause's event.
 
 Adaptive batches. The controller's :class:`~antdt.controller.BalanceBatch` sets the workers'
 local batches so that every worker's step takes as long (each one's step time, in own seconds,
@@ -83,6 +86,7 @@ from distributed.utils import sync
 from antdt import config, rpc
 from antdt.agent.contract import (AgentSpec, Outcome, SavedModel, Trainer, TrainerFactory,
                                   event_topic)
+from antdt.agent.faults import PAUSE_POLL_S
 from antdt.agent.modes.mode import AgentParts, Declined, EverySynced
 from antdt.device import FROZEN_HEAP
 from antdt.errors import AntdtError, CheckpointError, ConfigError, SyncError
@@ -366,16 +370,31 @@ class _Rows:
             return 0
         lease = self.lease
         if lease is None:
+            if self._paused(idle):
+                return 0
             lease = self._ask(rows, RETRY_S if idle else 0.0, ahead=False)
             if lease is None:
                 return 0
             self._begin(lease)
-        elif self.ahead is None and lease.stop - self.offset < rows:
+        elif self.ahead is None and lease.stop - self.offset < rows \
+                and not self.agent.faults.pause_due(self.agent.rows):
             self.ahead = self._ask(rows, 0.0, ahead=True)
         offered = self.limit - self.offset
         if self.ahead is not None and self.limit == lease.stop:
             offered += self.ahead.claim_stop - self.ahead.start
         return offered
+
+    def _paused(self, idle: bool) -> bool:
+        """Whether the injected pause holds this rank between two leases
+        (:meth:`~antdt.agent.faults.FaultInjector.held`, waiting for its event at most
+        ``PAUSE_POLL_S`` after a step of no rows): it asks for no lease but takes part in every
+        step, so its peers take its rows, and once every rank is paused the steps are empty,
+        the job cannot end and a checkpoint is still taken (a test's gate). The rows it trained
+        are reported first: the last lease's last commit rides on the next lease call."""
+        if not self.agent.faults.pause_due(self.agent.rows):
+            return False
+        self.agent.shards.flush()
+        return self.agent.faults.held(self.agent.rows, PAUSE_POLL_S if idle else 0.0)
 
     def _ask(self, rows: int, wait_s: float, ahead: bool) -> Lease | None:
         """A lease of at most ``lease_steps`` local batches, or None (asked again after

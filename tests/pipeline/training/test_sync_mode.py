@@ -1,6 +1,12 @@
 """The synchronous mode (AntDT-DD) end to end: a LocalCluster of Nanny-managed worker processes,
 one gloo rank per worker, the tables sharded across them, real Parquet, TorchRec and MLflow; a
-rank's process killed for real, a rank hung in a collective."""
+rank's process killed for real, a rank hung in a collective.
+
+The fault tests wait for events, never for a speed: the ranks pause (held between two leases,
+the job cannot end) until a checkpoint is written, then go on to a hang at a row count. A hang
+fires at the end of a step that trained rows, and no checkpoint can be taken past it (the next
+step boundary needs the hung rank), so rows trained past the last checkpoint are replayed
+whatever the timing: the ranks that stop report their rows as they leave."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import math
 import os
 import signal
 import threading
+import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +27,7 @@ import psutil
 import pytest
 import yaml
 from dask.utils import format_bytes
-from distributed import Client, LocalCluster
+from distributed import Client, Event, LocalCluster
 
 from antdt.errors import ConfigError
 from antdt.jobs import JobClient, checkpoints
@@ -39,17 +46,28 @@ TRAIN_ROWS = 16_000
 
 FAST = {"antdt.sharding.lease-wait": "200ms", "antdt.agent.report-interval": "200ms",
         "antdt.controller.interval": "200ms", "antdt.monitor.window": "500ms",
-        "antdt.sync-steps.collective-timeout": "10s"}
-"""Quicker end of job, progress reports and controller than the defaults (tiny data), and a
-hung rank found within 10 s (the workers take it when the cluster starts)."""
+        "antdt.sync-steps.collective-timeout": "30s"}
+"""Quicker end of job, progress reports and controller than the defaults (tiny data). A hung
+rank is found within 30 s (the workers take it when the cluster starts): no healthy collective
+of these jobs waits that long for a peer even on a loaded machine, where a shorter timeout
+could break a group that is only slow (and an injected fault would then never fire: the group
+formed again has none)."""
+
+JOB_EVENT_S = 240.0
+"""The bound on waiting for an event of a running job: only a hang takes that long."""
+
+SHARD_ROWS = 1024
+"""``sync_job``'s shards: a lease holds at most that many rows."""
+LOCAL_BATCH = 256
+"""A rank's local batch in ``sync_job`` on two workers with equal local batches."""
 
 
 @pytest.fixture
 def sync_job(cluster_job: Path, tmp_path: Path) -> Iterator[Path]:
     """``cluster_job`` in the synchronous mode: a global batch of 512 rows (256 a rank at the
-    start on two workers), checkpoints every 1,024 rows."""
+    start on two workers), shards of 1,024 rows, checkpoints every 1,024 rows."""
     raw = yaml.safe_load(cluster_job.read_text())
-    raw["train"].update(mode="sync", batch_size=512, shard_rows=1024,
+    raw["train"].update(mode="sync", batch_size=2 * LOCAL_BATCH, shard_rows=SHARD_ROWS,
                         checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=1024)
     raw["train"].pop("sync_period")
     cluster_job.write_text(yaml.safe_dump(raw))
@@ -102,29 +120,81 @@ def test_a_sync_job_trains_every_row_once_and_gives_a_slow_rank_a_smaller_batch(
     assert last[slow] < 256 < last[fast], last
 
 
-def trained_rows(jobs: JobClient) -> int:
-    """Rows the cluster's running job trained so far (0 before it started)."""
-    return max((int((r.get("rows") or {}).get("trained", 0)) for r in jobs.status()
-                if r["state"] == "running"), default=0)
+@contextlib.contextmanager
+def gate(client: Client) -> Iterator[str]:
+    """The name of a Dask event that pauses the ranks (faults ``pause_until``), set when the
+    block ends whatever its outcome: a failed test leaves no job held on the cluster."""
+    name = f"gate-{uuid.uuid4().hex}"
+    try:
+        yield name
+    finally:
+        Event(name, client=client).set()
 
 
-@pytest.mark.slow
+def paused(gate: str, after_rows: int, **faults: object) -> dict[str, object]:
+    """Faults that pause a rank between two leases once it trained ``after_rows`` rows, until
+    the event ``gate`` is set (it goes on stepping: its peers do not time out)."""
+    return {"pause_after_rows": after_rows, "pause_until": gate, **faults}
+
+
+def held_rows(after_rows: int) -> int:
+    """A rank paused after ``after_rows`` rows trains fewer than this before the pause holds
+    it: the rest of the lease it passed them in, or of the lease it asked ahead (at most a
+    shard) less than a local batch before the end of the one before."""
+    return after_rows + SHARD_ROWS + LOCAL_BATCH
+
+
+def new_job(jobs: JobClient, known: set[str]) -> str | None:
+    """The id of the job the scheduler knows besides ``known`` (None until it is submitted)."""
+    return next((r["job_id"] for r in jobs.status() if r["job_id"] not in known), None)
+
+
+def held_at_a_checkpoint(jobs: JobClient, job_id: str) -> int:
+    """Wait until the paused job has a complete checkpoint (its manifest written); the rows it
+    trained by then."""
+    bounded.until(lambda: jobs.status(job_id)["checkpoint"],
+                  "a checkpoint written while the ranks pause", JOB_EVENT_S)
+    return int(jobs.status(job_id)["rows"]["trained"])
+
+
+def logged(jobs: JobClient, job_id: str, start: str, source: str | None = None) -> bool:
+    """Whether the job's log has a line starting with ``start`` (from ``source``, if given)."""
+    return any(r["message"].startswith(start) and (source is None or r["source"] == source)
+               for r in jobs.logs(job_id))
+
+
 def test_a_killed_rank_forms_the_group_again_from_the_checkpoint(cluster: LocalCluster,
                                                                   sync_job: Path) -> None:
-    """Rank 1's process is SIGKILLed once the job trained 4,096 rows: rank 0's next collective
-    fails, the master forms the group again from the last checkpoint on the workers there (the
-    nanny restarts the dead one), and the job ends with every row trained and none lost."""
-    job = load_job(sync_job, ["train.epochs=2"])
-    with dask.config.set(FAST):
+    """Both ranks pause after 1,024 rows until a checkpoint is written; then rank 1 hangs
+    after 3,072 rows (past its pause: ``held_rows``) and its process is SIGKILLed there: rank
+    0's collective fails, the master forms the group again from that checkpoint or a later one on
+    the workers there (the nanny restarts the dead one), and the job ends with every row
+    trained and none lost. Rank 0 reports the rows of the step rank 1 hung after as it leaves:
+    trained past every checkpoint, they are replayed. Equal local batches: the faults' row
+    counts are reached whatever the ranks' speeds."""
+    with dask.config.set(FAST), Client(cluster.scheduler_address) as client, \
+            JobClient(client) as jobs, gate(client) as go:
+        pids = client.run(os.getpid)
+        rank1 = sorted(pids)[1]  # faults name workers in address order, as ranks are
+        job = load_job(with_faults(sync_job, [
+            {"worker": 0, **paused(go, 1024)},
+            {"worker": 1, **paused(go, 1024, hang_after_rows=3072)}],
+            epochs=2, adaptive_batch=False))
+        known = {r["job_id"] for r in jobs.status()}
         started = bounded.start(train_async, job, scheduler=cluster.scheduler_address)
-        with Client(cluster.scheduler_address) as client, JobClient(client) as jobs:
-            pids = client.run(os.getpid)
-            bounded.until(lambda: trained_rows(jobs) >= 4096, "4,096 rows trained")
-            os.kill(pids[sorted(pids)[1]], signal.SIGKILL)
+        job_id = bounded.until(lambda: new_job(jobs, known), "the job's submission", JOB_EVENT_S)
+        held = held_at_a_checkpoint(jobs, job_id)
+        Event(go, client=client).set()
+        bounded.until(lambda: logged(jobs, job_id, "injected hang after", rank1),
+                      "rank 1's hang", JOB_EVENT_S)
+        os.kill(pids[rank1], signal.SIGKILL)
         summary = started.result()
+        logs = [r["message"] for r in jobs.logs(job_id)]
+    assert held < 2 * held_rows(1024)  # the pauses held the job
     assert summary.rows_lost == 0 and summary.rows_quarantined == 0
     assert summary.rows_replayed > 0
-    assert summary.rows_trained >= 2 * TRAIN_ROWS
+    assert summary.rows_trained == 2 * TRAIN_ROWS
+    assert any(line.startswith("restarting from checkpoint ") for line in logs), logs
     assert not math.isnan(summary.auc) and summary.auc > 0.55
 
 
@@ -132,12 +202,28 @@ def test_a_killed_rank_forms_the_group_again_from_the_checkpoint(cluster: LocalC
 def test_a_hung_rank_breaks_the_step_within_the_timeout_and_the_job_ends(
         cluster: LocalCluster, sync_job: Path) -> None:
     """Rank 0 stops making progress after 2,048 rows: rank 1's collective times out, the
-    master stops both and forms the group again; the job does not hang and loses no row."""
-    job = load_job(with_faults(sync_job, [{"worker": 0, "hang_after_rows": 2048}]))
+    master stops both and forms the group again; the job does not hang and loses no row. The
+    rows of the step rank 0 hung after are past every checkpoint (none can be taken after it)
+    and both ranks report them as they stop: they are replayed, whether the master took a
+    checkpoint before the hang or not. Equal local batches: rank 0 reaches 2,048 rows whatever
+    the ranks' speeds."""
+    job = load_job(with_faults(sync_job, [{"worker": 0, "hang_after_rows": 2048}],
+                               adaptive_batch=False))
     with dask.config.set(FAST):
-        summary = bounded.call(train_async, job, scheduler=cluster.scheduler_address)
-    assert summary.rows_lost == 0
+        record = bounded.call(run, job, scheduler=cluster.scheduler_address)
+        with Client(cluster.scheduler_address) as client, \
+                JobClient(client, register=False) as jobs:
+            logs = jobs.logs(record["job_id"])
+    summary = outcome(record)
+    assert summary.rows_lost == 0 and summary.rows_trained == TRAIN_ROWS
     assert summary.rows_replayed > 0
+    messages = [r["message"] for r in logs]
+    assert sum(m.startswith("injected hang after ") for m in messages) == 1, messages
+    # the hang broke the group: rank 1 gave up waiting for rank 0 in the next step's header,
+    # and rank 0, hung, stopped when the master told it to
+    assert any(m.startswith("agent 1 on ") and "the step's header failed" in m
+               for m in messages), messages
+    assert any(m.startswith("agent 0 on ") and " cancelled: " in m for m in messages), messages
 
 
 @pytest.mark.parametrize("limit, pause", [("4GiB", 0.8), ("4GiB", False), (None, 0.8)])
@@ -269,25 +355,34 @@ def test_tables_larger_than_a_worker_train_in_sync_mode_and_async_is_refused(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_a_group_whose_model_is_kept_in_parts_forms_again_from_its_parts(
         sync_job: Path, small_data: SynthResult, tmp_path: Path) -> None:
     """Workers limited to 1.25 GiB could not gather 0.3 GiB of tables (a gather holds the
-    model three times over): every checkpoint is written in parts by the ranks. Rank 0 hangs
-    after 7,168 rows; rank 1's collective times out, the master stops both and forms the group
-    again from the last checkpoint's parts (each rank reading its own shards), and the job ends
-    with no row lost and every row in the model once. Both ranks are 4x slower, so the master
-    asks for the checkpoint at 4,096 rows seconds before the hang, even on a loaded machine
-    (at full speed the 14,000 rows before it take one second)."""
+    model three times over): every checkpoint is written in parts by the ranks. Both ranks
+    pause after 2,048 rows (4,096 trained between them: a checkpoint is due) until one is
+    written; then rank 0 hangs after 4,096 rows (past its pause: ``held_rows``), rank 1's
+    collective times out, the master stops both and forms the group again from the last
+    checkpoint's parts (each rank reading its own shards), and the job ends with no row lost
+    and every row in the model once. Equal local batches: rank 0 reaches 4,096 rows whatever
+    the ranks' speeds."""
     _, big = big_schema(small_data, tmp_path, 1_500_000)
-    job = load_job(with_faults(sync_job, [{"worker": 0, "hang_after_rows": 7168, "slowdown": 4.0},
-                                          {"worker": 1, "slowdown": 4.0}]),
-                   [f"data.schema={big}", "train.checkpoint_every=4096"])
-    with dask.config.set({**FAST, "antdt.sync-steps.collective-timeout": "5s"}), \
+    with dask.config.set(FAST), \
             LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                         memory_limit=1.25 * 2**30, dashboard_address=":0") as local:
-        record = bounded.call(run, job, scheduler=local.scheduler_address)
-        with Client(local) as client, JobClient(client, register=False) as jobs:
-            logs = [r["message"] for r in jobs.logs(record["job_id"])]
+                         memory_limit=1.25 * 2**30, dashboard_address=":0") as local, \
+            Client(local) as client, JobClient(client) as jobs, gate(client) as go:
+        job = load_job(with_faults(sync_job, [
+            {"worker": 0, **paused(go, 2048, hang_after_rows=4096)},
+            {"worker": 1, **paused(go, 2048)}], adaptive_batch=False),
+            [f"data.schema={big}", "train.checkpoint_every=4096"])
+        started = bounded.start(run, job, scheduler=local.scheduler_address, timeout_s=480)
+        job_id = bounded.until(lambda: new_job(jobs, set()), "the job's submission",
+                               JOB_EVENT_S)
+        held = held_at_a_checkpoint(jobs, job_id)
+        Event(go, client=client).set()
+        record = started.result()
+        logs = [r["message"] for r in jobs.logs(job_id)]
+    assert held < 2 * held_rows(2048)  # the pauses held the job
     summary = outcome(record)
     assert summary.rows_lost == summary.rows_quarantined == 0
     assert summary.rows_replayed > 0 and summary.rows_trained >= TRAIN_ROWS
