@@ -20,21 +20,30 @@ Scenarios (each on a fresh cluster):
                  together with its nanny (a new worker command joins instead);
 * ``hang``       three workers; one stops training after a random number of rows (its sync
                  goes on); the controller revokes its lease and retires it;
-* ``lone``       two workers; one is killed with its nanny, the other trains alone for a while,
-                 a new worker joins from its model, and the lone one is killed the moment the
-                 joiner has trained its first batch;
-* ``scheduler``  two workers, a checkpoint every second; at a random share of the job, once
-                 its master noted rows trained past the last checkpoint, the scheduler and
-                 every worker are killed; the job resumes from its last
-                 checkpoint on a new cluster (as ``--resume`` does), where one more worker
-                 process is killed.
+* ``lone``       two workers; one is killed with its nanny, the other trains alone up to its
+                 gate, a new worker joins from its model, and the lone one is killed the moment
+                 the joiner has trained its first batch;
+* ``scheduler``  two workers, a checkpoint every second; at a random share of the job the
+                 scheduler and every worker are killed, at a moment when the job's newest
+                 complete checkpoint held rows in flight (trained, not yet synced: counted
+                 retrained) and its master had noted rows trained past it (counted replayed);
+                 the job resumes from that checkpoint on a new cluster (as ``--resume`` does),
+                 where one more worker process is killed.
 
-A kill that waits for a moment of the job (the joiner's first batch, a share of the resumed
-job) must come before the job's end, however slow the machine (a joiner's start takes seconds
-of imports on two busy cores): the workers that could finish the job first are gated by an
-injected pause (:class:`~antdt.agent.Faults` ``pause_until``). Past a share of the rows that
-leaves the rest of the job undone, each waits, holding no lease, for a Dask ``Event`` set once
-the kill is made (or is killed itself), so the job cannot end before it.
+No harm waits on the job lasting long enough, however slow the machine (a joiner's start takes
+seconds of imports on two busy cores): every moment a run waits for (a share of the rows, a
+pause, a hang, a joiner's first batch, a checkpoint worth losing) is one the job cannot end
+before. The initial workers are gated by an injected pause (:class:`~antdt.agent.Faults`
+``pause_until``): past a share of the rows that leaves the rest of the job undone, each waits,
+holding no lease, for a Dask ``Event`` set once the harm is done (or is killed itself), and the
+job does not end while one of them waits. A joiner has no gate, so the workers that replace the
+killed ones join only once the kills that must come before the end are made: a killed worker's
+nanny is stopped meanwhile (SIGSTOP), and a new worker command starts then. The scheduler
+scenario stops the scheduler (SIGSTOP: its master writes the checkpoints' manifests and the
+progress notes) before it reads them and kills the cluster, so nothing the resumed job reads can
+change between the check and the kill (a worker may be writing a newer checkpoint's files: no
+manifest, so that version is torn and skipped); when the check fails, the scheduler goes on
+until the next note.
 
 ``--seconds`` bounds the run: the scenarios follow each other in that order, again and again,
 until the time is spent (each at least once). The JSON reports, in all and per scenario, the runs,
@@ -69,7 +78,7 @@ from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec, checkpoints
 from antdt.jobs.client import FINAL
 from pipeline.bench import emit
 from pipeline.bench.jobs import echo
-from pipeline.bench.processes import DaskProcesses, wait_for_workers, wait_until
+from pipeline.bench.processes import DaskProcesses, freeze, thaw, wait_for_workers, wait_until
 
 SCENARIOS = ("kill", "hang", "lone", "scheduler")
 ROW_ID = "row_id"
@@ -93,8 +102,12 @@ CONFIG = {"antdt": {
         {"class": "antdt.controller.SplitTail"}]},
     "sharding": {"no-workers-timeout": "60s"},
     "sync": {"join-timeout": "60s", "final-timeout": "120s"},
+    "jobs": {"tick": "200ms"},
 }}
-"""Dask config of every process of a run: a hung worker is retired within seconds, not 30."""
+"""Dask config of every process of a run: a hung worker is retired within seconds, not 30; the
+master notes the job's progress five times a second, so a checkpoint (one a second) is followed
+by several notes of rows trained past it before the next one (the scheduler scenario's kill
+waits for one)."""
 
 
 # ---- the model, its data and its hooks (run on the workers) -----------------------------------
@@ -234,6 +247,44 @@ def audit(counts: np.ndarray, epochs: int, rows: Mapping[str, int]) -> dict[str,
 # ---- one run ----------------------------------------------------------------------------------
 
 
+class Watch:
+    """The events a job's agents send (subscribed before the job is submitted, so none is
+    missed): the workers that paused at their gate, hung, or trained a batch."""
+
+    def __init__(self, jobs: JobClient, job_id: str) -> None:
+        self._lock = threading.Lock()
+        self._paused: set[str] = set()
+        self._hung: set[str] = set()
+        self._trained: set[str] = set()
+        jobs.client.subscribe_topic(event_topic(job_id), self._on_event)
+
+    def _on_event(self, event: tuple[float, dict[str, Any]]) -> None:
+        msg = event[1]
+        worker = str(msg.get("worker"))
+        with self._lock:
+            if msg.get("kind") == "fault" and msg.get("fault") == "pause":
+                self._paused.add(worker)
+            elif msg.get("kind") == "fault" and msg.get("fault") == "hang":
+                self._hung.add(worker)
+            elif msg.get("kind") == "progress" and msg.get("batches"):
+                self._trained.add(worker)
+
+    def paused(self) -> set[str]:
+        """The workers that paused at their gate so far."""
+        with self._lock:
+            return set(self._paused)
+
+    def hung(self) -> set[str]:
+        """The workers that hung so far."""
+        with self._lock:
+            return set(self._hung)
+
+    def trained(self) -> set[str]:
+        """The workers that trained a batch so far."""
+        with self._lock:
+            return set(self._trained)
+
+
 @dataclass
 class Run:
     """One scenario's run: its own folder, data, cluster(s) and job, and the harm it did."""
@@ -257,7 +308,18 @@ class Run:
         (config / "antdt.yaml").write_text(yaml.safe_dump(CONFIG))
         self.env = {"DASK_CONFIG": str(config)}
         self.job_id = f"chaos-{self.scenario}-{uuid.uuid4().hex[:8]}"
+        self.released = f"{self.job_id}-released"
+        """The Dask Event the gated workers wait for once the harm is done."""
         self.clusters = 0
+
+    def gate(self, share: float, event: str) -> dict[str, Any]:
+        """The faults of an initial worker that pauses, holding no lease, once it trained
+        ``share`` of the job's rows (all epochs), until the Dask Event ``event`` is set."""
+        return {"pause_until": event, "pause_after_rows": int(share * self.rows * EPOCHS)}
+
+    def release(self, jobs: JobClient) -> None:
+        """Set :attr:`released`: the gated workers go on."""
+        Event(self.released, client=jobs.client).set()
 
     def spec(self, checkpoint_every: str | None = None,
              faults: dict[int, dict[str, Any]] | None = None,
@@ -292,15 +354,12 @@ class Run:
             record = jobs.wait(self.job_id, record["version"], timeout_s=1.0)
         return record
 
-    def until(self, jobs: JobClient, event: threading.Event) -> bool:
-        """Whether ``event`` was set before the job ended."""
-        deadline = time.monotonic() + WAIT_S
-        while not event.wait(0.2):
-            if jobs.status(self.job_id)["state"] in FINAL:
-                return False
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.job_id}: nothing happened in {WAIT_S:g}s")
-        return True
+    def until(self, jobs: JobClient, condition: Callable[[], Any], what: str) -> bool:
+        """Whether ``condition()`` came true before the job ended (a gate holds its end, so it
+        ended first only if it failed)."""
+        wait_until(lambda: condition() or jobs.status(self.job_id)["state"] in FINAL,
+                   f"{self.job_id}: {what}", WAIT_S, poll_s=0.2)
+        return bool(condition())
 
     def end(self, jobs: JobClient) -> dict[str, Any]:
         """The job's final record."""
@@ -320,7 +379,8 @@ class Run:
                     if pid in [p.pid for p in processes.worker_processes(command)])
 
     def kill_process(self, processes: DaskProcesses, command: Any) -> None:
-        """SIGKILL the worker process of ``command`` (its nanny starts a new one)."""
+        """SIGKILL the worker process of ``command`` (its nanny starts a new one, unless it is
+        stopped)."""
         for process in processes.worker_processes(command):
             process.kill()
             self.kills += 1
@@ -334,58 +394,68 @@ class Run:
 
 
 def kill(run: Run) -> dict[str, Any]:
+    # each of the three trains at most 30% of the rows before the kills are made (the second
+    # comes by 55%: the two left reach it); the killed ones are replaced only then
+    gate = run.gate(0.3, run.released)
     processes, commands = run.cluster(3)
     with processes, JobClient(processes.address) as jobs:
-        jobs.submit(run.spec(), job_id=run.job_id)
-        for share in sorted(run.rng.uniform(0.1, 0.8) for _ in range(2)):
+        jobs.submit(run.spec(faults={index: gate for index in range(3)}), job_id=run.job_id)
+        intact, held, replaced = list(commands), [], 0
+        for share in sorted(run.rng.uniform(0.1, 0.55) for _ in range(2)):
             if run.at_share(jobs, share)["state"] in FINAL:
-                break
-            victim = run.rng.choice(commands)
+                return run.end(jobs)  # it failed
+            victim = intact.pop(run.rng.randrange(len(intact)))
             if run.rng.random() < 0.5:
+                freeze(victim.pid)  # its nanny replaces the worker once the kills are made
+                held.append(victim)
                 run.kill_process(processes, victim)
             else:
                 run.kill_command(processes, commands, victim)
-                commands.append(processes.add_workers(1))
+                replaced += 1
+        for nanny in held:
+            thaw(nanny.pid)
+        commands += [processes.add_workers(1) for _ in range(replaced)]
+        run.release(jobs)
         return run.end(jobs)
 
 
 def hang(run: Run) -> dict[str, Any]:
+    # the hung one stops after 3% to 17% of the rows; the other two train at most 30% each
+    # before it hangs, so it gets its rows
+    hung = run.rng.randrange(3)
     after = int(run.rng.uniform(0.1, 0.5) * run.rows * EPOCHS / 3)
+    faults = {index: run.gate(0.3, run.released) for index in range(3) if index != hung}
     processes, _ = run.cluster(3)
     with processes, JobClient(processes.address) as jobs:
-        jobs.submit(run.spec(faults={run.rng.randrange(3): {"hang_after_rows": after}}),
+        watch = Watch(jobs, run.job_id)
+        jobs.submit(run.spec(faults={**faults, hung: {"hang_after_rows": after}}),
                     job_id=run.job_id)
-        run.hangs += 1
+        if run.until(jobs, watch.hung, "a worker to hang"):
+            run.hangs += 1
+        run.release(jobs)
         return run.end(jobs)
 
 
 def lone(run: Run) -> dict[str, Any]:
-    # either of the two may be left alone: each trains at most half the job's rows (the other
-    # has trained under a third when it dies), then waits for an event nobody sets: the lone
-    # one is killed, paused or not, once the joiner trained
-    gate = {"pause_until": f"{run.job_id}-never", "pause_after_rows": run.rows * EPOCHS // 2}
-    processes, commands = run.cluster(3)
+    # either of the two may be left alone: each trains at most 40% of the rows (the other has
+    # trained under 30% when it dies), then waits for an event nobody sets: the lone one, once
+    # paused there, waits until the joiner trained, and is killed
+    gate = run.gate(0.4, f"{run.job_id}-never")
+    processes, commands = run.cluster(2)
     with processes, JobClient(processes.address) as jobs:
-        # the third worker waits to replace one
+        watch = Watch(jobs, run.job_id)
         jobs.submit(run.spec(workers=2, faults={0: gate, 1: gate}), job_id=run.job_id)
         if run.at_share(jobs, run.rng.uniform(0.1, 0.3))["state"] in FINAL:
-            return run.end(jobs)
-        training = [agent["worker"] for agent in jobs.status(run.job_id)["agents"]]
-        lone, victim = run.rng.sample(training, 2)
-        joined = threading.Event()
-
-        def on_event(event: tuple[float, dict[str, Any]]) -> None:
-            msg = event[1]
-            if msg.get("kind") == "progress" and msg.get("batches") and \
-                    msg.get("worker") not in training:
-                joined.set()
-
-        jobs.client.subscribe_topic(event_topic(run.job_id), on_event)
+            return run.end(jobs)  # it failed
+        training = {agent["worker"] for agent in jobs.status(run.job_id)["agents"]}
+        lone, victim = run.rng.sample(sorted(training), 2)
         last = run.command_of(jobs, processes, commands, lone)
         run.kill_command(processes, commands, run.command_of(jobs, processes, commands, victim))
-        # alone until the third worker joins from its model; gone once the joiner trained
-        if run.until(jobs, joined):
-            run.kill_command(processes, commands, last)
+        # alone up to its gate; then a new worker joins from its model; gone once it trained
+        if run.until(jobs, lambda: lone in watch.paused(), "the lone worker's pause"):
+            commands.append(processes.add_workers(1))
+            if run.until(jobs, lambda: watch.trained() - training, "the joiner's first batch"):
+                run.kill_command(processes, commands, last)
         return run.end(jobs)
 
 
@@ -393,19 +463,27 @@ def ignore(message: str) -> None:
     """A torn or corrupt checkpoint's warning: expected after a kill, not reported."""
 
 
-def trained_past_checkpoint(folder: str) -> bool:
-    """The master's last progress note counts rows trained past the job's last complete
-    checkpoint: lost now, those rows are trained again and counted replayed. (Killed the moment
-    a checkpoint appeared, the last note could predate it: rows were trained past it, but none
-    that the resumed job could know of.)"""
+def worth_losing(folder: str) -> bool:
+    """Whether the job in checkpoint folder ``folder``, lost now, costs what the scheduler
+    scenario checks: its newest complete checkpoint held rows in flight (trained, not yet
+    synced: the resumed job trains them again, counted retrained) and its master's last
+    progress note counts rows trained past that checkpoint (trained again, counted replayed).
+    Both are files the master writes: read while it is stopped, they are what the resumed job
+    reads."""
     manifest = checkpoints.latest(folder, ignore)
     note = checkpoints.read_note(folder)
-    return manifest is not None and note is not None and \
-        int(note.get("rows", {}).get("trained", 0)) > manifest.rows["trained"]
+    if manifest is None or note is None:
+        return False
+    rows = manifest.rows
+    in_flight = rows["trained"] - rows["done"] - rows["retrained"]
+    return in_flight > 0 and int(note["rows"]["trained"] or 0) > rows["trained"]
 
 
 def scheduler(run: Run) -> dict[str, Any]:
-    spec = run.spec(checkpoint_every="1s")
+    # each trains at most 40% of the rows, then waits for an event nobody sets: the cluster is
+    # killed first
+    gate = run.gate(0.4, f"{run.job_id}-never")
+    spec = run.spec(checkpoint_every="1s", faults={0: gate, 1: gate})
     assert spec.plan.checkpoint_dir is not None
     folder = checkpoints.job_folder(spec.plan.checkpoint_dir, run.job_id)
     processes, _ = run.cluster(2)
@@ -414,27 +492,25 @@ def scheduler(run: Run) -> dict[str, Any]:
             jobs.submit(spec, job_id=run.job_id)
             record = run.at_share(jobs, run.rng.uniform(0.3, 0.7))
             if record["state"] in FINAL:
-                return record
-            wait_until(lambda: trained_past_checkpoint(folder),
-                       "the job's master to note rows trained past its last checkpoint", WAIT_S)
-        processes.close()  # the scheduler and every worker, at once
+                return record  # it failed
+        # the scheduler and every worker, at once, the scheduler stopped since the check
+        processes.kill_when(lambda: worth_losing(folder), "a checkpoint worth losing", WAIT_S)
         run.kills += 1
     manifest = checkpoints.latest(folder, ignore)  # a newer one torn by the kill is skipped
-    assert manifest is not None, "a checkpoint was complete before the kill"
+    assert manifest is not None, "the kill came after a complete checkpoint"
     done = manifest.rows["trained"] / (run.rows * EPOCHS)
-    # each worker trains at most a quarter of the rest, then waits for the kill, which comes
+    # each worker trains at most a quarter of the rest, then waits until the kill, which comes
     # at 10% to 40% of the rest
-    killed_gate = f"{run.job_id}-killed"
-    gate = {"pause_until": killed_gate,
-            "pause_after_rows": int((1 - done) * run.rows * EPOCHS / 4)}
+    gate = run.gate((1 - done) / 4, run.released)
     processes, commands = run.cluster(2)
     with processes, JobClient(processes.address) as jobs:
         jobs.submit(dataclasses.replace(spec, plan=dataclasses.replace(
             spec.plan, resume=manifest.path, faults={0: gate, 1: gate})), job_id=run.job_id)
         share = done + (1 - done) * run.rng.uniform(0.1, 0.4)
-        if run.at_share(jobs, share)["state"] not in FINAL:
-            run.kill_process(processes, run.rng.choice(commands))
-        Event(killed_gate, client=jobs.client).set()
+        if run.at_share(jobs, share)["state"] in FINAL:
+            return run.end(jobs)  # it failed
+        run.kill_process(processes, run.rng.choice(commands))
+        run.release(jobs)
         return run.end(jobs)
 
 

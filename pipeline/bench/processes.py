@@ -1,7 +1,12 @@
 """A real Dask cluster of processes on this machine: ``dask scheduler`` and ``dask worker``
 commands on loopback, each in a process group of its own, so that one can be killed for real (a
 worker process alone, which its nanny replaces; a nanny with its workers; the scheduler), and
-all are killed at the end. The chaos benchmark and the end-to-end tests run their jobs on it."""
+all are killed at the end. The chaos benchmark and the end-to-end tests run their jobs on it.
+
+A process can also be stopped (:func:`freeze`, SIGSTOP) and let go on (:func:`thaw`): a stopped
+nanny does not replace its dead worker yet, and a stopped scheduler writes nothing, so what its
+job's master wrote can be read and the whole cluster killed at a moment chosen on it
+(:meth:`DaskProcesses.kill_when`) rather than a moment later."""
 
 from __future__ import annotations
 
@@ -34,6 +39,30 @@ def wait_until(check: Callable[[], T], what: str, timeout_s: float = 90.0,
             raise TimeoutError(f"waited {timeout_s:g}s for {what}")
         time.sleep(poll_s)
     return value
+
+
+def stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (SIGSTOP takes effect a moment after
+    it is sent)."""
+    for thread in psutil.Process(pid).threads():
+        try:
+            if psutil.Process(thread.id).status() != psutil.STATUS_STOPPED:
+                return False
+        except psutil.NoSuchProcess:
+            continue  # a thread that ended meanwhile
+    return True
+
+
+def freeze(pid: int) -> None:
+    """Stop process ``pid`` (SIGSTOP); returns once it is stopped: until :func:`thaw` it writes,
+    answers and starts nothing."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: stopped(pid), f"process {pid} to stop")
+
+
+def thaw(pid: int) -> None:
+    """Let a process stopped by :func:`freeze` go on (SIGCONT)."""
+    os.kill(pid, signal.SIGCONT)
 
 
 class DaskProcesses:
@@ -104,6 +133,22 @@ class DaskProcesses:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+    def kill_when(self, check: Callable[[], T | None], what: str, timeout_s: float) -> T:
+        """Kill every command (:meth:`close`) at a moment when ``check()`` holds of what the
+        scheduler process wrote: once it holds, the scheduler is stopped and ``check()`` asked
+        again; it is killed stopped if that holds still, else it goes on until ``check()`` holds
+        again. ``check()``'s value at the kill; :class:`TimeoutError` naming ``what`` was
+        awaited after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            wait_until(check, what, max(0.0, deadline - time.monotonic()))
+            freeze(self.scheduler.pid)
+            value = check()
+            if value:
+                self.close()
+                return value
+            thaw(self.scheduler.pid)
 
     def close(self) -> None:
         """Kill every command still running."""
