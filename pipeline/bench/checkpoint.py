@@ -5,7 +5,8 @@ Two parts, each with its baseline in the same run:
 * **throughput**: the default job (``jobs/synthetic.yaml``) trained with ``checkpoint_every``
   (default ``30s``) and without checkpoints, on one LocalCluster, repeats interleaved after a
   warm-up run that also measures this machine's samples/s: the epochs are chosen so that one
-  job trains for about ``--target-s`` seconds (a 30 s interval needs jobs of a few intervals).
+  job trains for about ``--target-s`` seconds (a 30 s interval needs jobs of a few intervals),
+  unless ``--epochs`` fixes them (a run whose size must not depend on the machine's speed).
   Reported: median samples/s each way, their ratio, checkpoints written per job.
 * **size and write time**: the job's model and one with tables ``--scale`` times larger,
   built in this process: bytes of ``model.pt``, seconds to copy the state out of the model
@@ -45,12 +46,15 @@ def trained(jobs: JobClient, job: JobConfig) -> tuple[float, int]:
     return summary.samples_per_s, int(record["checkpoints"]["written"])
 
 
-def throughput(job: JobConfig, workers: int, every: str, target_s: float, repeats: int,
-               folder: str, quiet: bool) -> dict[str, Any]:
+def throughput(job: JobConfig, workers: int, every: str, target_s: float, epochs: int | None,
+               repeats: int, folder: str, quiet: bool) -> dict[str, Any]:
+    """Samples/s with checkpoints every ``every`` and without, over jobs of ``epochs`` epochs
+    (None: as many as train for about ``target_s`` at the warm-up's samples/s)."""
     rows = job_spec(job).plan.rows
     with connect(workers) as client, JobClient(client) as jobs:
         rate, _ = trained(jobs, with_train(job, epochs=1))
-        epochs = max(1, round(target_s * rate / rows))
+        if epochs is None:
+            epochs = max(1, round(target_s * rate / rows))
         echo(f"warm-up: {rate:,.0f} samples/s; jobs of {epochs} epoch(s) of {rows:,} rows",
              quiet)
         ways = {"none": with_train(job, epochs=epochs),
@@ -111,14 +115,16 @@ def size_and_time(job: JobConfig, schema: Schema, folder: str) -> dict[str, floa
               help="checkpoint_every of the checkpointing runs (rows, or a duration).")
 @click.option("--target-s", type=click.FloatRange(min=1), default=90.0, show_default=True,
               help="About how long one job trains (its epochs are chosen to fit).")
+@click.option("--epochs", type=click.IntRange(min=1), default=None,
+              help="Epochs of one job, instead of those that fit --target-s.")
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--scale", type=click.IntRange(min=2), default=10, show_default=True,
               help="How many times larger the tables of the second size are.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--json", "as_json", is_flag=True)
-def command(job_path: str, every: str, target_s: float, workers: int, repeats: int,
-            scale: int, overrides: tuple[str, ...], as_json: bool) -> None:
+def command(job_path: str, every: str, target_s: float, epochs: int | None, workers: int,
+            repeats: int, scale: int, overrides: tuple[str, ...], as_json: bool) -> None:
     """Samples/s with checkpoints against none, in one run; a checkpoint's size and write time
     for the job's model and for tables --scale times larger, against the disk's speed."""
     job = default_job(job_path, overrides)
@@ -131,7 +137,7 @@ def command(job_path: str, every: str, target_s: float, workers: int, repeats: i
                  f"write {figures['write_s']:.2f}s (disk {figures['disk_s']:.2f}s)", as_json)
         result: dict[str, Any] = {
             "benchmark": "checkpoint", "workers": workers, "repeats": repeats,
-            **throughput(job, workers, every, target_s, repeats, folder, as_json),
+            **throughput(job, workers, every, target_s, epochs, repeats, folder, as_json),
             "sizes": sizes}
     result["ok"] = result["samples_per_s_ratio"] >= 0.95
     emit(result, as_json)

@@ -11,14 +11,16 @@ ranks step together, so its rate is the job's rows over its training seconds les
 costs (:meth:`~pipeline.bench.jobs.Outcome.steady_rate`), and ``target_s`` is that many seconds
 of fault-free synchronous training.
 Row counts are rounded to two significant digits, so that runs of similar machines reuse one
-synthetic dataset (made once in ``.antdt-bench/synthetic-ROWS``).
+synthetic dataset (made once in ``.antdt-bench/synthetic-ROWS``). The sizing is a function of
+the calibration run's outcome (:func:`calibration_rate`, :func:`rows_for`): a test holds it
+against the outcome it was given, not against how long the sized job then took.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -35,6 +37,11 @@ the measured rate by a few percent, not by a fifth."""
 
 DAYS = 4
 """Days of the synthetic datasets; the last one validates."""
+
+
+Runner = Callable[[JobConfig, int], Outcome]
+"""``run(job, workers)``: one run of ``job`` on a new cluster of ``workers`` (:func:`run_async`;
+a test may wrap it to see the calibration run)."""
 
 
 class Calibration(NamedTuple):
@@ -85,23 +92,31 @@ def rows_for(samples_per_s: float, target_s: float) -> int:
     return max(10_000, round(total / scale) * scale)
 
 
+def calibration_rate(outcome: Outcome, mode: Literal["async", "sync"]) -> float:
+    """The samples/s a calibration run of ``mode`` measured (the module docstring): its
+    agents' summed rate (async), or its rate without the fixed costs (sync)."""
+    return outcome.steady_rate() if mode == "sync" else capacity(outcome)
+
+
 def train_rows(job: JobConfig) -> int:
     """Rows of one epoch of ``job``'s training data, from the Parquet footers."""
     return sum(group.num_rows for group in row_groups(expand(list(job.data.train))))
 
 
 def calibrate(workers: int, target_s: float, *, overrides: Sequence[str] = (),
-              quiet: bool = False, mode: Literal["async", "sync"] = "async") -> Calibration:
+              quiet: bool = False, mode: Literal["async", "sync"] = "async",
+              run: Runner = run_async) -> Calibration:
     """Size a synthetic job for ``target_s`` seconds of ideal training on ``workers`` workers
-    of this machine in ``mode`` (the module docstring)."""
+    of this machine in ``mode`` (the module docstring), from one ``run`` of the calibration
+    job."""
     echo(f"calibrating: {CALIBRATION_ROWS:,} rows on {workers} workers ({mode} mode)", quiet)
     job = synthetic_job(None, rows=CALIBRATION_ROWS, overrides=overrides)
     began = time.perf_counter()
     if mode == "sync":
-        rate = run_async(with_train(job, mode="sync", adaptive_batch=False, faults=()),
-                         workers).steady_rate()
+        job = with_train(job, mode="sync", adaptive_batch=False, faults=())
     else:
-        rate = capacity(run_async(with_train(job, mode="async", sharding="pull"), workers))
+        job = with_train(job, mode="async", sharding="pull")
+    rate = calibration_rate(run(job, workers), mode)
     if not rate > 0:
         raise click.ClickException(f"calibration measured no training rate ({rate} samples/s "
                                    f"on {workers} workers, {mode} mode); give --rows instead")
@@ -113,13 +128,16 @@ def calibrate(workers: int, target_s: float, *, overrides: Sequence[str] = (),
 
 def sized_job(workers: int, target_s: float, rows: int | None, data_dir: str | None,
               overrides: Sequence[str], quiet: bool,
-              mode: Literal["async", "sync"] = "async") -> tuple[JobConfig, Sizing]:
+              mode: Literal["async", "sync"] = "async",
+              run: Runner = run_async) -> tuple[JobConfig, Sizing]:
     """The benchmark's synthetic job in ``mode``: of ``rows`` rows if given, else calibrated
-    for ``target_s`` seconds on ``workers`` workers; with how it was sized."""
+    for ``target_s`` seconds on ``workers`` workers (by one ``run`` of the calibration job);
+    with how it was sized."""
     calibration = None
     size = rows
     if size is None:
-        calibration = calibrate(workers, target_s, overrides=overrides, quiet=quiet, mode=mode)
+        calibration = calibrate(workers, target_s, overrides=overrides, quiet=quiet, mode=mode,
+                                run=run)
         size = calibration.rows
     job = with_train(synthetic_job(data_dir, rows=size, overrides=overrides), mode=mode)
     return job, Sizing(size, train_rows(job), calibration)

@@ -150,11 +150,11 @@ def test_bench_checkpoint_runs_with_and_without_checkpoints(
         cluster_job: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     with dask.config.set({"antdt.jobs.tick": "100ms"}):  # the master checks 10x a second
-        # jobs of several seconds (a few epochs of 16,000 rows): many ticks see rows to go
+        # jobs of three epochs of 16,000 rows, a checkpoint due every 4,000 (not sized by the
+        # warm-up's speed): many ticks see rows to go
         out = bench(["checkpoint", "--job", str(cluster_job), "--every", "4000",
-                     "--target-s", "10", "--repeats", "1", "--scale", "2"])
-    assert out["every"] == "4000" and out["rows"] == out["epochs"] * 16_000
-    assert out["epochs"] >= 3
+                     "--epochs", "3", "--repeats", "1", "--scale", "2"])
+    assert out["every"] == "4000" and out["epochs"] == 3 and out["rows"] == 3 * 16_000
     assert len(out["runs"]["none"]) == len(out["runs"]["checkpoints"]) == 1
     assert out["checkpoints_per_job"][0] >= 1
     assert out["samples_per_s_ratio"] == pytest.approx(
