@@ -11,8 +11,8 @@ worker) and exchanges with them:
   grouping or order (:mod:`antdt.sync.embeddings`).
 * **Dense parameters** are averaged in the group as ``x += mean(snapshots) - own snapshot``, so
   progress made during the exchange is kept (:mod:`antdt.sync.dense`).
-* **The end**: one final all-member round. Its leader (the member that applied the most entries
-  of dead members) pulls every remaining entry and averages the dense parameters over all; each
+* **The end**: one final all-member round. Its leader (the member with the smallest address;
+  the next one if it leaves) pulls every remaining entry and averages the dense parameters over all; each
   other member then copies from it only the rows either of them changed during the job, and its
   dense parameters. Every other row still holds the initial model's bits on both, so the replicas
   end bit-identical even where floating-point sums were added in different orders, without a
