@@ -98,7 +98,10 @@ def test_a_sync_job_trains_every_row_once_and_gives_a_slow_rank_a_smaller_batch(
     mode, and the controller's batch policy moved rows of each global batch from the slow rank
     to the other (rank 0 makes the sizes sum to the global batch: ``shares``)."""
     job = load_job(with_faults(sync_job, [{"worker": 1, "slowdown": 4.0}], epochs=2))
-    with dask.config.set(FAST):
+    # the policy acts once a monitor window closed with both ranks' steps in it (windows are
+    # the product's rule, in seconds): short windows, so that even a fast machine's job of
+    # 63 steps spans several; a loaded machine only makes the steps, and the job, longer
+    with dask.config.set({**FAST, "antdt.monitor.window": "200ms"}):
         summary = bounded.call(train_async, job, scheduler=cluster.scheduler_address)
     assert summary.mode == "sync" and summary.workers == 2
     assert summary.rows_trained == 2 * TRAIN_ROWS
