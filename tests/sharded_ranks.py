@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from antdt.agent.modes.synchronous import own_seconds
+from antdt.agent.modes.sync_steps import own_seconds
 from antdt.errors import ConfigError
 from data.schema import Schema
 from models.config import ModelConfig, OptimConfig

@@ -17,7 +17,8 @@ from antdt.agent.contract import AgentSpec, TrainerFactory
 from antdt.agent.modes.asynchronous import AsyncMaster, AsyncMode
 from antdt.agent.modes.independent import IndependentMode
 from antdt.agent.modes.mode import AgentParts, Declined, MasterMode, WorkerMode
-from antdt.agent.modes.synchronous import GroupBroken, Rendezvous, SyncMaster, SyncMode
+from antdt.agent.modes.sync_master import Rendezvous, SyncMaster
+from antdt.agent.modes.synchronous import GroupBroken, SyncMode
 
 
 def worker_mode(spec: AgentSpec, make_trainer: TrainerFactory, device: torch.device,

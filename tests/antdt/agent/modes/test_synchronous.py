@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from antdt.agent.modes.synchronous import (Rendezvous, SyncMaster, _Header, own_seconds,
-                                          step_rows)
+from antdt.agent.modes.sync_master import Rendezvous, SyncMaster
+from antdt.agent.modes.sync_steps import Header, own_seconds, step_rows
 from antdt.sharding import shares
 from ranks import Ranks
 from sharded_ranks import wait_in_a_collective
@@ -67,12 +67,12 @@ def test_a_rank_waiting_for_its_peer_in_a_collective_is_not_busy() -> None:
 
 
 def test_the_header_summed_over_ranks_says_what_each_rank_put_in() -> None:
-    ranks = [_Header(3) for _ in range(3)]
+    ranks = [Header(3) for _ in range(3)]
     ranks[0].set(0, rows=100, sizes=[120, 100, 80], checkpoint=False, over=False,
                  cancelled=False)
     ranks[1].set(1, rows=0, sizes=None, checkpoint=True, over=True, cancelled=False)
     ranks[2].set(2, rows=7, sizes=None, checkpoint=True, over=False, cancelled=True)
-    summed = _Header(3)
+    summed = Header(3)
     summed.values = torch.stack([h.values for h in ranks]).sum(0)  # what all_reduce(SUM) gives
     assert summed.rows() == [100, 0, 7]
     assert summed.sizes() == [120, 100, 80]
