@@ -143,6 +143,8 @@ class AgentReport:
     final model on its worker (every worker in the async mode, the first rank in the
     synchronous mode). ``saved_model``: the final model as the ranks of a synchronous job wrote
     it, when it did not fit one worker (the first rank's report; then no worker holds it).
+    ``group_rows``: in the synchronous mode, the rows the group's model trained since the group
+    formed, every step this rank saw complete (the master's count of what a lost model held).
     """
 
     worker: str
@@ -160,6 +162,7 @@ class AgentReport:
     cpu_s: float = 0.0
     holds_model: bool = False
     saved_model: SavedModel | None = None
+    group_rows: int = 0
 
 
 def event_topic(job: str) -> str:

@@ -110,15 +110,16 @@ class Agent:
         try:
             with FROZEN_HEAP:
                 try:
-                    outcome = self._start()
-                    if outcome is None:
-                        outcome = self.mode.train(self)
+                    try:
+                        outcome = self._start()
+                        if outcome is None:
+                            outcome = self.mode.train(self)
+                    finally:
+                        self._plugin.end(self.spec.job, self.worker)
+                    self._end(outcome)
                 except BaseException:
                     self._abandon()
                     raise
-                finally:
-                    self._plugin.end(self.spec.job, self.worker)
-                self._end(outcome)
         finally:
             logging.getLogger("antdt").removeHandler(forward)
         self._report(force=True)
@@ -128,7 +129,8 @@ class Agent:
             loss=self._loss_sum / self.batches if self.batches else math.nan,
             exchanges=self.mode.exchanges, device=str(self.device),
             joined_from=self.mode.joined_from, sync_wait_s=self.mode.waited_s, cpu_s=self.cpu_s,
-            holds_model=self.holds_model, saved_model=self.saved_model)
+            holds_model=self.holds_model, saved_model=self.saved_model,
+            group_rows=self.mode.group_rows)
         logger.info("agent of job %s on %s %s: %d rows in %d batches, %.1fs", self.spec.job,
                     self.worker.address, outcome, report.rows, report.batches, report.seconds)
         return report
@@ -248,21 +250,26 @@ class Agent:
                 self._plugin.keep(self.spec.job, final)
                 self.holds_model = True
             return
-        self.mode.stop()
-        self.shards.close()
-        self.mode.leave()
-        self.mode.check()
-
-    def _abandon(self) -> None:
-        """The loop raised: stop the mode, give the leases back and leave if the services still
-        answer (the error that got us here is what propagates; these are only logged)."""
         try:
             self.mode.stop()
             self.shards.close()
+        finally:
             self.mode.leave()
+        self.mode.check()
+
+    def _abandon(self) -> None:
+        """The loop or its end raised: stop the mode, give the leases back if the services still
+        answer, and leave the mode whatever happened (a synchronous rank's process group: a group
+        left open would refuse the job's next forming on this worker). The error that got us
+        here is what propagates; these are only logged."""
+        try:
+            self.mode.stop()
+            self.shards.close()
         except (AntdtError, OSError) as exc:
             logger.warning("agent of job %s on %s: clean-up after a failure failed too: %r",
                            self.spec.job, self.worker.address, exc)
+        finally:
+            self.mode.leave()
 
     def job_state(self) -> str:
         reply: dict[str, Any] = sync(self.worker.loop, self.worker.scheduler.antdt_job_state,

@@ -118,6 +118,9 @@ class ShardedRankingTrainer:
     def gather_refusal(self, dst: int) -> str | None:
         return self.sharded.gather_refusal(dst)
 
+    def state_bytes(self) -> int:
+        return self.sharded.whole_bytes
+
     def full_state(self, dst: int) -> dict[str, Any] | None:
         return self.sharded.full_state(dst)
 

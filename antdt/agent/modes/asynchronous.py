@@ -35,6 +35,8 @@ class AsyncMode:
     parameters become a :class:`~antdt.sync.ReplicaSync`, exchanged by a
     :class:`~antdt.sync.background.BackgroundSync` thread every ``period``."""
 
+    group_rows = 0
+
     def __init__(self, trainer: Trainer[Any], job: str, worker: Worker,
                  period: SyncPeriod) -> None:
         self.trainer = trainer

@@ -4,7 +4,6 @@ so every trained row counts as synced."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -16,6 +15,7 @@ class IndependentMode(EverySynced):
     """:class:`~antdt.agent.modes.WorkerMode` of a worker that trains its own model alone."""
 
     joined_from: str | None = None
+    group_rows = 0
     exchanges = 0
     waited_s = 0.0
     exchanged_bytes = 0

@@ -69,9 +69,11 @@ class WorkerMode(Protocol):
     ``exchanged_bytes`` the bytes its exchanges received (None: a mode that does not count
     them), which the agent's progress events carry to the job's metrics;
     ``threads`` are the ids of the threads the mode runs beside the training thread (their
-    warnings reach ``antdt logs``)."""
+    warnings reach ``antdt logs``); ``group_rows`` the rows a model shared by a group of ranks
+    trained since the group formed (the synchronous mode; 0 in the replica modes)."""
 
     joined_from: str | None
+    group_rows: int
 
     @property
     def exchanges(self) -> int: ...

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -15,10 +16,13 @@ from antdt.rpc import Reply
 
 @dataclass
 class Group:
-    """One forming of a job's group: its workers in rank order and its generation."""
+    """One forming of a job's group: its workers in rank order, its generation and a token
+    unique to it across the cluster's life (a resumed job's generations count from 1 again;
+    its final model's parts are written into a folder named by the token)."""
 
     workers: list[str]
     generation: int
+    token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
     def prefix(self) -> str:
@@ -31,7 +35,7 @@ class Rendezvous:
     use, on a free port of the scheduler's host) and each job's current :class:`Group`.
 
     Handler ``antdt_sync_rank(job, worker)``: the worker's rank, the world size, the workers in
-    rank order, the store's port and the group's key prefix."""
+    rank order, the store's port, the group's key prefix and its token."""
 
     groups: dict[str, Group] = field(default_factory=dict)
     _store: dist.TCPStore | None = None
@@ -65,7 +69,7 @@ class Rendezvous:
                             f"{group.generation}: {group.workers})")
         return {"status": "OK", "rank": group.workers.index(worker),
                 "workers": list(group.workers), "port": self.port,
-                "prefix": f"antdt/{job}/{group.prefix}"}
+                "prefix": f"antdt/{job}/{group.prefix}", "token": group.token}
 
 
 class SyncMaster:

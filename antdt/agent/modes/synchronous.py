@@ -79,11 +79,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+import fsspec
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _set_pg_timeout
+from dask.utils import format_bytes, parse_bytes
 from distributed import Worker
 from distributed.utils import sync
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from antdt import config, rpc
 from antdt.agent.contract import (AgentSpec, Outcome, SavedModel, Trainer, TrainerFactory,
@@ -99,7 +101,13 @@ logger = logging.getLogger(__name__)
 
 class GroupBroken(AntdtError):
     """A collective of the synchronous group failed: a rank died, hung past the collective
-    timeout or left. The job's master forms the group again from the last checkpoint."""
+    timeout or left. The job's master forms the group again from the last checkpoint.
+    ``group_rows``: the rows the group's model trained since it formed, as this rank saw its
+    steps complete (what the model lost with the group held past its starting point)."""
+
+    def __init__(self, message: str, group_rows: int = 0) -> None:
+        super().__init__(message)
+        self.group_rows = group_rows
 
 
 class ShardedTrainer(Protocol):
@@ -117,7 +125,8 @@ class ShardedTrainer(Protocol):
     every rank), else why not, naming the sizes; then ``write_shards(folder)`` (every rank
     calls it) writes each rank's part into ``folder`` and gives every file's name with its
     size and sha256, and ``restore_state`` also takes the :class:`SavedModel` of those
-    files."""
+    files. ``state_bytes()``: the whole model's bytes (the same on every rank), which sizes
+    the time a gather or a write of it may take."""
 
     rank: int
     world_size: int
@@ -138,14 +147,48 @@ class ShardedTrainer(Protocol):
 
     def plan_summary(self) -> Mapping[str, str]: ...
 
+    def state_bytes(self) -> int: ...
+
+
+class _OneGroup:
+    """The process's one default process group, claimed by a job's rank before it forms it and
+    let go once it destroyed it: the claim and the check are one step under a lock, so two jobs'
+    ranks starting on one worker at once cannot both pass the check (the second would overwrite
+    the first's group, and one job's collectives would run on the other's)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.job: str | None = None
+
+    def claim(self, job: str) -> str | None:
+        """Claim the group for ``job``: None, or the job that holds it."""
+        with self._lock:
+            if self.job is None and dist.is_initialized():
+                return "a process group formed outside antdt"
+            if self.job is not None:
+                return self.job
+            self.job = job
+            return None
+
+    def release(self, job: str) -> None:
+        with self._lock:
+            if self.job == job:
+                self.job = None
+
+
+PROCESS_GROUP = _OneGroup()
+
 
 @dataclass
 class _Request:
     """A checkpoint asked of this rank by another thread, fulfilled by the training thread at
-    the next step boundary."""
+    the next step boundary: ``taken`` once the boundary is reached, ``done`` once written (or
+    failed). The asking thread may give up on it at any time; the training thread then still
+    writes it (every rank is in the checkpoint's collectives), and nobody reads the result."""
 
     copy_ledger: Callable[[], Mapping[str, Any]]
     folder: str
+    taken: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     result: tuple[Mapping[str, Any], Any] | None = None
     error: BaseException | None = None
@@ -168,12 +211,17 @@ class SyncMode(EverySynced):
         self.trainer: ShardedTrainer | None = None
         self.rank = 0
         self.workers: list[str] = []
+        self.token = ""
+        """The forming of the group this rank is in (unique across the cluster's life)."""
         self.steps = 0
+        self.group_rows = 0
+        """Rows the group's model trained since it formed (every step's rows, once completed)."""
         self._waited_s = 0.0
         self._request: _Request | None = None
-        self._joined = False  # this rank initialised the process's default group
+        self._joined = False  # this rank claimed the process's default group
         self._lock = threading.Lock()
         self._timeout_s = config.seconds("antdt.sync-steps.collective-timeout")
+        self._write_rate = parse_bytes(str(config.get("antdt.sync-steps.write-rate")))
 
     @property
     def exchanges(self) -> int:
@@ -194,12 +242,23 @@ class SyncMode(EverySynced):
         """Join the job's process group and build the sharded trainer on it."""
         if join:
             raise Declined("a synchronous group takes new workers only when it forms again")
-        if dist.is_initialized():
+        holder = PROCESS_GROUP.claim(self.spec.job)
+        if holder is not None:
             raise SyncError(f"worker {self.worker.address} already takes part in a process "
-                            "group: one synchronous job per worker process at a time")
+                            f"group ({holder}): one synchronous job per worker process at a "
+                            "time")
+        self._joined = True
+        try:
+            self._form()
+        except BaseException:
+            self.leave()
+            raise
+
+    def _form(self) -> None:
         reply = rpc.ok(sync(self.worker.loop, self.worker.scheduler.antdt_sync_rank,
                             job=self.spec.job, worker=self.worker.address), error=SyncError)
         self.rank, self.workers = int(reply["rank"]), list(reply["workers"])
+        self.token = str(reply["token"])
         host = urlsplit(self.worker.scheduler.address).hostname or "127.0.0.1"
         forming = datetime.timedelta(seconds=config.seconds("antdt.sync-steps.form-timeout"))
         store = dist.PrefixStore(reply["prefix"], dist.TCPStore(
@@ -213,18 +272,15 @@ class SyncMode(EverySynced):
         try:
             dist.init_process_group(backend, store=store, rank=self.rank,
                                     world_size=len(self.workers), timeout=forming)
-            self._joined = True
             self.trainer = self.make_trainer(self.device)  # type: ignore[assignment]
             dist.barrier()  # every rank built its shards: the steps' timeout holds from here
             _set_pg_timeout(datetime.timedelta(seconds=self._timeout_s))
         except (RuntimeError, dist.DistBackendError) as exc:
-            self.leave()
             raise GroupBroken(f"rank {self.rank} of job {self.spec.job} could not form its "
                               f"group: {exc}") from exc
         assert self.trainer is not None
         refusal = self.trainer.gather_refusal(0)
         if refusal is not None and self.spec.model_dir is None:
-            self.leave()
             raise ConfigError(f"job {self.spec.job}: {refusal}, and the job has no folder to "
                               "write it in parts (set train.checkpoint_dir)")
         # into the job's log (``antdt logs``) too: where each table went, and how the model is kept
@@ -253,7 +309,8 @@ class SyncMode(EverySynced):
             if self.rank == 0 and began >= sizes_due:
                 new_sizes = self._controller_sizes(agent, sum(sizes))
                 sizes_due = began + interval
-            header.set(self.rank, offer, new_sizes, self._request is not None,
+            request = self._request  # read once: the asking thread may give it up meanwhile
+            header.set(self.rank, offer, new_sizes, request is not None,
                        rows.over and offer == 0, agent.cancelled.is_set())
             local_s, own_local = time.perf_counter() - began, own_seconds() - own_began
             self._collective(lambda: dist.all_reduce(header.values), "the step's header")
@@ -262,7 +319,7 @@ class SyncMode(EverySynced):
                 return "cancelled"
             asker = header.checkpoint_by()
             if asker is not None:
-                self._checkpoint(agent, asker)
+                self._checkpoint(agent, asker, request if asker == self.rank else None)
             counts = step_rows(sizes, header.rows())
             total = sum(counts)
             if header.sizes() is not None:
@@ -278,6 +335,7 @@ class SyncMode(EverySynced):
                                    for lease, start, stop in spans])
             loss = self._collective(lambda: trainer.step(batch, total), "the step")
             self.steps += 1
+            self.group_rows += total
             own = own_local + own_seconds() - own_started
             asleep = time.perf_counter()
             agent.faults.slow_down(agent.rows, own)  # a slow rank is slow on empty steps too
@@ -305,22 +363,43 @@ class SyncMode(EverySynced):
                   for w in self.workers]
         return shares(wanted, total)
 
-    def _collective(self, call: Callable[[], Any], what: str) -> Any:
+    def _collective(self, call: Callable[[], Any], what: str, timeout_s: float | None = None
+                    ) -> Any:
+        """``call()``, a collective of every rank; its failure is :class:`GroupBroken`. With
+        ``timeout_s``, the group's timeout is that long for it (every rank sets the same)."""
+        limit = self._timeout_s if timeout_s is None else timeout_s
         try:
-            return call()
+            if timeout_s is None:
+                return call()
+            _set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+            try:
+                return call()
+            finally:
+                _set_pg_timeout(datetime.timedelta(seconds=self._timeout_s))
         except (RuntimeError, dist.DistBackendError) as exc:
             raise GroupBroken(f"rank {self.rank} of job {self.spec.job}: {what} failed (a peer "
-                              f"died, hung past {self._timeout_s:g}s or left): {exc}") from exc
+                              f"died, hung past {limit:g}s or left): {exc}",
+                              self.group_rows) from exc
 
-    def _checkpoint(self, agent: AgentParts, asker: int) -> None:
+    def saving_s(self) -> float:
+        """How long gathering or writing the whole model may take: the collective timeout, plus
+        its bytes at ``antdt.sync-steps.write-rate`` (a big model's slowest rank may still be
+        writing its part when the others reach the next collective)."""
+        assert self.trainer is not None
+        return self._timeout_s + self.trainer.state_bytes() / self._write_rate
+
+    def _checkpoint(self, agent: AgentParts, asker: int, request: _Request | None) -> None:
         """Every rank at this step boundary: report every trained row (their steps completed),
         wait for the others to have done so, then the model's state goes to the asking rank,
         which copies the ledger in between: the two hold exactly the same rows. A model too
         large for the asking rank is written by every rank into the checkpoint's folder (the
-        asker's, sent to the others) instead."""
+        asker's, sent to the others) instead. ``request``: the asking rank's, as it read it
+        for the header (the asking thread may have given up on it since: it is written all the
+        same, every rank being in it)."""
+        if request is not None:
+            request.taken.set()
         agent.shards.flush()
         self._collective(dist.barrier, "the checkpoint's barrier")
-        request = self._request if asker == self.rank else None
         ledger: Mapping[str, Any] | None = None
         if request is not None:
             try:
@@ -330,30 +409,40 @@ class SyncMode(EverySynced):
         assert self.trainer is not None
         trainer = self.trainer
         state: Any = None
-        if trainer.gather_refusal(asker) is None:
-            state = self._collective(lambda: trainer.full_state(asker),
-                                     "the checkpoint's gather")
-        else:
-            folder = [None if request is None else request.folder]
-            self._collective(lambda: dist.broadcast_object_list(folder, src=asker),
-                             "the checkpoint's folder")
-            assert isinstance(folder[0], str)
-            try:
-                state = self._write(folder[0], "the checkpoint's shards")
-            except OSError as exc:  # every rank has it; the checkpoint fails, training goes on
-                if request is not None:
-                    request.error = exc
-        if request is not None:
-            if ledger is not None and request.error is None:
-                request.result = (ledger, state)
-            self._request = None
-            request.done.set()
+        try:
+            if trainer.gather_refusal(asker) is None:
+                state = self._collective(lambda: trainer.full_state(asker),
+                                         "the checkpoint's gather", self.saving_s())
+            else:
+                folder = [None if request is None else request.folder]
+                self._collective(lambda: dist.broadcast_object_list(folder, src=asker),
+                                 "the checkpoint's folder")
+                try:
+                    state = self._write(str(folder[0]), "the checkpoint's shards")
+                except OSError as exc:  # every rank has it; the checkpoint fails, training goes on
+                    if request is not None:
+                        request.error = exc
+        except GroupBroken as exc:
+            if request is not None:
+                request.error = exc
+            raise
+        finally:
+            if request is not None:
+                if ledger is not None and request.error is None:
+                    request.result = (ledger, state)
+                elif request.error is None:
+                    request.error = CheckpointError("the checkpoint was interrupted")
+                with self._lock:
+                    if self._request is request:
+                        self._request = None
+                request.done.set()
 
     def _write(self, folder: str, what: str) -> SavedModel:
         """Every rank writes its part of the model into ``folder``; the files of all."""
         assert self.trainer is not None
         trainer = self.trainer
-        return SavedModel(folder, self._collective(lambda: trainer.write_shards(folder), what))
+        return SavedModel(folder, self._collective(lambda: trainer.write_shards(folder), what,
+                                                   self.saving_s()))
 
     # ---- the rest of WorkerMode ---------------------------------------------------------------
 
@@ -363,54 +452,95 @@ class SyncMode(EverySynced):
     def checkpoint(self, copy_ledger: Callable[[], Mapping[str, Any]], folder: str
                    ) -> tuple[Mapping[str, Any], Any]:
         """Asked from another thread: every rank writes its part at the next step boundary
-        (:meth:`_checkpoint`); waits for it at most the collective timeout."""
+        (:meth:`_checkpoint`). Waits for the boundary at most the collective timeout (the
+        request is then withdrawn, unless the training thread took it meanwhile), then for the
+        checkpoint at most :meth:`saving_s` and the timeout again (the gather or the writes
+        and the barrier before them)."""
         with self._lock:
             if self._request is not None:
                 raise CheckpointError(f"job {self.spec.job}: a checkpoint is already being "
                                       "taken on this rank")
             request = self._request = _Request(copy_ledger, folder)
-        if not request.done.wait(self._timeout_s):
-            self._request = None
+        if not request.taken.wait(self._timeout_s):
+            with self._lock:
+                if self._request is request:
+                    self._request = None
             raise CheckpointError(f"job {self.spec.job}: rank {self.rank} reached no step "
                                   f"boundary within {self._timeout_s:g}s")
-        if request.error is not None:
+        limit = self._timeout_s + self.saving_s()
+        if not request.done.wait(limit):
+            raise CheckpointError(
+                f"job {self.spec.job}: the checkpoint did not finish within {limit:.0f}s (the "
+                f"collective timeout twice and the model's {self._model_size()} at "
+                f"antdt.sync-steps.write-rate, {format_bytes(self._write_rate)}/s: raise it "
+                "if the workers write slower)")
+        if request.error is not None or request.result is None:
             raise CheckpointError(f"job {self.spec.job}: the checkpoint failed: "
                                   f"{request.error}") from request.error
-        assert request.result is not None
         return request.result
+
+    def _model_size(self) -> str:
+        trainer = self.trainer
+        return "?" if trainer is None else format_bytes(trainer.state_bytes())
 
     def finish(self) -> Trainer[Any] | SavedModel | None:
         """The final model goes to rank 0, which keeps a single-process trainer over it; a model
-        too large for rank 0 is written by every rank into the job's ``model_dir``, and rank 0
-        hands on where."""
-        assert self.trainer is not None
-        trainer = self.trainer
-        final: Trainer[Any] | SavedModel | None
-        if trainer.gather_refusal(0) is None:
-            state = self._collective(lambda: trainer.full_state(0), "gathering the final model")
-            final = trainer.final(state) if self.rank == 0 else None
-        else:
+        too large for rank 0 is written by every rank into a folder of this forming of the
+        group, which rank 0 then puts in place of the job's ``model_dir`` (so a group formed
+        again after a finish that failed half-way never mixes its files with an older one's),
+        and hands on. The rank leaves the group whatever happens."""
+        try:
+            assert self.trainer is not None
+            trainer = self.trainer
+            if trainer.gather_refusal(0) is None:
+                state = self._collective(lambda: trainer.full_state(0),
+                                         "gathering the final model", self.saving_s())
+                return trainer.final(state) if self.rank == 0 else None
             assert self.spec.model_dir is not None, "refused in start()"
-            saved = self._write(self.spec.model_dir, "writing the final model")
-            final = saved if self.rank == 0 else None
-        self.leave()
-        return final
+            written = f"{self.spec.model_dir}.{self.token}"
+            saved = self._write(written, "writing the final model")
+            if self.rank != 0:
+                return None
+            publish(written, self.spec.model_dir)
+            return SavedModel(self.spec.model_dir, saved.files)
+        finally:
+            self.leave()
 
     def stop(self) -> None:
         """A checkpoint waiting for a boundary will not get one."""
         request = self._request
         if request is not None:
-            request.error = GroupBroken("the rank stopped training")
+            request.error = GroupBroken("the rank stopped training", self.group_rows)
+            request.taken.set()
             request.done.set()
 
     def leave(self) -> None:
         """Leave the process group this rank joined (a later job, or this one formed again,
-        makes a new one); a group another job's rank made here stays."""
+        makes a new one); a group another job's rank made here stays. Idempotent."""
         self.trainer = None
         if self._joined:
             self._joined = False
-            dist.destroy_process_group()
+            try:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            finally:
+                PROCESS_GROUP.release(self.spec.job)
 
     def check(self) -> None:
         """No thread of its own can fail."""
 
+
+def publish(written: str, folder: str) -> None:
+    """Put the folder ``written`` in place of ``folder`` (a local path or fsspec URL): the old
+    one is moved aside first and deleted last, so a failure half-way leaves one of the two
+    whole; other forms' leftovers beside it (``<folder>.<token>``) go too."""
+    fs, path = fsspec.core.url_to_fs(folder)
+    _, source = fsspec.core.url_to_fs(written)
+    aside = f"{path}.replaced"
+    if fs.exists(aside):
+        fs.rm(aside, recursive=True)
+    if fs.exists(path):
+        fs.mv(path, aside, recursive=True)
+    fs.mv(source, path, recursive=True)
+    for stale in fs.glob(f"{path}.*"):
+        fs.rm(stale, recursive=True)
