@@ -72,6 +72,10 @@ class Checkpointer:
         self._mark = (0.0, 0)
         self._taking: asyncio.Task[None] | None = None
         self._noting: asyncio.Task[None] | None = None
+        self._epoch = 0
+        """Checkpoints started before the job's model restarted belong to an older epoch."""
+        self.failure: str | None = None
+        """Why the last checkpoint failed, while no newer one completed."""
 
     @property
     def enabled(self) -> bool:
@@ -129,16 +133,34 @@ class Checkpointer:
         self._version += 1
         path = checkpoints.version_path(self.folder, self._version)
         self._taking = asyncio.ensure_future(self._take(path, worker, step, dict(run or {}),
-                                                        dict(extra)))
+                                                        dict(extra), self._epoch))
+
+    async def settle(self, timeout_s: float) -> None:
+        """The job's model is lost and restarts from the newest checkpoint: wait (at most
+        ``timeout_s``) for the one being written, then fence it off. A checkpoint that completes
+        after the restart chose its point gets no manifest: it would be newer than the point the
+        new model starts from, so the next restart's count of replayed rows would start from it
+        (too few), and with ``checkpoint_keep: 1`` it would prune the checkpoint the new agents
+        are loading."""
+        task = self._taking
+        if task is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        self._epoch += 1
+        self._taking = None
 
     async def _take(self, path: str, worker: str, step: int, run: dict[str, Any],
-                    extra: dict[str, Any]) -> None:
+                    extra: dict[str, Any], epoch: int) -> None:
         started = time()
         try:
             written = await self._write_model(worker, path)
             if written is None:
-                self._log("warning", f"checkpoint {path} not taken: {worker} left the cluster "
-                                     "while writing it")
+                self._failed(f"checkpoint {path} not taken: {worker} left the cluster while "
+                             "writing it")
+                return
+            if epoch != self._epoch:
+                self._log("warning", f"checkpoint {path} discarded: the job's model restarted "
+                                     "from an older checkpoint while it was written")
                 return
             files, rows = written["files"], written["rows"]
             manifest = Manifest(job_id=self.job_id, version=self._version, path=path,
@@ -147,6 +169,7 @@ class Checkpointer:
                                 write_s=time() - started, extra=extra)
             await asyncio.to_thread(checkpoints.write_manifest, manifest)
             self.last = manifest
+            self.failure = None
             self.written += 1
             self.bytes = sum(int(f["bytes"]) for f in files.values())
             self.seconds.append(manifest.write_s)
@@ -156,10 +179,15 @@ class Checkpointer:
             for gone in await asyncio.to_thread(checkpoints.prune, self.folder, self.keep):
                 self._log("info", f"checkpoint {gone} deleted (keeping the newest {self.keep})")
         except (AntdtError, OSError) as exc:
-            self._log("warning", f"checkpoint {path} failed: {exc}")
+            self._failed(f"checkpoint {path} failed: {exc}")
         finally:
-            self._taking = None
-            self._written()  # the next one may be due already
+            if epoch == self._epoch:
+                self._taking = None
+                self._written()  # the next one may be due already
+
+    def _failed(self, message: str) -> None:
+        self.failure = message
+        self._log("warning", message)
 
     def note(self, progress: Mapping[str, Any]) -> None:
         """Replace ``progress.json`` with ``progress`` unless the previous note is still being

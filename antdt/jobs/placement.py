@@ -30,12 +30,15 @@ class Slot:
     ended (seconds after training started; None: still running), its rows, busy seconds and
     the training thread's CPU seconds in them (from its report, or its latest progress event if
     it died), its latest samples/s, and its mode's model exchanges and the bytes they received
-    as of its latest progress event (None: the mode does not count them)."""
+    as of its latest progress event (None: the mode does not count them). ``generation``: the
+    job's model it trained (one per restart from a checkpoint: a restart begins a new model,
+    and the agents of an older one, finished or not, no longer hold the job's)."""
 
     worker: str
     index: int
     join: bool
     started: float
+    generation: int = 0
     ended: float | None = None
     rows: int = 0
     busy_s: float = 0.0
@@ -94,6 +97,8 @@ class Placement:
         self._tasks_on = tasks_on
         self._chosen: set[str] = set()
         """The workers chosen for the job's agents (placed before they start)."""
+        self.generation = 0
+        """The job's current model: one more at each restart."""
 
     @property
     def placed(self) -> set[str]:
@@ -103,6 +108,11 @@ class Placement:
     @property
     def live(self) -> list[Slot]:
         return [s for s in self.slots if s.live]
+
+    @property
+    def current(self) -> list[Slot]:
+        """The agents of the job's current model (see :attr:`Slot.generation`)."""
+        return [s for s in self.slots if s.generation == self.generation]
 
     def initial(self, workers: Collection[str]) -> list[str]:
         """The workers the job starts on, sorted: every one of ``workers``, or the least busy
@@ -115,7 +125,9 @@ class Placement:
 
     def restart(self, workers: Collection[str]) -> list[str]:
         """The workers a restart from a checkpoint trains on (every agent was lost): chosen
-        like the first ones, the workers of the lost agents among the candidates."""
+        like the first ones, the workers of the lost agents among the candidates. The agents
+        started from now on train a new model (:attr:`generation`)."""
+        self.generation += 1
         return self._choose(workers, self.cap)
 
     def joiners(self, workers: Collection[str]) -> list[str]:
@@ -130,7 +142,8 @@ class Placement:
 
     def add(self, worker: str, join: bool = False) -> Slot:
         """The slot of an agent starting on ``worker`` now (numbered after the others)."""
-        slot = Slot(worker, len(self.slots), join, started=self._clock())
+        slot = Slot(worker, len(self.slots), join, started=self._clock(),
+                    generation=self.generation)
         self.slots.append(slot)
         return slot
 
@@ -144,6 +157,18 @@ class Placement:
         """``slot``'s agent died with its worker."""
         slot.dead = True
         slot.ended = self._clock()
+
+    def final_model(self, alive: Collection[str]) -> Slot | None:
+        """The agent of the job's current model that holds its final model on a worker still
+        ``alive``, or wrote it in parts; None while it has not formed, or was lost with its
+        worker."""
+        for slot in self.current:
+            report = slot.report
+            if slot.finished and report is not None and (
+                    report.saved_model is not None
+                    or report.holds_model and slot.worker in alive):
+                return slot
+        return None
 
     def every_lost(self) -> bool:
         """The job had agents and every one died before its end (none finished)."""

@@ -33,7 +33,8 @@ the rest are plain parts with their own state, each tested without a cluster:
 :class:`~antdt.jobs.placement.Placement` (which workers get agents),
 :class:`~antdt.jobs.journal.Journal` (events and actions in; the log, record and report out),
 :class:`~antdt.jobs.metrics.MetricsShipper` (metrics to the tracking run) and
-:class:`~antdt.jobs.keeper.Checkpointer` (checkpoints).
+:class:`~antdt.jobs.keeper.Checkpointer` (checkpoints). What it does when the job's model is
+lost is :class:`~antdt.jobs.restarts.Restarts`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import posixpath
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,13 +55,15 @@ from antdt.agent import AgentReport, AgentSpec, Faults, cancel_here, forget_here
 from antdt.agent.modes import GroupBroken, MasterMode
 from antdt.controller import BalanceBatch, ControllerService
 from antdt.device import FROZEN_HEAP
-from antdt.errors import AntdtError, JobError, LedgerError
-from antdt.jobs import calls, checkpoints, tasks
+from antdt.errors import AntdtError, JobError
+from antdt.jobs import calls, tasks
 from antdt.jobs.checkpoints import Manifest
 from antdt.jobs.journal import Journal
 from antdt.jobs.keeper import Checkpointer
 from antdt.jobs.metrics import MetricsShipper, Step
 from antdt.jobs.placement import Placement, Slot
+from antdt.jobs.recovery import Recovery, lost_job, restore_ledger
+from antdt.jobs.restarts import Restarts
 from antdt.jobs.spec import JobSpec
 from antdt.monitor import MonitorSettings
 from antdt.sharding import JobState
@@ -78,7 +80,8 @@ class JobContext:
     the job's training mode (:class:`~antdt.agent.modes.MasterMode`: its model's groups), the
     service's client of the scheduler, the workers the scheduler's other unfinished jobs
     placed agents on (one collection per job: a job placed on fewer workers chooses the least
-    busy), and ``forget(job)``, which drops the job from those services."""
+    busy), ``exclusive()``, the workers this job may not share (another synchronous job's,
+    for a synchronous job), and ``forget(job)``, which drops the job from those services."""
 
     scheduler: Scheduler
     client: Client
@@ -86,6 +89,7 @@ class JobContext:
     controller: ControllerService
     mode: MasterMode
     others: Callable[[], Iterable[Collection[str]]]
+    exclusive: Callable[[], set[str]]
     forget: Callable[[str], None]
 
 
@@ -93,7 +97,7 @@ class Cancelled(AntdtError):
     """The job was cancelled (raised inside the runner to unwind to its end)."""
 
 
-class JobRunner:
+class JobRunner(Restarts):
     """The control of job ``job_id`` (see the module docstring). :meth:`record` is its state
     as clients see it; :attr:`version` grows with every change they should see."""
 
@@ -131,15 +135,13 @@ class JobRunner:
         self._task: asyncio.Task[None] | None = None
         self.checkpoints = Checkpointer(job_id, spec.plan, self._write_model, self.log,
                                         written=self._wake.set)
-        self.rows_replayed = 0
-        """Rows trained past the checkpoint a job restarted from, before the loss: trained
-        again (over every restart of the job)."""
-        self.resumes = 0
+        self.recovery = Recovery()
+        """The job's restarts: their count and the rows they trained again."""
+        self._period = SyncPeriod.parse(self.plan.sync_period, where="job plan sync_period")
         self._trained_before = 0
-        self._regroup: str | None = None
-        """Why the job's group must form again (a mode that regroups lost an agent), or None."""
         """The ledger's rows trained when this master started training (a resumed job's
         checkpoint has some), less the rows a restart in place rolled back."""
+        self._regroup = None
 
     # ---- what clients see -------------------------------------------------------------------
 
@@ -153,8 +155,9 @@ class JobRunner:
                 "mode": self.plan.mode, "batch_rows": self.plan.batch_rows,
                 **self.journal.record(self.placement.slots),
                 "checkpoint": self.checkpoints.last_path,
-                "checkpoints": self.checkpoints.summary(), "rows_replayed": self.rows_replayed,
-                "resumes": self.resumes, "adapted": self.placement.adapted}
+                "checkpoints": self.checkpoints.summary(),
+                "rows_replayed": self.recovery.rows_replayed, "resumes": self.recovery.resumes,
+                "adapted": self.placement.adapted}
 
     def log_records(self, since: int) -> list[dict[str, Any]]:
         """The job's log records with ``seq >= since``, oldest first."""
@@ -208,10 +211,12 @@ class JobRunner:
         with FROZEN_HEAP:
             try:
                 await self._begin()
-                self._check_cancel()
-                await self._watch()
-                self._check_cancel()
-                await self._finish()
+                finished = False
+                while not finished:  # a mode that regroups may lose its final model's holder
+                    self._check_cancel()
+                    await self._watch()
+                    self._check_cancel()
+                    finished = await self._finish()
                 final = JobState.FINISHED
             except Cancelled as exc:
                 await self._abort("KILLED" if self.error is None else "FAILED", str(exc))
@@ -229,7 +234,7 @@ class JobRunner:
 
     async def _begin(self) -> None:
         plan = self.plan
-        initial = self.placement.initial(self.ctx.scheduler.workers)
+        initial = self.placement.initial(await self._free_workers())
         if self.placement.adapted is not None:
             self.log("info", f"adapted: {self.placement.adapted}")
         if not initial:
@@ -239,7 +244,6 @@ class JobRunner:
             raise JobError(f"faults name worker(s) {unknown}, but the job trains on only "
                            f"{len(initial)} worker(s) (indices 0..{len(initial) - 1})")
         plan.check_memory({w: self.ctx.scheduler.workers[w].memory_limit for w in initial})
-        period = SyncPeriod.parse(plan.sync_period, where="job plan sync_period")
         await self.client.run(tasks.prepare_worker, plan.preload, workers=initial)
         if plan.sharding == "static" and (plan.checkpoint_dir or plan.resume):
             raise JobError("static sharding (the baseline) cannot be checkpointed or resumed; "
@@ -261,74 +265,51 @@ class JobRunner:
         self._check_cancel()
         await self.checkpoints.open(self.journal.rows["trained"])
         self._trained_before = self.journal.rows["trained"]
+        self.recovery.began(self._trained_before)
         self.started_at = time()
         self.journal.began(self.started_at)
         self._set_state(JobState.RUNNING)
         for worker in initial:
-            self._start_agent(worker, period, restore=plan.resume)
+            self._start_agent(worker, restore=plan.resume)
 
     async def _resume(self, path: str) -> dict[str, Any]:
         """Start from the checkpoint version folder ``path`` (a job resubmitted with
         ``--resume``): its ledger, and the rows the lost job trained past it (its master's
         last progress note) counted as replayed. What the tracking hook gets to reopen the
         run."""
-        # the client chose a good version; the ledger's checksum is checked here, the model's by
-        # every agent that loads it (reading it on the scheduler too would be a third read)
-        manifest = await asyncio.to_thread(checkpoints.read_manifest, path)
-        note = await asyncio.to_thread(checkpoints.read_note, posixpath.dirname(path))
-        lost = note if note is not None and note.get("job_id") == manifest.job_id else {}
+        manifest, lost = await lost_job(path)
         trained = int(lost.get("rows", {}).get("trained", manifest.rows["trained"]))
         replayed = max(0, trained - manifest.rows["trained"])
-        self.rows_replayed = int(manifest.extra.get("rows_replayed", 0)) + replayed
-        self.resumes = int(manifest.extra.get("resumes", 0)) + 1
-        await self._restore_ledger(manifest)
+        self.recovery = Recovery(int(manifest.extra.get("rows_replayed", 0)) + replayed,
+                                 int(manifest.extra.get("resumes", 0)) + 1)
+        await restore_ledger(self.ctx.sharding, self.job_id, self.plan, manifest)
         self.log("warning", f"resumed from checkpoint {path}: {manifest.rows['done']:,} rows "
                             f"done; {replayed:,} rows the lost job had trained past it are "
                             "trained again")
         return self._resume_info(manifest, max(manifest.step, int(lost.get("step", 0))) + 1)
 
-    async def _restore_ledger(self, manifest: Manifest) -> None:
-        """The job's ledger as the checkpoint has it (replacing the current one, if any); its
-        row groups must be the plan's."""
-        data = await asyncio.to_thread(checkpoints.load_ledger, manifest)
-        self.ctx.sharding.forget(self.job_id)
-        try:
-            ledger = self.ctx.sharding.restore_bytes(self.job_id, data)
-        except LedgerError as exc:
-            raise JobError(f"checkpoint {manifest.path}: {exc}") from exc
-        state = ledger.to_state()
-        groups = [(state.paths[f], int(g), int(n)) for f, g, n in
-                  zip(state.rg_file, state.rg_group, state.rg_rows)]
-        if groups != [tuple(g) for g in self.plan.row_groups]:
-            self.ctx.sharding.forget(self.job_id)
-            raise JobError(f"cannot resume from {manifest.path}: data.train differs (the "
-                           f"checkpoint has {len(groups)} row groups of "
-                           f"{sum(n for *_, n in groups):,} rows, the job "
-                           f"{len(self.plan.row_groups)} of {self.plan.rows:,})")
-
     def _resume_info(self, manifest: Manifest, step: int) -> dict[str, Any]:
         return {"run": manifest.run, "checkpoint": manifest.path, "step": step,
-                "rows_replayed": self.rows_replayed, "resumes": self.resumes}
+                "rows_replayed": self.recovery.rows_replayed, "resumes": self.recovery.resumes}
 
     async def _watch(self) -> None:
         """Until every agent returned or died: collect results, write off agents whose worker
         died, start joiners, read events and actions, buffer metrics; stop at the deadline."""
-        period = SyncPeriod.parse(self.plan.sync_period, where="job plan sync_period")
         while True:
             await self._sleep()
             workers = self.ctx.scheduler.workers
             for slot in self.placement.live:
                 await self._check(slot, workers)
             if self._regroup is not None and self._cancel is None and self.stopped is None:
-                await self._form_again(period)
+                await self._form_again()
                 continue
             if self._every_worker_lost():
-                await self._restart(period)
+                await self._restart()
                 continue
             if self._cancel is None and self.stopped is None \
                     and self.ctx.mode.accepts_joiners(self.job_id):
                 for worker in self.placement.joiners(workers):
-                    self._start_agent(worker, period, join=True)
+                    self._start_agent(worker, join=True)
             self._tick()
             if not self.placement.live:
                 break
@@ -351,104 +332,6 @@ class JobRunner:
     def _every_worker_lost(self) -> bool:
         """Every agent died before the job's end (none finished), and it was not stopped."""
         return self._cancel is None and self.stopped is None and self.placement.every_lost()
-
-    async def _restart(self, period: SyncPeriod) -> None:
-        """Every worker is gone, and the model with them: wait for new workers (up to
-        ``antdt.sharding.no-workers-timeout``) and restart from the newest good checkpoint;
-        fail naming the checkpoint to resume from when none join, or at once when there is
-        no checkpoint."""
-        rows = self.journal.rows
-        lost = f"every agent's worker died ({len(self.placement.slots)} agents); " \
-               f"{rows.get('done', 0):,} of {rows.get('expected', 0):,} rows done"
-        manifest = await self.checkpoints.latest()
-        if manifest is None:
-            raise JobError(f"{lost}, and there is no checkpoint to restart from" + (
-                "" if self.checkpoints.enabled else " (set train.checkpoint_dir to have one)"))
-        timeout = config.seconds("antdt.sharding.no-workers-timeout")
-        self.log("warning", f"{lost}; waiting up to {timeout:g}s for workers, to restart from "
-                            f"checkpoint {manifest.path}")
-        await calls.until(lambda: bool(self.ctx.scheduler.workers) or self._cancel is not None,
-                          timeout)
-        self._check_cancel()
-        if not self.ctx.scheduler.workers:
-            raise JobError(
-                f"no worker joined within {timeout:g}s (antdt.sharding.no-workers-timeout) "
-                f"after every worker left; the job's last checkpoint is {manifest.path}: "
-                f"resume it with `antdt submit JOB.yaml --resume {self.job_id} --scheduler "
-                "ADDR`")
-        ledger = self.ctx.sharding.jobs.get(self.job_id)
-        trained = ledger.summary()["rows_trained"] if ledger is not None else rows["trained"]
-        replayed = max(0, trained - manifest.rows["trained"])
-        self.rows_replayed += replayed
-        self.resumes += 1
-        self._trained_before -= replayed  # trained here, then rolled back with the ledger
-        await self._restore_ledger(manifest)
-        workers = self.placement.restart(self.ctx.scheduler.workers)
-        self._restart_on(workers, manifest, replayed)
-        self.run = await self._hook("start", self.job_id, len(workers),
-                                    self._resume_info(manifest, self.metrics.step))
-        for worker in workers:
-            self._start_agent(worker, period, restore=manifest.path)
-
-    async def _form_again(self, period: SyncPeriod) -> None:
-        """An agent of a mode that regroups was lost (its worker died, or a collective of its
-        group broke): stop the others (bounded by the collective timeout: a rank that does not
-        return is left out), then restart every live worker from the last checkpoint, or from
-        the start (a new ledger, the initial model) when there is none yet."""
-        why = self._regroup
-        await self._cancel_agents()
-        bound = config.seconds("antdt.sync-steps.collective-timeout")
-        await calls.until(lambda: all(self._agents[s.index].done()
-                                      for s in self.placement.live), bound)
-        workers = self.ctx.scheduler.workers
-        for slot in self.placement.live:
-            if self._agents[slot.index].done():
-                await self._check(slot, workers)
-        stuck = {s.worker for s in self.placement.live}
-        for slot in self.placement.live:
-            self._write_off(slot, f"it did not stop within {bound:g}s")
-        timeout = config.seconds("antdt.sharding.no-workers-timeout")
-        await calls.until(lambda: bool(set(self.ctx.scheduler.workers) - stuck)
-                          or self._cancel is not None, timeout)
-        self._check_cancel()
-        chosen = self.placement.restart([w for w in self.ctx.scheduler.workers
-                                         if w not in stuck])
-        if not chosen:
-            raise JobError(f"{why}; no worker joined within {timeout:g}s "
-                           "(antdt.sharding.no-workers-timeout) to form the group again")
-        self.log("warning", f"{why}; forming the group again")
-        # the stopped agents' cancellation flags go, or the new agents would stop at once
-        await self.client.run(forget_here, self.job_id, workers=chosen, on_error="ignore")
-        manifest = await self.checkpoints.latest()
-        ledger = self.ctx.sharding.jobs.get(self.job_id)
-        trained = ledger.summary()["rows_trained"] if ledger is not None else \
-            self.journal.rows["trained"]
-        replayed = max(0, trained - (manifest.rows["trained"] if manifest is not None else 0))
-        self.rows_replayed += replayed
-        self.resumes += 1
-        self._trained_before -= replayed
-        if manifest is not None:
-            await self._restore_ledger(manifest)
-        else:
-            self.ctx.sharding.forget(self.job_id)
-            await self._register(len(chosen))
-        self._restart_on(chosen, manifest, replayed)
-        for worker in chosen:
-            self._start_agent(worker, period,
-                              restore=None if manifest is None else manifest.path)
-
-    def _restart_on(self, workers: list[str], manifest: Manifest | None, replayed: int) -> None:
-        """The mode and the controller begin again on ``workers`` from ``manifest`` (None: from
-        the start)."""
-        self._regroup = None
-        self._enable_controller(len(workers))
-        self.ctx.mode.restart(self.job_id, workers)
-        self._read_ledger()
-        where = "the start" if manifest is None else f"checkpoint {manifest.path}"
-        done = 0 if manifest is None else manifest.rows["done"]
-        self.log("warning", f"restarting from {where} on {len(workers)} worker(s): {done:,} "
-                            f"rows done; {replayed:,} rows trained past it are trained again")
-        self.checkpoints.restart_interval(0 if manifest is None else manifest.rows["trained"])
 
     async def _register(self, workers: int) -> None:
         """Register the job's ledger from the plan (``workers``: the static baseline's slots)."""
@@ -474,14 +357,16 @@ class JobRunner:
         else:
             self.ctx.controller.enable(self.job_id, plan.sharding == "antdt")
 
-    async def _finish(self) -> None:
+    async def _finish(self) -> bool:
         """The consensus model from a worker whose agent finished (identical on each after the
-        final sync round), evaluated and logged by the hooks; another worker if that one dies.
-        A job stopped early is logged without a model."""
+        final sync round; in the synchronous mode, rank 0 of the current group), evaluated and
+        logged by the hooks; another worker if that one dies. A job stopped early is logged
+        without a model. False when every worker holding the final model died and the mode
+        regroups: the group has formed again from the last checkpoint, and the job trains on."""
         self._set_state(JobState.FINISHING)
         await self._flush_metrics()
         report = self._report()
-        holders = [s.worker for s in self.placement.slots
+        holders = [s.worker for s in self.placement.current
                    if s.finished and s.report is not None and s.report.holds_model] \
             if self.stopped is None else []
         failures = []
@@ -497,14 +382,20 @@ class JobRunner:
                                            "finishing the job")
             if outcome is not None:
                 self.summary = outcome
-                return
+                return True
             failures.append(f"{worker}: died while finishing")
             self.log("warning", f"the worker finishing the job ({worker}) died; trying another")
+        if holders and self.ctx.mode.regroups and self._cancel is None:
+            self._regroup = f"the final model was lost with its worker ({'; '.join(failures)})"
+            self._set_state(JobState.RUNNING)
+            await self._form_again()
+            return False
         if holders:
             raise JobError(f"no worker holding the final model could finish the job: "
                            f"{failures}")
         self.summary = await self._hook_on_any(tasks.finish_task, self.job_id, self.code.hooks,
                                                self.run, report, False)
+        return True
 
     # ---- agents -----------------------------------------------------------------------------
 
@@ -512,13 +403,13 @@ class JobRunner:
         state = self.ctx.scheduler.workers.get(worker)
         return 0 if state is None else len(state.processing)
 
-    def _start_agent(self, worker: str, period: SyncPeriod, join: bool = False,
+    def _start_agent(self, worker: str, join: bool = False,
                      restore: str | None = None) -> None:
         index = self.placement.add(worker, join).index
         faults = Faults(**self.plan.faults[index]) if index in self.plan.faults and not join \
             else Faults()
         spec = AgentSpec(job=self.job_id, batch_rows=self.plan.batch_rows, mode=self.plan.mode,
-                         sync_period=period, join=join, threads=self.plan.threads,
+                         sync_period=self._period, join=join, threads=self.plan.threads,
                          faults=faults, model_dir=self.checkpoints.model_dir)
         self._agents[index] = self.client.submit(
             tasks.agent_task, spec, self.code.trainer, self.code.reader, restore,
@@ -542,9 +433,12 @@ class JobRunner:
         with the error of one that failed on a live worker (a bug or bad data, not a death)."""
         future = self._agents[slot.index]
         status = future.status
+        current = slot.generation == self.placement.generation
         if status == "finished":
             report: AgentReport = await future
             self.placement.returned(slot, report)
+            if current:
+                self.recovery.reported(report.group_rows)
             if report.outcome == "declined":
                 self.log("info", f"agent {slot.index} on {slot.worker} declined: the job's sync "
                                  "was over")
@@ -560,6 +454,8 @@ class JobRunner:
                 self._write_off(slot, f"its worker died ({error!r})")
                 return
             if regroups and isinstance(error, GroupBroken):
+                if current:
+                    self.recovery.reported(error.group_rows)
                 self._write_off(slot, str(error))
                 return
             raise JobError(f"the agent on {slot.worker} failed: {error!r}")
@@ -615,7 +511,8 @@ class JobRunner:
         if writer is None:
             return
         self.checkpoints.take(writer, int(rows["rows_trained"]), self.metrics.step, self.run,
-                              {"rows_replayed": self.rows_replayed, "resumes": self.resumes})
+                              {"rows_replayed": self.recovery.rows_replayed,
+                               "resumes": self.recovery.resumes})
 
     def _progress(self, state: JobState | None = None) -> dict[str, Any]:
         """What ``progress.json`` says of the job (see :mod:`antdt.jobs.keeper`)."""
@@ -664,14 +561,14 @@ class JobRunner:
         (seconds since training started) and ``saved_model``, the final model's files when its
         ranks wrote it in parts (``{"folder": ..., "files": {name: size and sha256}}``)."""
         self._read_ledger()
-        saved = next((s.report.saved_model for s in self.placement.slots
+        saved = next((s.report.saved_model for s in self.placement.current
                       if s.report is not None and s.report.saved_model is not None), None)
         return {"job_id": self.job_id, "name": self.plan.name,
                 **self.journal.report(self.placement.slots),
                 "rows_trained_here": self.journal.rows["trained"] - self._trained_before,
                 "wall_s": time() - self.submitted_at, "stopped": self.stopped,
-                "sharding": self.plan.sharding, "rows_replayed": self.rows_replayed,
-                "resumes": self.resumes, "checkpoints": self.checkpoints.summary(),
+                "sharding": self.plan.sharding, "rows_replayed": self.recovery.rows_replayed,
+                "resumes": self.recovery.resumes, "checkpoints": self.checkpoints.summary(),
                 "adapted": self.placement.adapted,
                 "saved_model": None if saved is None else {"folder": saved.folder,
                                                            "files": dict(saved.files)}}

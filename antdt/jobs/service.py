@@ -203,6 +203,10 @@ class JobService(SchedulerPlugin):
             controller=self.controller, mode=mode,
             others=lambda: [runner.placement.placed for job, runner in self.runners.items()
                             if job != job_id and not runner.state.final],
+            exclusive=lambda: set().union(*(
+                runner.placement.placed for job, runner in self.runners.items()
+                if job != job_id and not runner.state.final and runner.plan.mode == "sync"
+                and plan.mode == "sync")),
             forget=self.forget)
 
     def _plugins(self) -> None:

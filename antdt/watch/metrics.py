@@ -210,7 +210,7 @@ def _add_job(families: Families, runner: JobRunner) -> None:
             add("job_epoch_rows_done", done, str(epoch))
         for key in ("done", "trained", "lost", "retrained", "quarantined"):
             add(f"job_rows_{key}", rows[key])
-    add("job_rows_replayed", runner.rows_replayed)
+    add("job_rows_replayed", runner.recovery.rows_replayed)
     for kind, count in journal.leases.items():
         add("job_leases", count, kind)
     for kind, count in sorted(journal.action_counts.items()):

@@ -4,8 +4,10 @@ with a warning naming them, old ones pruned, a resume reference resolved."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from antdt.errors import CheckpointError
 from antdt.jobs import JobPlan, checkpoints
 from antdt.jobs.checkpoints import Every, Manifest
 from antdt.jobs.keeper import Checkpointer
+from waits import until
 
 
 def write_version(folder: Path, version: int, done: int) -> Manifest:
@@ -143,3 +146,42 @@ def test_a_checkpoint_starts_early_enough_to_complete_within_its_interval() -> N
     assert not keeper.due(399, samples_per_s=1000.0, next_look_s=0.1)
     keeper.restart_interval(rows_trained=400)
     assert not keeper.due(799, samples_per_s=1000.0, next_look_s=0.1)
+
+
+def test_a_checkpoint_completing_after_the_restart_chose_its_point_gets_no_manifest(
+        tmp_path: Path) -> None:
+    """The job's model restarts from version 1 while version 2 is still being written: when
+    version 2's files arrive it is discarded (no manifest, nothing pruned), so the restart's
+    point stays the newest and the next restart counts its replayed rows from it; a checkpoint
+    started after the restart is kept."""
+    plan = JobPlan(name="j", row_groups=[("a.parquet", 0, 10)], batch_rows=1, shard_rows=1,
+                   checkpoint_dir=str(tmp_path), checkpoint_every="1000", checkpoint_keep=1)
+    logged: list[str] = []
+
+    async def scenario() -> tuple[Manifest | None, ...]:
+        release = asyncio.Event()
+
+        async def write_model(worker: str, path: str) -> dict[str, Any]:
+            await release.wait()
+            return {"files": {checkpoints.LEDGER: checkpoints.write(
+                        checkpoints.join(path, checkpoints.LEDGER), b"ledger")},
+                    "rows": {"done": 20, "trained": 20}}
+
+        keeper = Checkpointer("j", plan, write_model, log=lambda level, m: logged.append(m))
+        write_version(tmp_path / "j", 1, done=10)
+        await keeper.open(rows_trained=10)
+        keeper.take("w", rows_trained=20, step=2, run=None, extra={})
+        await keeper.settle(timeout_s=0.0)  # the restart chooses version 1 meanwhile
+        chosen = await keeper.latest()
+        release.set()
+        await until(lambda: any("v000002" in m for m in logged), "version 2's end")
+        after = await keeper.latest()
+        keeper.take("w", rows_trained=30, step=3, run=None, extra={})
+        await keeper.close({"job_id": "j"})
+        return chosen, after, await keeper.latest()
+
+    chosen, after, later = asyncio.run(scenario())
+    assert chosen is not None and chosen.version == 1
+    assert after is not None and after.version == 1, "the late version 2 was made a checkpoint"
+    assert any("discarded" in m and "v000002" in m for m in logged), logged
+    assert later is not None and later.version == 3
