@@ -8,10 +8,11 @@ against them.
 
 Each run trains a job on real ``dask scheduler`` and ``dask worker`` processes (the real
 agents, ledger, controller, model sync and checkpoints) with a model that counts
-(:class:`CountingModel`: row ``i`` of its one embedding table grows by 1 each time row ``i`` of
-the Parquet data is trained, and the model sync moves those counts like any embedding update),
-does harm at moments drawn from the seed, and checks that every row the ledger counts done is in
-the final model exactly ``epochs`` times: a row with another count is a discrepancy.
+(:class:`~pipeline.bench.chaos_run.CountingModel`: row ``i`` of its one embedding table grows
+by 1 each time row ``i`` of the Parquet data is trained, and the model sync moves those counts
+like any embedding update), does harm at moments drawn from the seed, and checks that every row
+the ledger counts done is in the final model exactly ``epochs`` times: a row with another count
+is a discrepancy.
 
 Scenarios (each on a fresh cluster):
 
@@ -54,12 +55,9 @@ the kills and hangs made, the rows checked (rows x epochs) and the discrepancies
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import shutil
-import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,30 +65,19 @@ from typing import Any
 
 import click
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
-import yaml
-from distributed import Event
 
-from antdt.agent import event_topic
 from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec, checkpoints
 from antdt.jobs.client import FINAL
 from pipeline.bench import emit
+from pipeline.bench.chaos_run import (EPOCHS, NOTHING_CHECKED, STEP_S, WAIT_S, AuditHooks,
+                                      CountingModel, IdReaderRecipe, Run, Watch, audit, ignore,
+                                      write_data)
 from pipeline.bench.jobs import echo
-from pipeline.bench.processes import DaskProcesses, freeze, thaw, wait_for_workers, wait_until
+from pipeline.bench.processes import freeze, thaw
 
 SCENARIOS = ("kill", "hang", "lone", "scheduler")
-ROW_ID = "row_id"
 BATCH_ROWS = 64
-STEP_S = 0.004
-"""A counting step's stand-in for a real step's compute: 64 rows in 4 ms (16,000 rows/s)."""
-EPOCHS = 2
-ROW_GROUP_ROWS = 4_096
-WAIT_S = 180.0
-"""The longest any one wait of a run may take (a worker's start, a kill's moment)."""
-JOB_WAIT_S = 600.0
-"""The longest a run's job may take to end once the harm is done."""
 
 CONFIG = {"antdt": {
     "monitor": {"window": "1s", "hang-floor": "2s"},
@@ -110,51 +97,9 @@ by several notes of rows trained past it before the next one (the scheduler scen
 waits for one)."""
 
 
-# ---- the model, its data and its hooks (run on the workers) -----------------------------------
-
-
-class CountingModel:
-    """:class:`antdt.agent.Trainer` of a model that counts: table row ``i`` (one table, ``(rows,
-    1)`` float32, every count exact) is how many times row ``i`` of the data reached it. A step
-    sleeps ``step_s`` (a real step's compute), adds 1 to the rows of its batch and 0.01 to the
-    dense bias (averaged by the model sync: not counted)."""
-
-    def __init__(self, rows: int, step_s: float) -> None:
-        self.step_s = step_s
-        self.table = torch.zeros(rows, 1)
-        self.bias = torch.zeros(1)
-
-    def step(self, ids: torch.Tensor) -> float:
-        time.sleep(self.step_s)
-        self.table.index_add_(0, ids, torch.ones(len(ids), 1))
-        self.bias += 0.01
-        return 0.5
-
-    def touched(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"t": ids}
-
-    def dense(self) -> list[torch.Tensor]:
-        return [self.bias]
-
-    def tables(self) -> dict[str, torch.Tensor]:
-        return {"t": self.table}
-
-    def state(self) -> np.ndarray:
-        return self.table[:, 0].numpy().copy()
-
-    def checkpoint_state(self, tables: Mapping[str, torch.Tensor] | None = None
-                         ) -> dict[str, torch.Tensor]:
-        table = self.table.clone() if tables is None else tables["t"]
-        return {"table": table, "bias": self.bias.clone()}
-
-    def restore_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.table.copy_(state["table"])
-        self.bias.copy_(state["bias"])
-
-
 @dataclass(frozen=True)
 class CountingRecipe:
-    """Builds a :class:`CountingModel` on a worker."""
+    """Builds a :class:`~pipeline.bench.chaos_run.CountingModel` on a worker."""
 
     rows: int
     step_s: float = STEP_S
@@ -163,163 +108,21 @@ class CountingRecipe:
         return CountingModel(self.rows, self.step_s)
 
 
-class IdReader:
-    """Reads a row range of a row group: its row ids (``(k,)`` int64), from the Parquet file."""
+class AsyncRun(Run):
+    """One async scenario's run: its data, sized for ``job_s`` seconds of training on three
+    workers, and its job."""
 
-    def __init__(self) -> None:
-        self._ids: dict[tuple[str, int], np.ndarray] = {}
-
-    def read(self, path: str, row_group: int, start: int, stop: int) -> torch.Tensor:
-        ids = self._ids.get((path, row_group))
-        if ids is None:
-            table = pq.ParquetFile(path).read_row_group(row_group, columns=[ROW_ID])
-            ids = self._ids[(path, row_group)] = table.column(ROW_ID).to_numpy()
-        return torch.from_numpy(ids[start:stop])
-
-
-@dataclass(frozen=True)
-class IdReaderRecipe:
-    def __call__(self) -> IdReader:
-        return IdReader()
-
-
-@dataclass(frozen=True)
-class AuditHooks:
-    """Hooks that keep no tracking run: the final model's counts go to ``<folder>/<job
-    id>.npy`` (written by the worker that finishes the job), the summary is the master's
-    counters."""
-
-    folder: str
-
-    def start(self, job_id: str, workers: int, resume: Mapping[str, Any] | None = None
-              ) -> dict[str, Any]:
-        return dict(resume["run"]) if resume is not None else {"run_id": job_id}
-
-    def metrics(self, run: Mapping[str, Any], steps: Sequence[tuple[int, dict[str, float]]]
-                ) -> None:
-        return None
-
-    def finish(self, run: Mapping[str, Any], trainer: CountingModel | None,
-               report: Mapping[str, Any]) -> dict[str, Any]:
-        if trainer is not None:
-            np.save(os.path.join(self.folder, f"{run['run_id']}.npy"), trainer.state())
-        return {"rows": dict(report["rows"]), "rows_replayed": report["rows_replayed"],
-                "with_model": trainer is not None}
-
-    def abort(self, run: Mapping[str, Any], status: str, reason: str) -> None:
-        return None
-
-
-# ---- the check --------------------------------------------------------------------------------
-
-
-def write_data(folder: Path, rows: int, files: int = 4) -> list[tuple[str, int, int]]:
-    """``rows`` rows of ids ``0..rows-1`` in ``files`` Parquet files of ``ROW_GROUP_ROWS``-row
-    row groups; their row groups ``(path, row_group, num_rows)``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    groups = []
-    bounds = np.linspace(0, rows, files + 1).astype(np.int64)
-    for index, (start, stop) in enumerate(zip(bounds, bounds[1:])):
-        path = str(folder / f"part-{index}.parquet")
-        pq.write_table(pa.table({ROW_ID: np.arange(start, stop, dtype=np.int64)}), path,
-                       row_group_size=ROW_GROUP_ROWS)
-        metadata = pq.ParquetFile(path).metadata
-        groups += [(path, group, metadata.row_group(group).num_rows)
-                   for group in range(metadata.num_row_groups)]
-    return groups
-
-
-def audit(counts: np.ndarray, epochs: int, rows: Mapping[str, int]) -> dict[str, int]:
-    """``counts`` (per row id, the final model's count) held against the ledger's ``rows``
-    counters of a finished job: every row is done once per epoch (no row lost, none
-    quarantined), so every count must be ``epochs``. ``missing``: rows the model holds fewer
-    times, ``extra``: more times, ``discrepancies``: both; ``counters``: 1 when the counters
-    disagree with each other (trained != done + retrained, or rows lost)."""
-    missing = int((counts < epochs).sum())
-    extra = int((counts > epochs).sum())
-    expected = len(counts) * epochs
-    counters = int(rows["done"] != expected or rows["lost"] != 0
-                   or rows["trained"] != rows["done"] + rows["retrained"])
-    return {"rows_checked": expected, "missing": missing, "extra": extra,
-            "discrepancies": missing + extra + counters, "counters": counters}
-
-
-# ---- one run ----------------------------------------------------------------------------------
-
-
-class Watch:
-    """The events a job's agents send (subscribed before the job is submitted, so none is
-    missed): the workers that paused at their gate, hung, or trained a batch."""
-
-    def __init__(self, jobs: JobClient, job_id: str) -> None:
-        self._lock = threading.Lock()
-        self._paused: set[str] = set()
-        self._hung: set[str] = set()
-        self._trained: set[str] = set()
-        jobs.client.subscribe_topic(event_topic(job_id), self._on_event)
-
-    def _on_event(self, event: tuple[float, dict[str, Any]]) -> None:
-        msg = event[1]
-        worker = str(msg.get("worker"))
-        with self._lock:
-            if msg.get("kind") == "fault" and msg.get("fault") == "pause":
-                self._paused.add(worker)
-            elif msg.get("kind") == "fault" and msg.get("fault") == "hang":
-                self._hung.add(worker)
-            elif msg.get("kind") == "progress" and msg.get("batches"):
-                self._trained.add(worker)
-
-    def paused(self) -> set[str]:
-        """The workers that paused at their gate so far."""
-        with self._lock:
-            return set(self._paused)
-
-    def hung(self) -> set[str]:
-        """The workers that hung so far."""
-        with self._lock:
-            return set(self._hung)
-
-    def trained(self) -> set[str]:
-        """The workers that trained a batch so far."""
-        with self._lock:
-            return set(self._trained)
-
-
-@dataclass
-class Run:
-    """One scenario's run: its own folder, data, cluster(s) and job, and the harm it did."""
-
-    scenario: str
-    seed: int
-    folder: Path
-    job_s: float
-    kills: int = 0
-    hangs: int = 0
-
-    def __post_init__(self) -> None:
-        self.folder = self.folder.resolve()  # the workers read its data from their own folders
-        self.rng = random.Random(self.seed)
+    def __init__(self, scenario: str, seed: int, folder: Path, job_s: float) -> None:
+        super().__init__(scenario, seed, folder, CONFIG)
         # three workers at half the steps' pace (commits, sync rounds and the cluster share two
         # cores), over the epochs
-        self.rows = int(self.job_s * 3 * BATCH_ROWS / STEP_S / 2 / EPOCHS)
+        self.rows = int(job_s * 3 * BATCH_ROWS / STEP_S / 2 / EPOCHS)
         self.groups = write_data(self.folder / "data", self.rows)
-        config = self.folder / "dask"
-        config.mkdir(parents=True, exist_ok=True)
-        (config / "antdt.yaml").write_text(yaml.safe_dump(CONFIG))
-        self.env = {"DASK_CONFIG": str(config)}
-        self.job_id = f"chaos-{self.scenario}-{uuid.uuid4().hex[:8]}"
-        self.released = f"{self.job_id}-released"
-        """The Dask Event the gated workers wait for once the harm is done."""
-        self.clusters = 0
 
     def gate(self, share: float, event: str) -> dict[str, Any]:
         """The faults of an initial worker that pauses, holding no lease, once it trained
         ``share`` of the job's rows (all epochs), until the Dask Event ``event`` is set."""
         return {"pause_until": event, "pause_after_rows": int(share * self.rows * EPOCHS)}
-
-    def release(self, jobs: JobClient) -> None:
-        """Set :attr:`released`: the gated workers go on."""
-        Event(self.released, client=jobs.client).set()
 
     def spec(self, checkpoint_every: str | None = None,
              faults: dict[int, dict[str, Any]] | None = None,
@@ -333,16 +136,6 @@ class Run:
         return JobSpec(plan, JobCode.of(CountingRecipe(self.rows), IdReaderRecipe(),
                                         AuditHooks(str(self.folder))))
 
-    def cluster(self, workers: int) -> tuple[DaskProcesses, list[Any]]:
-        """A new cluster of ``workers`` worker commands (one nanny and worker each)."""
-        folder = self.folder / f"cluster-{self.clusters}"
-        self.clusters += 1
-        folder.mkdir()
-        processes = DaskProcesses(folder, env=self.env)
-        commands = [processes.add_workers(1) for _ in range(workers)]
-        wait_for_workers(processes.address, workers, timeout_s=WAIT_S)
-        return processes, commands
-
     def at_share(self, jobs: JobClient, share: float) -> dict[str, Any]:
         """The job's record once it trained ``share`` of its rows (or ended)."""
         target = share * self.rows * EPOCHS
@@ -354,46 +147,8 @@ class Run:
             record = jobs.wait(self.job_id, record["version"], timeout_s=1.0)
         return record
 
-    def until(self, jobs: JobClient, condition: Callable[[], Any], what: str) -> bool:
-        """Whether ``condition()`` came true before the job ended (a gate holds its end, so it
-        ended first only if it failed)."""
-        wait_until(lambda: condition() or jobs.status(self.job_id)["state"] in FINAL,
-                   f"{self.job_id}: {what}", WAIT_S, poll_s=0.2)
-        return bool(condition())
 
-    def end(self, jobs: JobClient) -> dict[str, Any]:
-        """The job's final record."""
-        record = jobs.status(self.job_id)
-        deadline = time.monotonic() + JOB_WAIT_S
-        while record["state"] not in FINAL:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.job_id} did not end within {JOB_WAIT_S:g}s")
-            record = jobs.wait(self.job_id, record["version"])
-        return record
-
-    def command_of(self, jobs: JobClient, processes: DaskProcesses, commands: list[Any],
-                   worker: str) -> Any:
-        """The worker command whose worker process is ``worker`` (an address)."""
-        pid = jobs.client.run(os.getpid, workers=[worker])[worker]
-        return next(command for command in commands
-                    if pid in [p.pid for p in processes.worker_processes(command)])
-
-    def kill_process(self, processes: DaskProcesses, command: Any) -> None:
-        """SIGKILL the worker process of ``command`` (its nanny starts a new one, unless it is
-        stopped)."""
-        for process in processes.worker_processes(command):
-            process.kill()
-            self.kills += 1
-            return
-
-    def kill_command(self, processes: DaskProcesses, commands: list[Any], command: Any) -> None:
-        """SIGKILL a nanny with its worker."""
-        processes.kill_group(command)
-        commands.remove(command)
-        self.kills += 1
-
-
-def kill(run: Run) -> dict[str, Any]:
+def kill(run: AsyncRun) -> dict[str, Any]:
     # each of the three trains at most 30% of the rows before the kills are made (the second
     # comes by 55%: the two left reach it); the killed ones are replaced only then
     gate = run.gate(0.3, run.released)
@@ -419,7 +174,7 @@ def kill(run: Run) -> dict[str, Any]:
         return run.end(jobs)
 
 
-def hang(run: Run) -> dict[str, Any]:
+def hang(run: AsyncRun) -> dict[str, Any]:
     # the hung one stops after 3% to 17% of the rows; the other two train at most 30% each
     # before it hangs, so it gets its rows
     hung = run.rng.randrange(3)
@@ -436,7 +191,7 @@ def hang(run: Run) -> dict[str, Any]:
         return run.end(jobs)
 
 
-def lone(run: Run) -> dict[str, Any]:
+def lone(run: AsyncRun) -> dict[str, Any]:
     # either of the two may be left alone: each trains at most 40% of the rows (the other has
     # trained under 30% when it dies), then waits for an event nobody sets: the lone one, once
     # paused there, waits until the joiner trained, and is killed
@@ -459,10 +214,6 @@ def lone(run: Run) -> dict[str, Any]:
         return run.end(jobs)
 
 
-def ignore(message: str) -> None:
-    """A torn or corrupt checkpoint's warning: expected after a kill, not reported."""
-
-
 def worth_losing(folder: str) -> bool:
     """Whether the job in checkpoint folder ``folder``, lost now, costs what the scheduler
     scenario checks: its newest complete checkpoint held rows in flight (trained, not yet
@@ -479,7 +230,7 @@ def worth_losing(folder: str) -> bool:
     return in_flight > 0 and int(note["rows"]["trained"] or 0) > rows["trained"]
 
 
-def scheduler(run: Run) -> dict[str, Any]:
+def scheduler(run: AsyncRun) -> dict[str, Any]:
     # each trains at most 40% of the rows, then waits for an event nobody sets: the cluster is
     # killed first
     gate = run.gate(0.4, f"{run.job_id}-never")
@@ -514,22 +265,23 @@ def scheduler(run: Run) -> dict[str, Any]:
         return run.end(jobs)
 
 
-RUNNERS: dict[str, Callable[[Run], dict[str, Any]]] = {
+RUNNERS: dict[str, Callable[[AsyncRun], dict[str, Any]]] = {
     "kill": kill, "hang": hang, "lone": lone, "scheduler": scheduler}
 
 
 def run_scenario(scenario: str, seed: int, folder: Path, job_s: float) -> dict[str, Any]:
-    """One run of ``scenario``: its job on fresh clusters, the harm, and :func:`audit` of its
-    final model (``finished`` False, and nothing checked, when the job did not finish)."""
+    """One run of ``scenario``: its job on fresh clusters, the harm, and
+    :func:`~pipeline.bench.chaos_run.audit` of its final model (``finished`` False, and nothing
+    checked, when the job did not finish)."""
     started = time.monotonic()
-    run = Run(scenario, seed, folder, job_s)
+    run = AsyncRun(scenario, seed, folder, job_s)
     try:
         record = RUNNERS[scenario](run)
     except TimeoutError as exc:  # a wait of the run's own: reported with the run, unfinished
         record = {"state": "timed out", "error": str(exc), "rows": {}}
     result: dict[str, Any] = {
-        "scenario": scenario, "seed": seed, "job_id": run.job_id, "state": record["state"],
-        "error": record.get("error"),
+        "scenario": scenario, "seed": seed, "job_id": run.job_id,
+        "state": record["state"], "error": record.get("error"),
         "finished": record["state"] == "finished", "kills": run.kills, "hangs": run.hangs,
         "rows": dict(record["rows"]), "rows_replayed": record.get("rows_replayed", 0),
         "seconds": round(time.monotonic() - started, 1)}
@@ -537,8 +289,7 @@ def run_scenario(scenario: str, seed: int, folder: Path, job_s: float) -> dict[s
     if result["finished"] and model.exists():
         result.update(audit(np.load(model), EPOCHS, record["rows"]))
     else:
-        result.update(rows_checked=0, missing=0, extra=0, discrepancies=0, counters=0,
-                      finished=False)
+        result.update(NOTHING_CHECKED, finished=False)
     return result
 
 

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.bench.chaos import SCENARIOS, audit, chaos
+from pipeline.bench.chaos import SCENARIOS, chaos
+from pipeline.bench.chaos_run import audit
 
 JOB_S = {"kill": 6.0, "hang": 6.0, "lone": 6.0, "scheduler": 3.0}
 """The size of each scenario's job (rows from the counting model's constant step time, not a
