@@ -7,14 +7,17 @@ are tested elsewhere against the offsets they are computed from; this holds the 
 against them.
 
 Each run trains a job on real ``dask scheduler`` and ``dask worker`` processes (the real
-agents, ledger, controller, model sync and checkpoints) with a model that counts
-(:class:`~pipeline.bench.chaos_run.CountingModel`: row ``i`` of its one embedding table grows
-by 1 each time row ``i`` of the Parquet data is trained, and the model sync moves those counts
-like any embedding update), does harm at moments drawn from the seed, and checks that every row
-the ledger counts done is in the final model exactly ``epochs`` times: a row with another count
-is a discrepancy.
+agents, ledger, controller, model sync and checkpoints) with a model that counts (row ``i`` of
+its one embedding table grows by 1 each time row ``i`` of the Parquet data is trained), does
+harm at moments drawn from the seed, and checks that every row the ledger counts done is in the
+final model exactly ``epochs`` times (:func:`~pipeline.bench.chaos_run.audit`): a row with
+another count is a discrepancy. ``--mode`` picks the training mode of the jobs: ``async`` (this
+module's scenarios, with :class:`~pipeline.bench.chaos_run.CountingModel` as every worker's
+replica, the model sync moving its counts like any embedding update), ``sync`` (one model
+sharded over the ranks; its scenarios, and what else a sync run checks, are
+:mod:`pipeline.bench.chaos_sync`'s), or ``all``, the two in alternation.
 
-Scenarios (each on a fresh cluster):
+Async scenarios (each on a fresh cluster):
 
 * ``kill``       three workers; twice, at a random share of the job, one is killed: its worker
                  process alone (SIGKILL; its nanny starts a new one, which joins the job) or
@@ -47,9 +50,12 @@ manifest, so that version is torn and skipped); when the check fails, the schedu
 until the next note.
 
 ``--seconds`` bounds the run: the scenarios follow each other in that order, again and again,
-until the time is spent (each at least once). The JSON reports, in all and per scenario, the runs,
-the kills and hangs made, the rows checked (rows x epochs) and the discrepancies found (target:
-0), and every run's seed, counters and seconds.
+until the time is spent (each at least once; with ``--mode all`` an async run and a sync run
+in turn). The JSON reports, in all and per scenario (a sync scenario as ``sync/<name>``: two
+names are in both modes), the runs, the kills and hangs made, the rows checked (rows x epochs),
+the discrepancies found and the sync runs' replay mismatches (target: 0 each), and every run's
+mode, seed, counters and seconds. The command exits 1 on a discrepancy, a job that did not
+finish, or a replay mismatch.
 """
 
 from __future__ import annotations
@@ -73,10 +79,14 @@ from pipeline.bench import emit
 from pipeline.bench.chaos_run import (EPOCHS, NOTHING_CHECKED, STEP_S, WAIT_S, AuditHooks,
                                       CountingModel, IdReaderRecipe, Run, Watch, audit, ignore,
                                       write_data)
+from pipeline.bench.chaos_sync import SYNC_SCENARIOS, run_sync
 from pipeline.bench.jobs import echo
 from pipeline.bench.processes import freeze, thaw
 
 SCENARIOS = ("kill", "hang", "lone", "scheduler")
+MODE_SCENARIOS = {"async": SCENARIOS, "sync": SYNC_SCENARIOS}
+MODES = {"async": ("async",), "sync": ("sync",), "all": ("async", "sync")}
+"""``--mode``: the modes whose scenarios run, in the order they alternate."""
 BATCH_ROWS = 64
 
 CONFIG = {"antdt": {
@@ -91,10 +101,10 @@ CONFIG = {"antdt": {
     "sync": {"join-timeout": "60s", "final-timeout": "120s"},
     "jobs": {"tick": "200ms"},
 }}
-"""Dask config of every process of a run: a hung worker is retired within seconds, not 30; the
-master notes the job's progress five times a second, so a checkpoint (one a second) is followed
-by several notes of rows trained past it before the next one (the scheduler scenario's kill
-waits for one)."""
+"""Dask config of every process of an async run: a hung worker is retired within seconds, not
+30; the master notes the job's progress five times a second, so a checkpoint (one a second) is
+followed by several notes of rows trained past it before the next one (the scheduler scenario's
+kill waits for one)."""
 
 
 @dataclass(frozen=True)
@@ -270,7 +280,7 @@ RUNNERS: dict[str, Callable[[AsyncRun], dict[str, Any]]] = {
 
 
 def run_scenario(scenario: str, seed: int, folder: Path, job_s: float) -> dict[str, Any]:
-    """One run of ``scenario``: its job on fresh clusters, the harm, and
+    """One run of the async ``scenario``: its job on fresh clusters, the harm, and
     :func:`~pipeline.bench.chaos_run.audit` of its final model (``finished`` False, and nothing
     checked, when the job did not finish)."""
     started = time.monotonic()
@@ -280,7 +290,7 @@ def run_scenario(scenario: str, seed: int, folder: Path, job_s: float) -> dict[s
     except TimeoutError as exc:  # a wait of the run's own: reported with the run, unfinished
         record = {"state": "timed out", "error": str(exc), "rows": {}}
     result: dict[str, Any] = {
-        "scenario": scenario, "seed": seed, "job_id": run.job_id,
+        "mode": "async", "scenario": scenario, "seed": seed, "job_id": run.job_id,
         "state": record["state"], "error": record.get("error"),
         "finished": record["state"] == "finished", "kills": run.kills, "hangs": run.hangs,
         "rows": dict(record["rows"]), "rows_replayed": record.get("rows_replayed", 0),
@@ -293,58 +303,84 @@ def run_scenario(scenario: str, seed: int, folder: Path, job_s: float) -> dict[s
     return result
 
 
-def chaos(seconds: float, seed: int, folder: Path, scenarios: Sequence[str] = SCENARIOS,
-          job_s: float = 8.0, quiet: bool = True) -> dict[str, Any]:
-    """Runs of ``scenarios`` in turn until ``seconds`` passed (each at least once), in
-    ``folder``; their totals, per scenario and in all, and every run (see the module)."""
+def chaos(seconds: float, seed: int, folder: Path, scenarios: Sequence[str] | None = None,
+          job_s: float = 8.0, quiet: bool = True, mode: str = "async") -> dict[str, Any]:
+    """Runs of ``scenarios`` (None: every scenario) of ``mode``'s modes in turn until
+    ``seconds`` passed (each at least once), in ``folder``; their totals, per scenario and in
+    all, and every run (see the module)."""
     started = time.monotonic()
+    plan = {m: [s for s in scenarios or MODE_SCENARIOS[m] if s in MODE_SCENARIOS[m]]
+            for m in MODES[mode]}
+    modes = [m for m in MODES[mode] if plan[m]]
     runs: list[dict[str, Any]] = []
     rng = random.Random(seed)
-    while len(runs) < len(scenarios) or time.monotonic() - started < seconds:
-        scenario = scenarios[len(runs) % len(scenarios)]
-        where = folder / f"run-{len(runs)}-{scenario}"
-        result = run_scenario(scenario, rng.randrange(2**31), where, job_s)
+    ran = dict.fromkeys(modes, 0)
+    while any(ran[m] < len(plan[m]) for m in modes) or time.monotonic() - started < seconds:
+        m = modes[len(runs) % len(modes)]
+        scenario = plan[m][ran[m] % len(plan[m])]
+        ran[m] += 1
+        if m == "async":
+            where = folder / f"run-{len(runs)}-{scenario}"
+            result = run_scenario(scenario, rng.randrange(2**31), where, job_s)
+        else:
+            where = folder / f"run-{len(runs)}-sync-{scenario}"
+            result = run_sync(scenario, rng.randrange(2**31), where, job_s)
         runs.append(result)
         shutil.rmtree(where / "data", ignore_errors=True)
-        echo(f"{scenario}: {result['state']}, {result['kills']} kill(s), {result['hangs']} "
-             f"hang(s), {result['rows_checked']:,} rows checked, {result['discrepancies']} "
-             f"discrepancies ({result['seconds']:.0f}s)", quiet)
+        replays = "" if m == "async" else \
+            f", {result['rows_replayed']:,} rows replayed of {result['trained_twice']:,} " \
+            "trained twice"
+        echo(f"{label(result)}: {result['state']}, {result['kills']} kill(s), "
+             f"{result['hangs']} hang(s), {result['rows_checked']:,} rows checked, "
+             f"{result['discrepancies']} discrepancies{replays} ({result['seconds']:.0f}s)",
+             quiet)
     totals = _totals(runs)
     return {"seconds": round(time.monotonic() - started, 1), "seed": seed, **totals,
-            "by_scenario": {s: _totals([r for r in runs if r["scenario"] == s])
-                            for s in scenarios},
+            "by_scenario": {name: _totals([r for r in runs if label(r) == name])
+                            for name in dict.fromkeys(label(r) for r in runs)},
             "runs": runs}
+
+
+def label(run: Mapping[str, Any]) -> str:
+    """A run's scenario as the totals name it: ``sync/<name>`` for a sync run's."""
+    return run["scenario"] if run["mode"] == "async" else f"sync/{run['scenario']}"
 
 
 def _totals(runs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     return {"scenarios_run": len(runs), "unfinished": sum(not r["finished"] for r in runs),
             **{key: sum(int(r[key]) for r in runs)
                for key in ("kills", "hangs", "rows_checked", "discrepancies", "missing",
-                           "extra")}}
+                           "extra")},
+            "replay_mismatches": sum(r["replay_mismatches"] for r in runs if r["mode"] == "sync")}
 
 
 @click.command("chaos")
 @click.option("--seconds", type=float, default=120.0, show_default=True,
               help="Run scenarios until this many seconds passed (each at least once).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--scenario", "scenarios", default=",".join(SCENARIOS), show_default=True,
-              help="Comma-separated, from: " + ", ".join(SCENARIOS) + ".")
+@click.option("--mode", type=click.Choice(sorted(MODES)), default="async", show_default=True,
+              help="The training mode of the jobs; all: an async run and a sync run in turn.")
+@click.option("--scenario", "scenarios", default=None,
+              help="Comma-separated (default: every scenario of the mode), from: async: "
+                   + ", ".join(SCENARIOS) + "; sync: " + ", ".join(SYNC_SCENARIOS) + ".")
 @click.option("--job-s", type=float, default=8.0, show_default=True,
               help="About how long one job trains on three workers, unharmed.")
 @click.option("--folder", type=click.Path(file_okay=False), default=".antdt-bench/chaos",
               show_default=True, help="Where the runs' data, clusters and models go (emptied).")
 @click.option("--json", "as_json", is_flag=True)
-def command(seconds: float, seed: int, scenarios: str, job_s: float, folder: str,
-            as_json: bool) -> None:
+def command(seconds: float, seed: int, mode: str, scenarios: str | None, job_s: float,
+            folder: str, as_json: bool) -> None:
     """Kill workers and schedulers at random moments; check the final model against the
-    ledger: every row it counts done in the model exactly once per epoch."""
-    chosen = [s.strip() for s in scenarios.split(",") if s.strip()]
-    unknown = sorted(set(chosen) - set(SCENARIOS))
-    if unknown or not chosen:
-        raise click.UsageError(f"--scenario: expected some of {', '.join(SCENARIOS)}, found "
-                               f"{scenarios!r}")
+    ledger: every row it counts done in the model exactly once per epoch (and, of a sync job,
+    the rows its ranks trained twice are the rows its master counts replayed)."""
+    known = {s for m in MODES[mode] for s in MODE_SCENARIOS[m]}
+    chosen = None if scenarios is None else [s.strip() for s in scenarios.split(",")
+                                             if s.strip()]
+    if chosen is not None and (not chosen or set(chosen) - known):
+        raise click.UsageError(f"--scenario: expected some of {', '.join(sorted(known))} "
+                               f"(--mode {mode}), found {scenarios!r}")
     shutil.rmtree(folder, ignore_errors=True)
-    result = chaos(seconds, seed, Path(folder), chosen, job_s, quiet=as_json)
+    result = chaos(seconds, seed, Path(folder), chosen, job_s, quiet=as_json, mode=mode)
     emit(result, as_json)
-    if result["discrepancies"] or result["unfinished"]:
+    if result["discrepancies"] or result["unfinished"] or result["replay_mismatches"]:
         raise SystemExit(1)
