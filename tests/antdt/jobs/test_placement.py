@@ -3,10 +3,11 @@ cluster."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection
 
-from antdt.agent import AgentReport
+from antdt.agent import AgentReport, SavedModel
 from antdt.jobs.placement import Placement, Slot
 from antdt.jobs.spec import JobPlan
 
@@ -142,3 +143,23 @@ def test_every_agent_lost_and_a_restart_chooses_among_all_workers() -> None:
 def test_a_slot_is_plain_data() -> None:
     slot = Slot("tcp://a", 0, join=False, started=0.0)
     assert slot.live and not slot.finished and slot.as_dict()["outcome"] == "running"
+
+
+def test_the_final_model_is_the_current_models_and_on_a_live_worker_or_in_parts() -> None:
+    """A synchronous group whose rank 1 died after the final gather: rank 0's report holds the
+    model, which counts while its worker lives. After a restart the old forming's finished
+    agents hold nothing the job can use (their model predates the restart): only the new
+    forming's rank 0 does, or the parts its ranks wrote."""
+    placement = Cluster().placement()
+    rank0, rank1 = (placement.add(w) for w in placement.initial(WORKERS[:2]))
+    placement.returned(rank0, dataclasses.replace(report(), holds_model=True))
+    placement.write_off(rank1)
+    assert placement.final_model(alive=WORKERS) is rank0
+    assert placement.final_model(alive=WORKERS[1:]) is None  # its worker died since
+    again = [placement.add(w) for w in placement.restart(WORKERS[2:])]
+    assert placement.current == again and rank0 not in placement.current
+    assert placement.final_model(alive=WORKERS) is None
+    placement.returned(again[1], report())
+    placement.returned(again[0], dataclasses.replace(
+        report(), saved_model=SavedModel("/c/j/model", {"part-0": {"bytes": 1}})))
+    assert placement.final_model(alive=[]) is again[0]
