@@ -45,6 +45,10 @@ cluster of three workers, one job of three ranks unless said):
 * ``finished``       kill once the final gather's collective completed: a rank > 0 at the end of
                      its gather, rank 0 in ``final()`` (with parts: any rank once every part is
                      written): the final model formed, the agents' results not yet back;
+* ``finishing``      kill the worker of rank 0, which holds the final model, while it
+                     evaluates and logs it (``hooks.finish``): the job's only whole model is
+                     lost after every agent returned, and the group forms again (gathered
+                     models only: a model in parts outlives its ranks);
 * ``hang``           hang before a step's collective, once the model holds a drawn share of
                      the rows;
 * ``scheduler``      the scheduler and every worker killed while the ranks are held, the
@@ -91,7 +95,7 @@ from pipeline.bench.chaos_run import (EPOCHS, NOTHING_CHECKED, STEP_S, WAIT_S, A
                                       read_parts, write_data, write_part)
 
 SYNC_SCENARIOS = ("mid-step", "before-commit", "two-leases", "checkpoint", "after-manifest",
-                  "final", "finished", "hang", "scheduler", "two-jobs")
+                  "final", "finished", "finishing", "hang", "scheduler", "two-jobs")
 WORLD = 3
 """Ranks of a job: one per worker of a run's cluster."""
 LOCAL_ROWS = 64
@@ -123,7 +127,8 @@ within 10 s; the master notes the job's progress five times a second."""
 class Harm:
     """What a job's trainer does to its rank (see the module): at ``point`` (a scenario's name,
     one of ``mid-step``, ``before-commit``, ``two-leases``, ``checkpoint``, ``final``,
-    ``finished``, ``hang``), on rank ``rank``, once the model holds at least ``rows`` rows."""
+    ``finished``, ``hang``), on rank ``rank``, once the model holds at least ``rows`` rows;
+    ``finishing`` is the hooks' (:class:`FinishingHooks`)."""
 
     point: str
     rank: int
@@ -255,20 +260,43 @@ class CountingShards:
         harm = self.recipe.harm
         folder = Path(self.recipe.folder)
         if harm is None or harm.point != point or harm.rank != self.rank or not due \
-                or self.model_rows < harm.rows or (folder / MARKER).exists() \
-                or not any((folder / "checkpoints").glob("*/v*/MANIFEST.json")):
+                or self.model_rows < harm.rows:
             return
-        try:
-            marker = os.open(folder / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        except FileExistsError:
-            return
-        os.write(marker, json.dumps({"point": point, "rank": self.rank,
-                                     "model_rows": self.model_rows, "token": self.token,
-                                     "pid": os.getpid()}).encode())
-        os.close(marker)
-        if point == "hang":
-            threading.Event().wait()
-        os.kill(os.getpid(), signal.SIGKILL)
+        fire_once(folder, {"point": point, "rank": self.rank, "model_rows": self.model_rows,
+                           "token": self.token})
+
+
+def fire_once(folder: Path, where: dict[str, Any]) -> None:
+    """The run's harm, ``where`` it says (its ``point``), unless a process of the run did it
+    already (the first to create ``folder``'s marker file) or the job has no complete
+    checkpoint yet: kill this process, or hang its thread for ever (``hang``)."""
+    if (folder / MARKER).exists() \
+            or not any((folder / "checkpoints").glob("*/v*/MANIFEST.json")):
+        return
+    try:
+        marker = os.open(folder / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        return
+    os.write(marker, json.dumps({**where, "pid": os.getpid()}).encode())
+    os.close(marker)
+    if where["point"] == "hang":
+        threading.Event().wait()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class FinishingHooks(AuditHooks):
+    """:class:`~pipeline.bench.chaos_run.AuditHooks` whose ``finish`` kills its worker the first
+    time it is handed the final model (the ``finishing`` scenario): ``job_folder`` holds the
+    run's marker."""
+
+    job_folder: str = ""
+
+    def finish(self, run: Mapping[str, Any], trainer: CountingModel | None,
+               report: Mapping[str, Any]) -> dict[str, Any]:
+        if trainer is not None:
+            fire_once(Path(self.job_folder), {"point": "finishing", "rank": 0})
+        return super().finish(run, trainer, report)
 
 
 @dataclass(frozen=True)
@@ -330,7 +358,9 @@ class SyncJob:
                        checkpoint_every=checkpoint_every or str(self.total // CHECKPOINTS),
                        resume=resume)
         recipe = CountingShardsRecipe(self.rows, EPOCHS, str(self.folder), self.parts, harm)
-        return JobSpec(plan, JobCode.of(recipe, IdReaderRecipe(), AuditHooks(str(self.folder))))
+        hooks = FinishingHooks(str(self.folder), str(self.folder)) \
+            if harm is not None and harm.point == "finishing" else AuditHooks(str(self.folder))
+        return JobSpec(plan, JobCode.of(recipe, IdReaderRecipe(), hooks))
 
     def harmed(self) -> dict[str, Any] | None:
         """Where and when the harm fired (None: it did not)."""
@@ -368,7 +398,7 @@ class SyncRun(Run):
 
     def __init__(self, scenario: str, seed: int, folder: Path, job_s: float) -> None:
         super().__init__(scenario, seed, folder, SYNC_CONFIG)
-        self.parts = self.rng.random() < 0.5
+        self.parts = self.rng.random() < 0.5 and scenario != "finishing"
         rows = int(job_s * RATE / EPOCHS)
         self.jobs = [SyncJob(self.job_id, self.folder, self.folder / "data", rows, seed,
                              self.parts)]
@@ -476,7 +506,7 @@ def two_jobs(run: SyncRun) -> list[dict[str, Any]]:
 SYNC_RUNNERS: dict[str, Callable[[SyncRun], list[dict[str, Any]]]] = {
     "mid-step": trainer_harm, "before-commit": trainer_harm, "two-leases": trainer_harm,
     "checkpoint": trainer_harm, "after-manifest": after_manifest, "final": trainer_harm,
-    "finished": trainer_harm, "hang": trainer_harm,
+    "finished": trainer_harm, "finishing": trainer_harm, "hang": trainer_harm,
     "scheduler": scheduler, "two-jobs": two_jobs}
 
 

@@ -77,11 +77,13 @@ SYNC_JOB_S = 3.0
 
 SYNC_SEEDS = {"mid-step": (0, True), "before-commit": (5, False), "two-leases": (1, True),
               "checkpoint": (6, False), "after-manifest": (2, True), "final": (13, True),
-              "finished": (17, False), "hang": (10, False), "scheduler": (4, True),
+              "finished": (17, False), "finishing": (3, False), "hang": (10, False),
+              "scheduler": (4, True),
               "two-jobs": (22, False)}
 """Each sync scenario's seed, and whether that seed's run writes its models in parts (drawn
 from the seed): the gathered and the parts paths both covered, half the scenarios each
-(``finished``'s seed kills rank 0 in ``final()``, the final model's holder)."""
+(``finished``'s seed kills rank 0 in ``final()``, the final model's holder; ``finishing``
+never writes parts: it kills the worker evaluating the gathered model)."""
 
 SYNC_HARM: dict[str, dict[str, int]] = {
     **{scenario: {"kills": 1, "hangs": 0} for scenario in SYNC_SCENARIOS},
