@@ -93,6 +93,15 @@ def row_counts(ranges: list[Range]) -> Counter[int]:
     return Counter(FIRST_ID[(p, g)] + r for p, g, start, stop in ranges for r in range(start, stop))
 
 
+def both_leasing(c: Client, job: str) -> None:
+    """Open ``job``'s gate (its agents' readers wait on it) once both agents hold a lease: each
+    then trains at least that lease, however late a loaded machine started one of them (one
+    agent alone could otherwise train every row before the other's first lease)."""
+    bounded.until(lambda: len({lease["worker"] for lease in live_leases(c, job)}) == 2,
+                  "both agents hold a lease")
+    GATES[job].set()
+
+
 def _set_batch_rows(job: str, worker: str, rows: int, dask_scheduler: Any) -> None:
     dask_scheduler.plugins[service.PLUGIN_NAME].jobs[job].set_batch_rows(worker, rows)
 
@@ -103,8 +112,10 @@ def test_an_agent_trains_in_the_batch_size_the_controller_set_it(client: Client)
     job = new_job(client)
     small, other = workers(client)
     client.run_on_scheduler(_set_batch_rows, job, small, 3)
-    reports: list[AgentReport] = bounded.gather(client, [start(client, job, w)
-                                                         for w in (small, other)])
+    GATES[job] = threading.Event()
+    futures = [start(client, job, w, gate=job) for w in (small, other)]
+    both_leasing(client, job)
+    reports: list[AgentReport] = bounded.gather(client, futures)
 
     sizes = {w: Counter(stop - start for _, _, start, stop in trained(client, job, w)["ranges"])
              for w in (small, other)}
@@ -117,7 +128,9 @@ def test_an_agent_trains_in_the_batch_size_the_controller_set_it(client: Client)
 
 def test_agents_train_every_row_once_per_epoch_and_count_exactly(client: Client) -> None:
     job = new_job(client, epochs=2)
-    futures = [start(client, job, w) for w in workers(client)]
+    GATES[job] = threading.Event()
+    futures = [start(client, job, w, gate=job) for w in workers(client)]
+    both_leasing(client, job)
     reports: list[AgentReport] = bounded.gather(client, futures)
 
     assert [r.outcome for r in reports] == ["finished", "finished"]
