@@ -105,18 +105,7 @@ At every moment ``rows_trained == rows_done + rows_retrained + rows_unsynced`` a
 so when the job ends ``rows_trained == total_rows * epochs - rows_quarantined - rows_lost +
 rows_retrained`` with ``rows_lost == 0`` unless it was stopped.
 
-Static assignment (the baseline)
---------------------------------
-``static=N`` deals each epoch's shards to ``N`` fixed slots up front, one per worker, and moves
-nothing between them: the classic static split the benchmarks compare against
-(:class:`~antdt.sharding.dealing.StaticDealer`). Dynamic leasing deals from one shared queue
-(:class:`~antdt.sharding.dealing.QueueDealer`). A static ledger cannot be checkpointed.
-
-Checkpoints
------------
-:meth:`ShardLedger.to_state` is the ledger as it would be if every worker were removed now, and
-:meth:`ShardLedger.from_state` resumes from it; :mod:`antdt.sharding.checkpoint` holds the byte
-format (:meth:`ShardLedger.save`, :meth:`ShardLedger.load`).
+The static baseline (``static=N``) and the ledger's checkpoints: docs/sharding-and-control.md.
 """
 
 from __future__ import annotations
