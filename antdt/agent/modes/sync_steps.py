@@ -1,12 +1,15 @@
 """The synchronous mode's step machinery on a rank (:mod:`antdt.agent.modes.synchronous` runs
 the loop): the header every rank all-reduces before a step (:class:`Header`), the split of a
 global batch over the ranks' offers (:func:`step_rows`), a rank's rows between its leases
-(:class:`StepRows`) and the measure of a rank's own time (:func:`own_seconds`)."""
+(:class:`StepRows`), its batches read while the step before runs (:class:`ReadAhead`) and the
+measure of a rank's own time (:func:`own_seconds`)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
 
 import torch
 
@@ -123,8 +126,8 @@ Span = tuple[Lease, int, int]
 
 class StepRows:
     """This rank's rows: the lease it trains and where the next batch starts, and the lease
-    that follows it once the rest of this one is less than a local batch; the lease requests
-    never wait (a rank told to wait offers no rows and asks again).
+    that follows it once the rest of this one is less than two local batches; the lease
+    requests never wait (a rank told to wait offers no rows and asks again).
 
     A lease holds at most ``antdt.sync-steps.lease-steps`` of the rank's local batches: leases
     of whole shards left a slow rank, whose local batch is small, hundreds of steps of rows
@@ -148,11 +151,13 @@ class StepRows:
 
     def offer(self, rows: int, idle: bool) -> int:
         """The rows this rank can train in the next step: what its lease's claim holds past
-        the committed offset, and the next lease's claim once the claim reaches the lease's end
-        with less than ``rows`` (the local batch) left; a lease is asked for (sized for
-        ``rows``) when the rank has none or such a rest. 0 when it has none now. ``idle``: no
-        rank had rows in the last step, so the request may wait for rows server side (every
-        rank waits in the next header anyway)."""
+        the committed offset, and the next lease's claim once the claim reaches the lease's end;
+        a lease is asked for (sized for ``rows``, the local batch) when the rank has none, and
+        the next one a step before the lease's rest is less than ``rows``, when less than
+        ``2 * rows`` are left (so the step before that one reads the next lease's front,
+        :class:`ReadAhead`). 0 when it has none now. ``idle``: no rank had rows in the last
+        step, so the request may wait for rows server side (every rank waits in the next
+        header anyway)."""
         if self.over or rows <= 0:
             return 0
         lease = self.lease
@@ -163,7 +168,7 @@ class StepRows:
             if lease is None:
                 return 0
             self._begin(lease)
-        elif self.ahead is None and lease.stop - self.offset < rows \
+        elif self.ahead is None and lease.stop - self.offset < 2 * rows \
                 and not self.agent.faults.pause_due(self.agent.rows):
             self.ahead = self._ask(rows, 0.0, ahead=True)
         offered = self.limit - self.offset
@@ -203,6 +208,20 @@ class StepRows:
         self._started = time.time()
         self.agent.event({"kind": "lease", "phase": "start", "lease_id": lease.lease_id,
                           "time": self._started})
+
+    def following(self, spans: Sequence[Span], rows: int) -> list[Span]:
+        """The spans of ``rows`` rows from where ``spans`` end, as the leases held now go on:
+        the next step's spans in the steady state (its header decides them), to read while
+        this step runs; fewer where the leases held end sooner."""
+        if not spans or rows <= 0:
+            return []
+        lease, _, end = spans[-1]
+        following = [(lease, end, min(lease.stop, end + rows))] if end < lease.stop else []
+        rows -= sum(stop - start for _, start, stop in following)
+        ahead = self.ahead
+        if rows > 0 and ahead is not None and lease is not ahead:
+            following.append((ahead, ahead.start, min(ahead.stop, ahead.start + rows)))
+        return following
 
     def take(self, rows: int) -> list[Span]:
         """The spans of this step's ``rows`` rows (at most what :meth:`offer` said): the
@@ -249,3 +268,43 @@ class StepRows:
             self.over = isinstance(reply, Stop)
             if ahead is not None and not self.over:
                 self._begin(ahead)
+
+
+class ReadAhead:
+    """A rank's batches, read in a thread of their own (``read(spans)`` is the batch of the
+    spans' rows): while a step runs, the next step's rows as its leases go on
+    (:meth:`StepRows.following`) are read, so the step after it does not wait for the reader
+    (the decoding of a row group a new lease starts, most of all). Every read runs in that one
+    thread, in order: the reader is one thread's.
+
+    The rows read ahead are a guess, used only when the next step takes exactly them; otherwise
+    they are dropped (a read of rows no step took: its failure too, the rows taken are read
+    again) and the step's own rows are read, after it. Reading moves off the training thread,
+    so a rank's own time (:func:`own_seconds`) no longer holds it, but a read that competes
+    with the training thread for a core makes it wait for one, which it does count."""
+
+    def __init__(self, read: Callable[[Sequence[Span]], Any]) -> None:
+        self._read = read
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="antdt-sync-read")
+        self._ahead: tuple[list[Span], Future[Any]] | None = None
+
+    def batch(self, spans: Sequence[Span]) -> Any:
+        """The batch of ``spans``: the one read ahead if it holds exactly these rows, else
+        read now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            guessed, reading = ahead
+            if guessed == list(spans):
+                return reading.result()
+            wait([reading])
+        return self._pool.submit(self._read, spans).result()
+
+    def read_ahead(self, spans: list[Span]) -> None:
+        """Start reading ``spans`` (none: nothing to read) for the next :meth:`batch`."""
+        if spans:
+            self._ahead = (spans, self._pool.submit(self._read, spans))
+
+    def close(self) -> None:
+        """Drop the read ahead (waiting for a read under way) and end the thread."""
+        self._ahead = None
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -13,15 +13,18 @@ collective instead of holding the job forever. The step's parts are in
 
 The step, on every rank in lock-step (:class:`SyncMode.train`)::
 
-    rows on offer: what the rank's lease may still train, and the next lease's once less than a
-        local batch is left (leases asked without waiting)
+    rows on offer: what the rank's lease may still train, and the next lease's once the claim
+        reaches the lease's end (the next lease asked when less than two local batches are
+        left, without waiting)
     header: one all-reduce of [rows on offer per rank | next local batches (rank 0) |
                                checkpoint requests | ranks with no rows left | ranks cancelled]
     any rank cancelled: all stop   a checkpoint asked: all write it here (between two steps)
     no rows on any rank: the job's end once every rank's ledger says so, else ask again
     every rank's rows of this step (``step_rows``, the same on every rank): its local
         batch b_r, and the rows a rank short of it lacks taken by ranks with more on offer
-    read this rank's rows (a lease's rest and the next lease's front: one batch), step with
+    read this rank's rows (a lease's rest and the next lease's front: one batch; read while
+        the step before ran, :class:`~antdt.agent.modes.sync_steps.ReadAhead`, when they are
+        the rows that followed its own), start reading the rows that follow these, step with
         B = the rows of every rank (the trainer weights its loss by W / B: the step equals one
         step on the global batch however it is split)
     commit the local rows; the rank's own time goes to the monitor
@@ -91,7 +94,8 @@ from antdt import config, rpc
 from antdt.agent.contract import (AgentSpec, Outcome, SavedModel, Trainer, TrainerFactory,
                                   event_topic)
 from antdt.agent.modes.mode import AgentParts, Declined, EverySynced
-from antdt.agent.modes.sync_steps import Header, StepRows, own_seconds, step_rows
+from antdt.agent.modes.sync_steps import (Header, ReadAhead, Span, StepRows, own_seconds,
+                                          step_rows)
 from antdt.device import FROZEN_HEAP
 from antdt.errors import AntdtError, CheckpointError, ConfigError, SyncError
 from antdt.sharding import shares
@@ -159,6 +163,8 @@ class _OneGroup:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.job: str | None = None
+        self.claims = 0
+        """Claims granted in this process's life: more than one, a group was formed before."""
 
     def claim(self, job: str) -> str | None:
         """Claim the group for ``job``: None, or the job that holds it."""
@@ -168,6 +174,7 @@ class _OneGroup:
             if self.job is not None:
                 return self.job
             self.job = job
+            self.claims += 1
             return None
 
     def release(self, job: str) -> None:
@@ -267,8 +274,10 @@ class SyncMode(EverySynced):
         # A group formed again in this process: the last one's model can still be held by the
         # reference cycles of its broken collective's traceback (frames that held the trainer),
         # frozen out of every collection since. Free it before this one's shards are allocated,
-        # or the worker holds two models (its memory is sized for one).
-        FROZEN_HEAP.collect()
+        # or the worker holds two models (its memory is sized for one). The first group has
+        # none to free, and the collection holds the GIL for a third of a second.
+        if PROCESS_GROUP.claims > 1:
+            FROZEN_HEAP.collect()
         try:
             dist.init_process_group(backend, store=store, rank=self.rank,
                                     world_size=len(self.workers), timeout=forming)
@@ -292,9 +301,22 @@ class SyncMode(EverySynced):
             "kind": "log", "level": "info", "message": message, "worker": self.worker.address})
 
     def train(self, agent: AgentParts) -> Outcome:
-        """The step loop (see the module docstring)."""
+        """The step loop (see the module docstring), the rank's batches read in a thread of
+        their own, the next while a step runs (:class:`ReadAhead`)."""
         trainer = self.trainer
         assert trainer is not None
+
+        def read(spans: Sequence[Span]) -> Any:
+            return trainer.batch([agent.reader.read(lease.path, lease.row_group, start, stop)
+                                  for lease, start, stop in spans])
+
+        reads = ReadAhead(read)
+        try:
+            return self._steps(agent, trainer, reads)
+        finally:
+            reads.close()
+
+    def _steps(self, agent: AgentParts, trainer: ShardedTrainer, reads: ReadAhead) -> Outcome:
         world = trainer.world_size
         rows = StepRows(agent)
         header = Header(world)
@@ -331,8 +353,8 @@ class SyncMode(EverySynced):
                 continue
             cpu_started, own_started = time.thread_time(), own_seconds()
             spans = rows.take(counts[self.rank])
-            batch = trainer.batch([agent.reader.read(lease.path, lease.row_group, start, stop)
-                                   for lease, start, stop in spans])
+            batch = reads.batch(spans) if spans else trainer.batch([])
+            reads.read_ahead(rows.following(spans, sizes[self.rank]))
             loss = self._collective(lambda: trainer.step(batch, total), "the step")
             self.steps += 1
             self.group_rows += total

@@ -1,5 +1,6 @@
 """The synchronous mode's plain parts: the step header the ranks all-reduce, the split of a
-global batch, the scheduler's rendezvous, and the measure of a rank's own time on a real gloo
+global batch, a rank's leases and the batches it reads ahead, the scheduler's rendezvous, and
+the measure of a rank's own time on a real gloo
 group of spawned ranks (the step loop itself runs in
 tests/pipeline/training/test_sync_mode.py)."""
 
@@ -8,13 +9,17 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from antdt.agent.modes.sync_master import Rendezvous, SyncMaster
-from antdt.agent.modes.sync_steps import Header, own_seconds, step_rows
-from antdt.sharding import shares
+from antdt.agent.modes.sync_steps import (Header, ReadAhead, Span, StepRows, own_seconds,
+                                          step_rows)
+from antdt.sharding import Claim, CommitReply, Finished, Lease, shares
 from ranks import Ranks
 from sharded_ranks import wait_in_a_collective
 from waits import bounded
@@ -133,3 +138,70 @@ def test_the_rendezvous_ranks_workers_by_address_and_forms_generations() -> None
     unknown = asyncio.run(rendezvous.rank(job="j", worker="tcp://b:1"))
     assert unknown["status"] == "error" and "no synchronous group" in unknown["message"]
     assert not master.accepts_joiners("j") and master.regroups
+
+
+def _lease(lease_id: int, stop: int) -> Lease:
+    return Lease(lease_id, "t", "tcp://a:1", 0, f"part-{lease_id}", 0, 0, stop, stop)
+
+
+class _Shards:
+    """The shard client a rank's rows use, over a list of leases: commits answered locally."""
+
+    def __init__(self, leases: list[Lease]) -> None:
+        self.leases = leases
+        self.held: list[Lease] = []
+
+    def poll_lease(self, wait_s: float, max_rows: int, ahead: bool) -> Lease | None:
+        self.held.append(self.leases.pop(0))
+        return self.held[-1]
+
+    def commit(self, offset: int, stats: Any = None, claim_ahead: int = 0) -> CommitReply:
+        lease = self.held[0]
+        if offset == lease.stop:
+            self.held.pop(0)
+            return Finished(lease.lease_id, lease.stop, True)
+        return Claim(lease.lease_id, lease.stop)
+
+
+def test_the_next_lease_is_asked_a_step_early_so_the_step_before_reads_its_front() -> None:
+    """With less than two local batches left in its lease a rank asks for the next, and the
+    rows that follow a step's, as the leases go on, are the next step's rows exactly."""
+    first, second = _lease(1, 10), _lease(2, 10)
+    shards = _Shards([first, second])
+    rows = StepRows(SimpleNamespace(  # type: ignore[arg-type]
+        shards=shards, rows=0, event=lambda msg: None,
+        faults=SimpleNamespace(pause_due=lambda rows: False)))
+    assert rows.offer(4, idle=False) == 10 and rows.ahead is None  # 10 rows: two steps' more
+    spans = rows.take(4)
+    assert rows.following(spans, 4) == [(first, 4, 8)]
+    rows.trained(spans, 0.0, 4)
+    assert rows.offer(4, idle=False) == 6 + 10 and rows.ahead == second  # 6 rows left
+    spans = rows.take(4)
+    guessed = rows.following(spans, 4)
+    assert guessed == [(first, 8, 10), (second, 0, 2)]
+    rows.trained(spans, 0.0, 4)
+    assert rows.offer(4, idle=False) == 2 + 10
+    assert rows.take(4) == guessed
+    assert rows.following([(second, 6, 10)], 4) == []  # no lease known past it
+
+
+def test_a_batch_read_ahead_is_used_only_for_the_rows_it_holds_all_read_in_one_thread() -> None:
+    calls: list[tuple[str, list[Span]]] = []
+
+    def read(spans: Sequence[Span]) -> str:
+        calls.append((threading.current_thread().name, list(spans)))
+        return f"batch of {[(start, stop) for _, start, stop in spans]}"
+
+    lease = _lease(1, 100)
+    reads = ReadAhead(read)
+    try:
+        reads.read_ahead([(lease, 0, 4)])
+        assert reads.batch([(lease, 0, 4)]) == "batch of [(0, 4)]"
+        reads.read_ahead([(lease, 4, 8)])  # a guess the step does not take
+        assert reads.batch([(lease, 4, 6)]) == "batch of [(4, 6)]"
+        assert reads.batch([(lease, 6, 8)]) == "batch of [(6, 8)]"  # nothing read ahead
+    finally:
+        reads.close()
+    assert [spans for _, spans in calls] == [[(lease, 0, 4)], [(lease, 4, 8)], [(lease, 4, 6)],
+                                             [(lease, 6, 8)]]
+    assert {name.split("_")[0] for name, _ in calls} == {"antdt-sync-read"}
