@@ -97,10 +97,23 @@ def test_the_sync_ideal_keeps_every_worker_s_capacity_but_the_slow_one_s() -> No
     assert out["steady_async_over_fixed"] is None  # a run without a steady rate
     assert out["target"] == {"adaptive_over_fixed": 1.8, "met": True}
     # (3 + 1/4) / 4 of the fault-free rate; were fixed exactly 1/4 of it, 3.25x fixed
-    assert out["ideal"] == {"fault_free_samples_per_s": 4000, "share": 0.8125,
+    assert out["ideal"] == {"fault_free_samples_per_s": 4000, "slowdown": 4.0, "share": 0.8125,
                             "samples_per_s": 3250, "over_fixed": 3.25,
                             "fluid_over_fixed": 3.25, "adaptive_of_ideal": 0.615,
                             "async_of_ideal": 0.769}
+
+
+def test_under_contention_the_ideal_keeps_the_contended_rank_s_share_of_its_core() -> None:
+    """Worker 0 kept half its core in the fixed run: it counts as 2x slower (the injected
+    slowdown is not used), and the ideal is 3/4 of the run without the busy loop."""
+    ways = {"fixed": {**way(600), "cpu_shares": [0.5, 0.95]}, "adaptive": way(750),
+            FAULT_FREE: way(1000)}
+    out = sync_ratios(ways, "contention", workers=2, slowdown=4.0)
+    assert out["adaptive_over_fixed"] == 1.25
+    assert out["target"] == {"adaptive_over_fixed": 1.2, "met": True}
+    assert out["ideal"] == {"fault_free_samples_per_s": 1000, "slowdown": 2.0, "share": 0.75,
+                            "samples_per_s": 750, "over_fixed": 1.25, "fluid_over_fixed": 1.5,
+                            "adaptive_of_ideal": 1.0}
 
 
 def test_with_no_fault_the_fixed_way_is_the_ideal() -> None:
