@@ -306,19 +306,33 @@ class BalanceBatch(ControllerPolicy):
     long whatever its batch. Sizes in proportion to the workers' rates (rows per second)
     therefore settle only slowly where that fixed part is large: a slow worker's rate falls
     with its batch, so each adjustment cut it by a fifth or so again (a benchmark job's slow
-    rank went from 1,230 rows to 218 over 30 of its 45 steps). So each worker's step time is fitted, ``fixed + per_row x
-    rows``, to its last ``points`` samples once their batches differ by a factor of
-    ``spread`` (least squares: the slope; the last sample: the level, so a change of speed
-    counts at once), the last slope kept while its batch stays put; a worker with no slope yet,
-    or whose fit makes no sense (no positive slope or a negative fixed part), is taken as
-    proportional to its batch, at its last sample's rate."""
+    rank went from 1,230 rows to 218 over 30 of its 45 steps). So each worker's step time is
+    fitted, ``fixed + per_row x rows``, to its last ``points`` samples once their batches
+    differ by a factor of ``spread`` (least squares), the last line kept while its batch stays
+    put; a worker with no line yet, or whose line makes no sense (no positive slope or a
+    negative fixed part), is taken as proportional to its batch, at its last sample's rate.
+
+    The line is scaled to the last sample (so a change of speed counts at once): both parts by
+    the ratio of the sample's step time to the line's at its batch. A rank's speed changes when
+    its core is shared or freed (a busy process next to it, a noisy neighbour), and that slows
+    or speeds everything the rank runs, the rows of its batch as much as its fixed part. Moving
+    the level alone (the slope kept) priced the rows of a rank whose core became shared at its
+    old speed: the balance moved too many rows off it (a rank twice as slow got 245 rows of
+    600 instead of 300, its peer's step 11% longer), and back once its line was fitted again.
+
+    What a contended rank costs its peers in the collectives (gloo's threads on its core run
+    at its speed) is in no rank's own time, and the balance leaves it out: on 2 cores, one
+    rank's shared with a busy loop (issue 57, a 2 x 4,096-row global batch), of the contended
+    rank's local batches tried the one that equals the ranks' own times gave the shortest
+    steps (2,366 rows: 103 ms a step; 1,500, 1,800, 2,900 and 3,500 rows: 114, 118, 109 and
+    118 ms; equal batches 137 ms)."""
 
     global_batch: int
     tolerance: float = 0.1
     points: int = 4
     spread: float = 1.25
     _seen: dict[str, deque[Sample]] = field(default_factory=dict, init=False)
-    _slopes: dict[str, float] = field(default_factory=dict, init=False)
+    _lines: dict[str, StepTime] = field(default_factory=dict, init=False)
 
     def run(self, tick: Tick) -> Iterator[Action]:
         workers = sorted(set(tick.workers) & set(tick.monitor.workers()))
@@ -327,7 +341,7 @@ class BalanceBatch(ControllerPolicy):
             return
         for gone in set(self._seen) - set(workers):  # left the job: a later worker of its
             del self._seen[gone]                     # address starts afresh
-            self._slopes.pop(gone, None)
+            self._lines.pop(gone, None)
         steps = []
         for worker, sample in zip(workers, samples):
             seen = self._seen.setdefault(worker, deque(maxlen=self.points))
@@ -351,15 +365,16 @@ class BalanceBatch(ControllerPolicy):
         if max(rows) >= self.spread * min(rows):
             mean_rows = sum(rows) / len(rows)
             mean_bpt = sum(sample.bpt for sample in seen) / len(seen)
-            self._slopes[worker] = sum((r - mean_rows) * (sample.bpt - mean_bpt)
-                                       for r, sample in zip(rows, seen)) / \
+            slope = sum((r - mean_rows) * (sample.bpt - mean_bpt)
+                        for r, sample in zip(rows, seen)) / \
                 sum((r - mean_rows) ** 2 for r in rows)
+            self._lines[worker] = StepTime(mean_bpt - slope * mean_rows, slope)
         last = seen[-1]
-        slope = self._slopes.get(worker, 0.0)
-        fixed = last.bpt - slope * last.batch_rows
-        if slope <= 0 or fixed < 0:
+        line = self._lines.get(worker)
+        if line is None or line.per_row <= 0 or line.fixed < 0:
             return StepTime(0.0, last.bpt / last.batch_rows)
-        return StepTime(fixed, slope)
+        speed = last.bpt / (line.fixed + line.per_row * last.batch_rows)
+        return StepTime(line.fixed * speed, line.per_row * speed)
 
 
 def load_policies(specs: object = None) -> list[ControllerPolicy]:

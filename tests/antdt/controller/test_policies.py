@@ -364,3 +364,39 @@ def test_batch_sizes_follow_the_rates() -> None:
     rig.run(10, {"a": 20, "b": 20, "c": 10})
     assert len(rig.applied) == 3  # within tolerance: no change
     assert rig.controller.batch_sizes == {"a": 20, "b": 20, "c": 10}
+
+
+def test_a_rank_whose_core_becomes_shared_is_priced_slower_per_row_too() -> None:
+    """a's step is half b's until a busy process comes to a's core: then a is as slow as b,
+    its rows as much as its fixed part, and equal sizes balance the steps. Its fitted line
+    scaled to its new step time gets there in one adjustment; moving the line's level alone
+    (its slope kept) priced a's rows at their old cost and gave it 245 rows of 600."""
+    clock = Clock()
+    monitor = Monitor(clock, batch_rows=300, settings=MonitorSettings(
+        window_s=1.0, history=1, warm_up_batches=0, hang_floor_s=100.0))
+    ledger = ShardLedger([("f.parquet", 0, 1000)], shard_rows=100, batch_rows=300, clock=clock)
+    policy = BalanceBatch(global_batch=600)
+    slow = (0.04, 2e-4)
+    steps = {"a": (0.02, 1e-4), "b": slow}
+    sizes = dict.fromkeys(steps, 300)
+
+    def window() -> None:
+        start = clock.now
+        for step in range(5):
+            clock.now = start + 0.1 * step
+            for worker, (fixed, per_row) in steps.items():
+                monitor.observe(CommitEvent(worker, 0, 0, sizes[worker], {
+                    BUSY: fixed + per_row * sizes[worker], BATCHES: 1.0}, clock.now))
+        clock.now = start + 1.0
+        monitor.update(steps)
+        for action in policy.run(Tick(0, clock.now, ledger, monitor, list(steps),
+                                      dict(sizes))):
+            assert isinstance(action, AdjustBatch)
+            sizes[action.worker] = action.size
+
+    for _ in range(6):  # settled, and its last samples all at the settled sizes
+        window()
+    assert sizes == {"a": 466, "b": 134}  # 0.02 + 1e-4 x 467 = 0.04 + 2e-4 x 133
+    steps["a"] = slow
+    window()
+    assert 285 <= sizes["a"] <= 315, sizes
