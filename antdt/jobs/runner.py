@@ -112,6 +112,10 @@ class JobRunner(Restarts):
         self.submitted_at = time()
         self.started_at: float | None = None
         self.ended_at: float | None = None
+        self.marks: dict[str, float] = {}
+        """When the job reached the steps a client's timing shows besides ``submitted_at``,
+        ``started_at`` and ``ended_at``: ``workers_ready`` (the stack imported on every worker),
+        ``training_ended`` (every agent returned; the final model is evaluated and logged)."""
         self.error: str | None = None
         self.run: dict[str, Any] | None = None
         self.summary: dict[str, Any] | None = None
@@ -150,6 +154,7 @@ class JobRunner(Restarts):
         return {"job_id": self.job_id, "name": self.plan.name, "state": self.state.value,
                 "version": self.version, "submitted_at": self.submitted_at,
                 "started_at": self.started_at, "ended_at": self.ended_at, "error": self.error,
+                "marks": dict(self.marks),
                 "stopped": self.stopped, "run": self.run, "summary": self.summary,
                 "tags": dict(self.plan.tags), "sharding": self.plan.sharding,
                 "mode": self.plan.mode, "batch_rows": self.plan.batch_rows,
@@ -245,6 +250,7 @@ class JobRunner(Restarts):
                            f"{len(initial)} worker(s) (indices 0..{len(initial) - 1})")
         plan.check_memory({w: self.ctx.scheduler.workers[w].memory_limit for w in initial})
         await self.client.run(tasks.prepare_worker, plan.preload, workers=initial)
+        self.marks["workers_ready"] = time()
         if plan.sharding == "static" and (plan.checkpoint_dir or plan.resume):
             raise JobError("static sharding (the baseline) cannot be checkpointed or resumed; "
                            "drop train.checkpoint_dir or use the antdt sharding")
@@ -363,6 +369,7 @@ class JobRunner(Restarts):
         logged by the hooks; another worker if that one dies. A job stopped early is logged
         without a model. False when every worker holding the final model died and the mode
         regroups: the group has formed again from the last checkpoint, and the job trains on."""
+        self.marks["training_ended"] = time()
         self._set_state(JobState.FINISHING)
         await self._flush_metrics()
         report = self._report()

@@ -31,7 +31,8 @@ from data.schema import Schema
 from pipeline.bench import emit, median_of
 from pipeline.bench.jobs import SET_HELP, default_job, echo, with_train
 from pipeline.job.config import JobConfig
-from pipeline.training.cluster import connect, job_spec
+from pipeline.training.cluster import job_spec
+from pipeline.training.local_cluster import connect
 from pipeline.training.following import outcome
 from pipeline.training.local import prepare_data
 from pipeline.training.recipes import TrainerRecipe

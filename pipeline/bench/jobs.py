@@ -27,7 +27,8 @@ from antdt.jobs import JobClient
 from pipeline.job.config import (FaultConfig, JobConfig, Sharding, apply_override,
                                  job_from_dict, load_job)
 from pipeline.job.report import JobSummary
-from pipeline.training.cluster import connect, job_spec
+from pipeline.training.cluster import job_spec
+from pipeline.training.local_cluster import connect, worker_modules
 from pipeline.training.following import AgentRecord, outcome
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def run_async(job: JobConfig, workers: int, *, deadline_s: float | None = None,
     train`` does; ``setting`` (given the client) surrounds the run, e.g. a CPU hog next to one
     worker."""
     spec = job_spec(job, deadline_s=deadline_s)
-    with connect(workers) as client, \
+    with connect(workers, preload=worker_modules(job)) as client, \
             (setting(client) if setting is not None else contextlib.nullcontext()), \
             JobClient(client) as jobs:
         record = jobs.follow(jobs.submit(spec)["job"]["job_id"])

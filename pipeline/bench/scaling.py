@@ -66,7 +66,7 @@ from pipeline.bench import emit, median_of
 from pipeline.bench.jobs import SET_HELP, echo, run_async, with_train
 from pipeline.bench.sizing import sized_job
 from pipeline.job.config import JobConfig
-from pipeline.training.cluster import connect
+from pipeline.training.local_cluster import connect
 from pipeline.training.local import iterate_batches, prepare_data, train_local
 
 

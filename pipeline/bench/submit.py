@@ -38,7 +38,8 @@ from antdt.sync import SyncPeriod
 from antdt.sync.service import start_job, stop_job
 from pipeline.bench import emit
 from pipeline.bench.jobs import SET_HELP, echo, synthetic_job
-from pipeline.training.cluster import connect, job_spec
+from pipeline.training.cluster import job_spec
+from pipeline.training.local_cluster import connect
 
 
 def timings(client: Client, job: str, asked: float, rows: int) -> dict[str, float]:

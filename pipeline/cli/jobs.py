@@ -28,6 +28,8 @@ from pipeline.terminal import print_whole, progress_bar, stderr
 if TYPE_CHECKING:
     from antdt.jobs import JobSpec
     from pipeline.job.config import JobConfig
+    from pipeline.job.phases import Phases
+    from pipeline.job.report import JobSummary
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -104,9 +106,10 @@ def cluster_options(command: F) -> F:
 
 
 def follow_and_report(jobs: Any, job_id: str, address: str | None, as_json: bool,
-                      label: str) -> None:
-    """Follow ``job_id`` with a progress bar, then print its summary (or ``--json``); a failed
-    or cancelled job exits non-zero. On a long-lived cluster (``address``) Ctrl-C detaches and
+                      label: str, phases: Phases | None = None) -> JobSummary:
+    """Follow ``job_id`` with a progress bar, then print its summary (``--json``: unless
+    ``phases`` times the command, whose caller prints it with them); return it. A failed or
+    cancelled job exits non-zero. On a long-lived cluster (``address``) Ctrl-C detaches and
     says how to re-attach; on a LocalCluster it ends the job with the process."""
     from pipeline.training.following import follow, outcome
 
@@ -123,11 +126,14 @@ def follow_and_report(jobs: Any, job_id: str, address: str | None, as_json: bool
                      f"antdt follow {job_id}{where}", highlight=False, soft_wrap=True)
         sys.exit(DETACHED_EXIT)
     summary = outcome(record)
-    if as_json:
-        click.echo(json.dumps({**summary.to_dict(), "job_id": job_id}, sort_keys=True))
-    else:
+    if phases is not None:
+        phases.cluster_job(record, summary.phases)
+    if not as_json:
         for line in summary.lines():
             click.echo(line)
+    elif phases is None:
+        click.echo(json.dumps({**summary.to_dict(), "job_id": job_id}, sort_keys=True))
+    return summary
 
 
 def announce_page(jobs: Any, job_id: str) -> None:

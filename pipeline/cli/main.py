@@ -5,8 +5,13 @@ Long work shows a progress bar on stderr; ``--json`` prints one machine-readable
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
+import logging
+import os
 import sys
+import threading
 
 import click
 
@@ -124,9 +129,13 @@ def train(job_path: str, mode: str | None, local_alias: bool, workers: int | Non
           cluster: Cluster, overrides: tuple[str, ...], tracking_uri: str | None,
           job_id: str | None, resume: str | None, register: str | None, as_json: bool) -> None:
     """Train the model of JOB.yaml, evaluate it and track the run in MLflow: on a new
-    LocalCluster, or on the Dask cluster at --scheduler (the same as ``antdt submit``)."""
+    LocalCluster, or on the Dask cluster at --scheduler (the same as ``antdt submit``). With
+    -v, where the command's seconds went follows the summary (``--json``: ``phases``)."""
     from pipeline.job.config import load_job
+    from pipeline.job.phases import Phases
 
+    phases = Phases()
+    phases.mark("start")
     scheduler = cluster.given
     if local_alias and mode not in (None, "local"):
         raise click.UsageError(f"--local contradicts --mode {mode}")
@@ -146,23 +155,48 @@ def train(job_path: str, mode: str | None, local_alias: bool, workers: int | Non
         from pipeline.training.local import train_local
 
         with progress_bar("training (local)", enabled=not as_json) as bar:
-            summary = train_local(job, progress=bar)
+            summary = train_local(job, progress=bar, phases=phases)
         click.echo(summary.to_json() if as_json else "\n".join(summary.lines()))
+        _phases(summary.phases, as_json)
         return
-    from antdt.jobs import JobClient
-    from pipeline.training.cluster import connect, job_spec
+    from pipeline.training.local_cluster import starting, worker_modules
 
-    spec = job_spec(job)  # bad data is refused before a cluster starts
-    if resume is not None:
-        spec, job_id = resume_spec(job, spec, resume, job_id)
-    if scheduler is not None:
-        with cluster.jobs() as jobs:
-            submitted = jobs.submit(spec, job_id=job_id)["job"]["job_id"]
-            follow_and_report(jobs, submitted, scheduler, as_json, f"training ({chosen})")
-        return
-    with connect(workers or job.train.workers) as client, JobClient(client) as jobs:
+    label = f"training ({chosen})"
+    with contextlib.ExitStack() as stack:
+        # a LocalCluster starts at once, its processes importing the stack while this one
+        # validates the data (bad data is still refused before the job is submitted)
+        client = None if scheduler is not None else stack.enter_context(
+            starting(workers or job.train.workers, worker_modules(job)))
+        from antdt.jobs import JobClient
+        from pipeline.training.cluster import job_spec
+
+        spec = job_spec(job)
+        if resume is not None:
+            spec, job_id = resume_spec(job, spec, resume, job_id)
+        phases.mark("prepare")
+        if client is None:
+            jobs = stack.enter_context(cluster.jobs())
+        else:
+            jobs = stack.enter_context(JobClient(client()))
+            phases.mark("cluster")
         submitted = jobs.submit(spec, job_id=job_id)["job"]["job_id"]
-        follow_and_report(jobs, submitted, None, as_json, f"training ({chosen})")
+        summary = follow_and_report(jobs, submitted, scheduler, as_json, label, phases)
+    if client is not None:
+        phases.mark("shutdown")
+    report = phases.report(summary.train_s)
+    if as_json:
+        click.echo(json.dumps({**summary.to_dict(), "job_id": submitted, "phases": report},
+                              sort_keys=True))
+    _phases(report, as_json)
+
+
+def _phases(report: dict[str, float], as_json: bool) -> None:
+    """Where a command's seconds went, on stderr with -v (``--json`` carries them anyway)."""
+    if not as_json and logging.getLogger("pipeline").isEnabledFor(logging.INFO):
+        from pipeline.job.phases import lines
+
+        for line in lines(report):
+            stderr.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 for command in (bench, simulate, *JOB_COMMANDS, *EXPERIMENT_COMMANDS):
@@ -170,5 +204,23 @@ for command in (bench, simulate, *JOB_COMMANDS, *EXPERIMENT_COMMANDS):
 
 
 def main() -> None:
-    """Console-script entry point."""
-    cli()
+    """Console-script entry point. The command's work done, the process leaves without
+    tearing the interpreter down: after the threads it started and its exit handlers (MLflow's,
+    Dask's, logging's), freeing every module of torch, TorchRec and MLflow takes about two
+    seconds of a core that nobody needs."""
+    try:
+        cli()
+        code: object = 0
+    except SystemExit as exc:
+        code = exc.code
+    if not isinstance(code, int):  # what sys.exit(message) does
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

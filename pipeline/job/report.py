@@ -79,6 +79,9 @@ class JobSummary:
     fit one worker (None: the model is in the run). Such a model is not evaluated (AUC nan):
     load it with ``models.sharded.read_train_step`` on a machine that holds it, or on ranks
     with ``ShardedTrainStep.load_shards``."""
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Where the command's seconds went, by step (:mod:`pipeline.job.phases`): a cluster job's
+    hooks return the steps of finishing they timed, its client adds its own and the master's."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -59,7 +59,7 @@ from rich.text import Text
 
 from antdt.errors import AntdtError
 from pipeline.job.report import higher_is_better
-from pipeline.tracking.tracking import redact
+from pipeline.tracking.uris import redact
 
 DEFAULT_EXPERIMENT = "antdt"
 """The experiment of a job config that names none (:class:`pipeline.job.config.MlflowConfig`):

@@ -70,7 +70,8 @@ from models.train_step import TrainStep
 from pipeline.job.config import DataConfig, JobConfig, check_model_name
 from pipeline.job.report import JobSummary, higher_is_better
 from pipeline.serving import RankingModel, log_ranking_model
-from pipeline.tracking.tracking import Tracker, fluent, redact
+from pipeline.tracking.tracking import Tracker, fluent
+from pipeline.tracking.uris import redact
 
 logger = logging.getLogger(__name__)
 

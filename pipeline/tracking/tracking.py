@@ -32,6 +32,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 from pipeline.job.config import JobConfig
+from pipeline.tracking.uris import redact
 
 logger = logging.getLogger(__name__)
 
@@ -47,47 +48,9 @@ _FLUENT = threading.Lock()
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
-def redact(uri: str) -> str:
-    """``uri`` with the password of its user part, if any, shown as ``***`` (for summaries and
-    logs).
-
-    >>> redact("http://ann:s3cret@mlflow.example:5000/"), redact("sqlite:///mlflow.db")
-    ('http://ann:***@mlflow.example:5000/', 'sqlite:///mlflow.db')
-    """
-    parts = urllib.parse.urlsplit(uri)
-    if parts.password is None:
-        return uri
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-
-
 def resolved_uri(job: JobConfig) -> str:
     """The job's tracking URI, or MLflow's default as it resolves in this process."""
     return job.mlflow.tracking_uri or mlflow.get_tracking_uri()
-
-
-_SQL_SCHEMES = frozenset({"sqlite", "postgresql", "mysql", "mssql"})
-
-
-def store_modules(tracking_uri: str) -> list[str]:
-    """The modules MLflow imports to reach the tracking store at ``tracking_uri``: about a
-    second of a core, once per process. A job's workers import them before its agents start,
-    so that its metrics task, which runs on a worker beside an agent, does not take that second
-    from training (None known for a store of a plugin's scheme).
-
-    >>> store_modules("sqlite:///mlflow.db")[0], store_modules("https://mlflow.example.com")
-    ('mlflow.store.tracking.sqlalchemy_store', ['mlflow.store.tracking.rest_store'])
-    """
-    scheme = urllib.parse.urlsplit(tracking_uri).scheme.partition("+")[0]
-    if scheme in _SQL_SCHEMES:
-        return ["mlflow.store.tracking.sqlalchemy_store",
-                "mlflow.store.tracking.sqlalchemy_workspace_store"]
-    if scheme in ("http", "https", "databricks"):
-        return ["mlflow.store.tracking.rest_store"]
-    if scheme in ("", "file"):
-        return ["mlflow.store.tracking.file_store"]
-    return []
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

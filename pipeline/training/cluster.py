@@ -15,23 +15,18 @@ client that goes away (``--no-wait``, a killed process, Ctrl-C) leaves the job r
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import posixpath
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import dask.config
-import torch
-from distributed import Client, LocalCluster
 from distributed.security import Security
 
-from antdt import config
-from antdt.errors import CheckpointError, ConfigError, DataError, JobError
+from antdt.errors import CheckpointError, DataError
 from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec, checkpoints
 from antdt.jobs.checkpoints import Manifest
 from antdt.sharding import QuarantineSpec
@@ -42,10 +37,12 @@ from models.config import ModelConfig, OptimConfig
 from models.train_step import model_bytes
 from pipeline.job.config import JobConfig
 from pipeline.job.report import JobSummary, ProgressSink
-from pipeline.tracking.tracking import experiment, redact, resolved_uri, store_modules
+from pipeline.tracking.tracking import experiment, resolved_uri
+from pipeline.tracking.uris import redact, store_modules
 from pipeline.training.following import follow, outcome
 from pipeline.training.hooks import RankingHooks
 from pipeline.training.local import PreparedData, prepare_data
+from pipeline.training.local_cluster import connect, worker_modules
 from pipeline.training.recipes import ReaderRecipe, ShardedTrainerRecipe, TrainerRecipe
 
 logger = logging.getLogger(__name__)
@@ -182,52 +179,6 @@ def job_spec(job: JobConfig, data: PreparedData | None = None, *,
                    ReaderRecipe(data.schema, train.threads), hooks))
 
 
-# ---- the cluster ---------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def connect(workers: int | None = None, scheduler: str | None = None, *,
-            security: Security | None = None) -> Iterator[Client]:
-    """A client of the scheduler at ``scheduler``, or of a new LocalCluster of ``workers``
-    Nanny-managed worker processes with one thread each (a GPU resource each when this machine
-    has CUDA), closed at the end. The cluster's processes log ``distributed`` at this process's
-    level (quiet unless ``-v``: :mod:`pipeline.terminal`)."""
-    if scheduler is not None:
-        with Client(scheduler, security=security, set_as_default=False) as client:
-            yield client
-        return
-    if workers is None:
-        raise JobError("connect: give the workers of a LocalCluster to start, or a scheduler")
-    resources = {"GPU": 1} if torch.cuda.is_available() else None
-    level = logging.getLogger("distributed").getEffectiveLevel()
-    with dask.config.set(local_cluster_settings()):  # read as the servers start
-        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                               dashboard_address=":0", resources=resources, silence_logs=level)
-    with cluster, Client(cluster, set_as_default=False) as client:
-        # The cluster's own view of its workers can miss one that registered while it started;
-        # a worker that then dies makes the cluster fail on close (KeyError). Refresh the view.
-        cluster.wait_for_workers(workers)
-        logger.info("LocalCluster of %d workers, dashboard %s", workers, client.dashboard_link)
-        yield client
-
-
-def local_cluster_settings() -> dict[str, Any]:
-    """The Dask settings ``antdt.local-cluster`` gives the LocalCluster :func:`connect` starts:
-    slower housekeeping than Dask's defaults, which take CPU from training (see antdt.yaml)."""
-    settings = config.get("antdt.local-cluster")
-    if settings is None:
-        return {}
-    if not isinstance(settings, Mapping):
-        raise ConfigError("dask config antdt.local-cluster: expected a mapping of Dask settings "
-                          "like {'distributed.admin.tick.interval': '500ms'}, found "
-                          f"{settings!r}")
-    for key in settings:
-        if not (isinstance(key, str) and key.startswith("distributed.")):
-            raise ConfigError(f"dask config antdt.local-cluster: {key!r} is not a Dask setting; "
-                              "expected a key like 'distributed.admin.tick.interval'")
-    return dict(settings)
-
-
 # ---- submit and follow -------------------------------------------------------------------------
 
 
@@ -248,7 +199,8 @@ def run(job: JobConfig, *, workers: int | None = None, scheduler: str | None = N
         asked = workers or job.train.workers
         spec = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, workers=asked))
         local, _ = spec.plan.fitted_workers(asked)
-    with connect(local, scheduler, security=security) as client, JobClient(client) as jobs:
+    with connect(local, scheduler, security=security, preload=worker_modules(job)) as client, \
+            JobClient(client) as jobs:
         submitted = jobs.submit(spec, job_id=job_id)
         return follow(jobs, submitted["job"]["job_id"], progress)
 

@@ -20,6 +20,7 @@ from typing import Any
 from data.files import RowGroup
 from data.schema import Schema
 from pipeline.job.config import JobConfig
+from pipeline.job.phases import StepClock
 from pipeline.job.report import JobSummary, oracle_auc
 from pipeline.tracking.tracking import public_config
 
@@ -88,12 +89,14 @@ class RankingHooks:
         from pipeline.tracking.tracking import Tracker
         from pipeline.training.local import iterate_batches
 
+        clock = StepClock()
         tracker = Tracker.attach(self.tracking_uri, run)
         auc = logloss = math.nan
         if trainer is not None:
             metrics = evaluate(trainer.train_step.predict, iterate_batches(
                 ShardReader(self.schema), self.validation, self.job.train.batch_size))
             auc, logloss = metrics["auc"], metrics["logloss"]
+        clock.lap("evaluate")
         rows = report["rows"]
         agents = report["agents"]
         saved = report.get("saved_model")
@@ -117,13 +120,6 @@ class RankingHooks:
         tracker.summary(checkpoint_metrics(report.get("checkpoints") or {}))
         if report["actions"]:
             tracker.artifact_yaml(list(report["actions"]), "straggler_actions.yaml")
-        spans = [LeaseSpan(**span) for span in report["spans"]]
-        marks = [ActionMark(**mark) for mark in report["marks"]]
-        with tempfile.TemporaryDirectory(prefix="antdt-timeline-") as folder:
-            tracker.artifact_file(render_timeline(
-                spans, marks, f"{folder}/timeline.png",
-                title=f"{self.job.name} ({report['job_id']}, {len(agents)} agents, "
-                      f"sharding {report['sharding']})"))
         if report["stopped"] is not None:
             tracker.tag("antdt.stopped", report["stopped"])
         if summary.adapted is not None:
@@ -131,12 +127,22 @@ class RankingHooks:
         if saved is not None:
             tracker.tag("antdt.model_dir", str(saved["folder"]))
             tracker.artifact_yaml(dict(saved), "model_parts.yaml")
+        clock.lap("metrics")
+        spans = [LeaseSpan(**span) for span in report["spans"]]
+        marks = [ActionMark(**mark) for mark in report["marks"]]
+        with tempfile.TemporaryDirectory(prefix="antdt-timeline-") as folder:
+            tracker.artifact_file(render_timeline(
+                spans, marks, f"{folder}/timeline.png",
+                title=f"{self.job.name} ({report['job_id']}, {len(agents)} agents, "
+                      f"sharding {report['sharding']})"))
+        clock.lap("timeline")
         if trainer is None:
             tracker.end("FINISHED")
         else:  # the model is the last thing logged: the run ends with it
             summary = log_and_register(tracker, trainer.train_step, self.schema, self.job,
                                        example=self.example, summary=summary)
-        return summary.to_dict()
+        clock.lap("model")
+        return dataclasses.replace(summary, phases=clock.laps).to_dict()
 
     def abort(self, run: Mapping[str, Any], status: str, reason: str) -> None:
         from pipeline.tracking.tracking import Tracker

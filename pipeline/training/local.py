@@ -23,6 +23,7 @@ from data.validate import validate
 from models.evaluate import evaluate
 from models.train_step import TrainStep
 from pipeline.job.config import JobConfig
+from pipeline.job.phases import Phases
 from pipeline.job.report import JobSummary, ProgressSink, oracle_auc
 from pipeline.tracking.registry import data_window, log_and_register
 from pipeline.tracking.tracking import Tracker
@@ -84,11 +85,14 @@ def epoch_order(groups: list[RowGroup], seed: int, epoch: int) -> list[RowGroup]
 
 
 def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
-                tags: Mapping[str, str] | None = None, run_name: str | None = None
-                ) -> JobSummary:
+                tags: Mapping[str, str] | None = None, run_name: str | None = None,
+                phases: Phases | None = None) -> JobSummary:
     """Train ``job`` in this process, evaluate it, and track it in MLflow (a run named
     ``run_name``, with ``tags`` besides antdt's own, and its data window's); register the
-    model when the job names a registered model (:mod:`pipeline.tracking.registry`)."""
+    model when the job names a registered model (:mod:`pipeline.tracking.registry`). The
+    summary's ``phases`` are ``phases`` (the command's, from its start; by default this
+    process's) marked at each step."""
+    phases = phases if phases is not None else Phases()
     started = time.perf_counter()
     prepare_process(job.train.threads)
     data = prepare_data(job)
@@ -106,6 +110,7 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
     with Tracker.start(tracked, mode="local", tags={**data_tags, **(tags or {})},
                        run_name=run_name) as tracker:
         tracker.artifact_yaml(data.schema.to_dict(), "schema.yaml")
+        phases.mark("prepare")
         rows, steps, train_s = 0, 0, 0.0
         window_loss, window_start = 0.0, time.perf_counter()
         with FROZEN_HEAP:
@@ -129,8 +134,10 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
                                              "train.rows_trained": rows}, step=steps)
                             window_loss, window_start = 0.0, now
                 train_s += time.perf_counter() - epoch_start
+        phases.mark("training")
         metrics = evaluate(step.predict, iterate_batches(reader, data.validation,
                                                          job.train.batch_size))
+        phases.mark("evaluate")
         summary = JobSummary(
             run_id=tracker.run_id, mode="local", workers=1,
             auc=metrics["auc"], logloss=metrics["logloss"],
@@ -142,7 +149,9 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
             tracking_uri=tracker.tracking_uri, experiment_id=tracker.experiment_id,
         )
         tracker.summary(summary.metrics())
+        phases.mark("metrics")
         # the model is the last thing logged: the run ends with it
         summary = log_and_register(tracker, step, data.schema, job,
                                    example=(data.validation or data.train)[0], summary=summary)
-    return summary
+    phases.mark("model")
+    return replace(summary, phases=phases.report(train_s))

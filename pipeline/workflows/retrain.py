@@ -327,7 +327,8 @@ def train(settings: Settings, job_id: str, run_tags: Mapping[str, str] | None = 
     cancelled, the retry starts ``job_id-2`` (then ``-3``...). Returns :func:`trained` of the
     version."""
     from antdt.jobs import JobClient
-    from pipeline.training.cluster import connect, job_spec
+    from pipeline.training.cluster import job_spec
+    from pipeline.training.local_cluster import connect
     from pipeline.training.following import follow, outcome
     from pipeline.training.local import prepare_data
 
@@ -410,7 +411,7 @@ def trained(tracking_uri: str, model: str, version: str) -> dict[str, Any]:
     from mlflow import MlflowClient
 
     from pipeline.job.report import run_page
-    from pipeline.tracking.tracking import redact
+    from pipeline.tracking.uris import redact
 
     client = MlflowClient(tracking_uri)
     found = client.get_model_version(model, version)

@@ -201,8 +201,9 @@ def run_sweep(trials: list[Trial], grid: Grid, *, metric: str = "auc",
     cores), as many at once as fit its workers; the result with the best trial, whose model
     becomes a version of ``register`` when given."""
     from antdt.jobs import JobClient
-    from pipeline.tracking.tracking import experiment, redact, resolved_uri
-    from pipeline.training.cluster import connect
+    from pipeline.tracking.tracking import experiment, resolved_uri
+    from pipeline.tracking.uris import redact
+    from pipeline.training.local_cluster import connect
 
     base = trials[0].job
     uri = resolved_uri(base)

@@ -35,8 +35,8 @@ from data.synth import SynthResult
 from models.evaluate import auc
 from pipeline.cli.main import cli
 from pipeline.job.config import load_job
-from pipeline.training.cluster import (connect, local_cluster_settings, replica_bytes,
-                                       train_async)
+from pipeline.training.cluster import replica_bytes, train_async
+from pipeline.training.local_cluster import connect, local_cluster_settings
 from waits import bounded
 
 TRAIN_ROWS = 16_000
@@ -81,6 +81,13 @@ def test_cli_trains_async_on_two_workers_and_tracks_the_run(cluster_job: Path) -
     assert summary["rows_lost"] == summary["rows_retrained"] == summary["rows_quarantined"] == 0
     assert summary["auc"] > 0.6
     assert summary["samples_per_s"] > 0 and summary["wall_s"] > 0
+    phases = summary["phases"]  # where the command's seconds went
+    steps = {"start", "prepare", "cluster", "workers", "plan", "first lease", "training",
+             "evaluate", "metrics", "timeline", "model", "results", "shutdown"}
+    assert set(phases) == steps | {"total_s", "outside_s"}
+    assert sum(phases[step] for step in steps) == pytest.approx(phases["total_s"], abs=0.02)
+    assert phases["outside_s"] == pytest.approx(phases["total_s"] - summary["train_s"], abs=0.01)
+    assert phases["training"] > 0 and phases["model"] > 0
 
     job = load_job(cluster_job)
     mlflow.set_tracking_uri(job.mlflow.tracking_uri)

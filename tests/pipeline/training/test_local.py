@@ -74,6 +74,11 @@ def test_cli_train_json_prints_the_summary(job_file: Path) -> None:
     assert {"auc", "logloss", "oracle_auc", "rows_trained", "wall_s", "samples_per_s",
             "run_id"} <= set(summary)
     assert summary["samples_per_s"] > 0
+    phases = summary["phases"]
+    steps = {"start", "prepare", "training", "evaluate", "metrics", "model"}
+    assert set(phases) == steps | {"total_s", "outside_s"}
+    assert sum(phases[step] for step in steps) == pytest.approx(phases["total_s"], abs=0.01)
+    assert phases["training"] >= summary["train_s"] > 0
     # the override took effect: the run trained batches of 1,024 rows (metrics every 10 steps)
     job = load_job(job_file)
     batches = sum(-(-g.num_rows // 1024) for g in prepare_data(job).train)
