@@ -110,7 +110,9 @@ def test_a_rank_whose_final_gather_breaks_leaves_its_group(rank: SyncMode) -> No
 
 def test_one_group_per_process_is_claimed_by_one_job_at_a_time() -> None:
     """Two jobs' ranks starting at once on one worker: exactly one claims the process group,
-    the other is told which job holds it; the claim goes with its holder's release only."""
+    the other is told which job holds it; the claim goes with its holder's release only. The
+    claims granted are counted (a group formed again frees the last one's model first)."""
+    claims = PROCESS_GROUP.claims
     won: list[str | None] = []
     start = threading.Barrier(8)
 
@@ -123,7 +125,7 @@ def test_one_group_per_process_is_claimed_by_one_job_at_a_time() -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    assert won.count(None) == 1
+    assert won.count(None) == 1 and PROCESS_GROUP.claims == claims + 1
     holder = PROCESS_GROUP.job
     assert holder is not None and all(w in (None, holder) for w in won)
     PROCESS_GROUP.release("someone else")
