@@ -66,8 +66,12 @@ global batch's embedding lookups (the tables it owns) does not, and neither do i
 per step, so even perfect batch sizes stay below it. On a machine with fewer cores than ranks
 the fault-free rate is bounded by the cores, not by the ranks: a slow rank sleeping leaves its
 core to the others. Under contention the contended rank is slower at everything, its part of
-every collective too, which its peers wait for; an injected slowdown sleeps after the step
-instead, so the collectives run at full speed.
+every collective too, which its peers wait for. An injected slowdown sleeps after the step
+instead: the collectives run at full speed, but the peers wait for the whole sleep at the next
+step's header, the sleep of the slow rank's fixed part too (its share of the lookups and the
+dense update, what an empty step costs it), which no batch size removes: with 4 workers on 2
+cores its 1-row steps took 33 ms of its own time, slept 99 ms more, and its peers' steps of
+5,500 rows about 105 ms, so a step lasted about 220 ms and adaptive stayed at 1.7x fixed.
 """
 
 from __future__ import annotations
