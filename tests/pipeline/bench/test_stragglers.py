@@ -7,14 +7,17 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
 from pipeline.bench.jobs import Outcome
 from pipeline.cli.main import cli
+from pipeline.bench import stragglers
 from pipeline.bench.stragglers import (FAULT_FREE, SCENARIOS, ideal_seconds, median_by_rate,
-                                       median_run, others_rate, scenario_faults, sync_ratios)
+                                       median_run, others_rate, run_sync_scenario,
+                                       scenario_faults, sync_ratios)
 from pipeline.job.config import FaultConfig
 from pipeline.job.report import JobSummary
 from pipeline.training.following import AgentRecord
@@ -106,14 +109,34 @@ def test_the_sync_ideal_keeps_every_worker_s_capacity_but_the_slow_one_s() -> No
 def test_under_contention_the_ideal_keeps_the_contended_rank_s_share_of_its_core() -> None:
     """Worker 0 kept half its core in the fixed run: it counts as 2x slower (the injected
     slowdown is not used), and the ideal is 3/4 of the run without the busy loop."""
-    ways = {"fixed": {**way(600), "cpu_shares": [0.5, 0.95]}, "adaptive": way(750),
-            FAULT_FREE: way(1000)}
+    ways: dict[str, dict[str, Any]] = {
+        "fixed": {**way(600), "cpu_shares": [0.5, 0.95]}, "adaptive": way(750),
+        FAULT_FREE: way(1000)}
     out = sync_ratios(ways, "contention", workers=2, slowdown=4.0)
     assert out["adaptive_over_fixed"] == 1.25
     assert out["target"] == {"adaptive_over_fixed": 1.2, "met": True}
     assert out["ideal"] == {"fault_free_samples_per_s": 1000, "slowdown": 2.0, "share": 0.75,
                             "samples_per_s": 750, "over_fixed": 1.25, "fluid_over_fixed": 1.5,
                             "adaptive_of_ideal": 1.0}
+
+
+def test_under_contention_every_way_shares_worker_zero_s_core_but_the_fault_free_base(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[tuple[str, bool]] = []
+
+    def run(job: object, name: str, workers: int, faults: list[FaultConfig],
+            contention: bool = False) -> dict[str, object]:
+        assert faults == []  # contention is real, not injected
+        ran.append((name, contention))
+        rate = 750 if name == "adaptive" else 600 if contention else 1000
+        return {**way(rate), "cpu_shares": [0.5, 0.95] if contention else [0.9, 0.9]}
+
+    monkeypatch.setattr(stragglers, "run_sync_way", run)
+    out = run_sync_scenario(None, "contention", ["fixed", "adaptive"], 2,  # type: ignore[arg-type]
+                            [], 4.0, repeats=2, quiet=True)
+    assert ran == [("fixed", True), ("adaptive", True), ("fixed", False)] * 2
+    assert out["adaptive_over_fixed"] == 1.25 and out["ideal"]["slowdown"] == 2.0
+    assert out[FAULT_FREE]["runs_samples_per_s"] == [1000, 1000]
 
 
 def test_with_no_fault_the_fixed_way_is_the_ideal() -> None:
