@@ -70,8 +70,9 @@ every collective too, which its peers wait for. An injected slowdown sleeps afte
 instead: the collectives run at full speed, but the peers wait for the whole sleep at the next
 step's header, the sleep of the slow rank's fixed part too (its share of the lookups and the
 dense update, what an empty step costs it), which no batch size removes: with 4 workers on 2
-cores its 1-row steps took 33 ms of its own time, slept 99 ms more, and its peers' steps of
-5,500 rows about 105 ms, so a step lasted about 220 ms and adaptive stayed at 1.7x fixed.
+cores its 1-row steps took 33 ms of its own time and slept 99 ms more, its peers' steps of
+5,500 rows about 105 ms of theirs, and a step of 16,384 rows lasted about 290 ms (the rest the
+collectives'): adaptive stayed at 1.7x fixed.
 """
 
 from __future__ import annotations
