@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import dask.config
 from rich.console import Console, RenderableType
 from rich.logging import RichHandler
 from rich.measure import Measurement
@@ -47,6 +48,9 @@ QUIET_ENVIRONMENT = {
     # TorchRec's loggers in those workers (through Dask's logging config): its planner warns on
     # every sync rank about estimates of tensors it is not shown
     "DASK_LOGGING__TORCHREC": "error",
+    # distributed's own loggers in the worker processes a LocalCluster forks from its server
+    # (which imported distributed before any worker's settings reached it)
+    "DASK_LOGGING__DISTRIBUTED": "error",
 }
 
 
@@ -65,6 +69,8 @@ def configure(verbosity: int) -> None:
             os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "DEBUG")
         for package in OWN_LOGGERS:  # worker processes read it through Dask's logging config
             os.environ.setdefault(f"DASK_LOGGING__{package.upper()}", name)
+    # distributed sets its loggers' levels from Dask's config as it is imported, often after this
+    dask.config.set({"logging.distributed": logging.getLevelName(root).lower()})
     logging.basicConfig(level=root, format="%(name)s: %(message)s", datefmt="[%X]",
                         handlers=[RichHandler(console=stderr, show_path=False)], force=True)
     for package in OWN_LOGGERS:

@@ -17,6 +17,7 @@ COMMANDS = {
     "chaos": "pipeline.bench.chaos",
     "checkpoint": "pipeline.bench.checkpoint",
     "data": "pipeline.bench.data",
+    "overhead": "pipeline.bench.overhead",
     "quality": "pipeline.bench.quality",
     "scaling": "pipeline.bench.scaling",
     "sharding": "pipeline.bench.sharding",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -21,13 +22,25 @@ from pipeline.bench import bench
 from pipeline.cli.experiments import EXPERIMENT_COMMANDS
 from pipeline.cli.jobs import (JOB_COMMANDS, Cluster, cluster_options, follow_and_report,
                                register_option, registering, resume_option, resume_spec)
-from pipeline.cli.simulate import command as simulate
 from pipeline.terminal import progress_bar, stderr
 
 
 class _Main(click.Group):
     """Turns domain errors into one clear line, never a traceback: exit code 1 for a job that
-    failed or was cancelled, 2 for bad input."""
+    failed or was cancelled, 2 for bad input. ``antdt simulate`` is imported only when run (the
+    simulator imports the controller and Dask: a quarter of a second of every command)."""
+
+    LAZY = {"simulate": "pipeline.cli.simulate"}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.LAZY})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.LAZY:
+            command = importlib.import_module(self.LAZY[cmd_name]).command
+            assert isinstance(command, click.Command)
+            return command
+        return super().get_command(ctx, cmd_name)
 
     def invoke(self, ctx: click.Context) -> object:
         try:
@@ -199,7 +212,7 @@ def _phases(report: dict[str, float], as_json: bool) -> None:
             stderr.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
-for command in (bench, simulate, *JOB_COMMANDS, *EXPERIMENT_COMMANDS):
+for command in (bench, *JOB_COMMANDS, *EXPERIMENT_COMMANDS):
     cli.add_command(command)
 
 

@@ -40,6 +40,8 @@ and as the run's metrics ``promotion.candidate.<metric>``, ``promotion.champion.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import enum
 import hashlib
@@ -47,8 +49,9 @@ import json
 import logging
 import math
 import os
+import queue
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,18 +177,48 @@ def _absolute(spec: str) -> str:
 # ---- registration -----------------------------------------------------------------------------
 
 
-def log_and_register(tracker: Tracker, step: TrainStep, schema: Schema, job: JobConfig, *,
-                     example: RowGroup, summary: JobSummary) -> JobSummary:
-    """Log ``step``'s model as the last thing of the run (which ends with it: ``FAILED`` if
-    logging or registering raises) and register it when the job names a registered model;
-    ``summary`` naming the version it became."""
-    name = job.mlflow.registered_model
-    with tracker.active():
-        model = log_ranking_model(step, schema, job, example=example)
-        if name is None:
-            return summary
-        version = register(tracker, model, name, summary)
-    return dataclasses.replace(summary, registered_model=name, registered_version=version)
+class _Abandoned(Exception):
+    """The work beside the model's logging failed: the run ends ``FAILED`` with the model."""
+
+
+@contextlib.contextmanager
+def logging_model(tracker: Tracker, step: TrainStep, schema: Schema, job: JobConfig, *,
+                  example: RowGroup) -> Iterator[Callable[[JobSummary], JobSummary]]:
+    """Log ``step``'s model to ``tracker``'s run in a thread at once, while the block does the
+    run's other work (evaluating the model above all: its weights no longer change, and the
+    logging is Python where the evaluation is torch's kernels). The block calls the function
+    it is given with the run's summary: the model is registered when the job names a registered
+    model, the run ends with it (``FAILED`` if the block, the logging or the registering
+    raises) and the summary comes back naming the version. The model stays the run's last
+    thing: its registration waits for the summary."""
+    summaries: queue.Queue[JobSummary | None] = queue.Queue(maxsize=1)
+
+    def log() -> JobSummary:
+        with tracker.active():
+            model = log_ranking_model(step, schema, job, example=example)
+            summary = summaries.get()
+            if summary is None:
+                raise _Abandoned("the work beside logging the model failed")
+            name = job.mlflow.registered_model
+            if name is None:
+                return summary
+            version = register(tracker, model, name, summary)
+        return dataclasses.replace(summary, registered_model=name, registered_version=version)
+
+    def registered(summary: JobSummary) -> JobSummary:
+        summaries.put_nowait(summary)
+        return logged.result()
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="antdt-model") as pool:
+        logged = pool.submit(log)
+        try:
+            yield registered
+        except BaseException:
+            with contextlib.suppress(queue.Full):
+                summaries.put_nowait(None)
+            with contextlib.suppress(Exception):
+                logged.result()
+            raise
 
 
 def register(tracker: Tracker, model: ModelInfo, name: str, summary: JobSummary) -> str:

@@ -82,21 +82,39 @@ class RankingHooks:
         actions, the timeline and the model, registered when the job names a registered model,
         or where its parts are (tag ``antdt.model_dir``, artifact ``model_parts.yaml``: each
         file's size and sha256); return the summary."""
-        from data.reader import ShardReader
-        from models.evaluate import evaluate
-        from pipeline.tracking.registry import log_and_register
-        from pipeline.tracking.timeline import ActionMark, LeaseSpan, render_timeline
+        from pipeline.tracking.registry import logging_model
         from pipeline.tracking.tracking import Tracker
-        from pipeline.training.local import iterate_batches
 
         clock = StepClock()
         tracker = Tracker.attach(self.tracking_uri, run)
-        auc = logloss = math.nan
-        if trainer is not None:
-            metrics = evaluate(trainer.train_step.predict, iterate_batches(
-                ShardReader(self.schema), self.validation, self.job.train.batch_size))
-            auc, logloss = metrics["auc"], metrics["logloss"]
-        clock.lap("evaluate")
+        if trainer is None:
+            summary = self._record(tracker, report, math.nan, math.nan, clock)
+            tracker.end("FINISHED")
+        else:  # the model is logged beside the evaluation; the run ends with it
+            with logging_model(tracker, trainer.train_step, self.schema, self.job,
+                               example=self.example) as registered:
+                auc, logloss = self._evaluate(trainer)
+                clock.lap("evaluate")
+                summary = registered(self._record(tracker, report, auc, logloss, clock))
+        clock.lap("model")
+        return dataclasses.replace(summary, phases=clock.laps).to_dict()
+
+    def _evaluate(self, trainer: Any) -> tuple[float, float]:
+        """AUC and log loss of ``trainer``'s model on the validation rows."""
+        from data.reader import ShardReader
+        from models.evaluate import evaluate
+        from pipeline.training.local import iterate_batches
+
+        metrics = evaluate(trainer.train_step.predict, iterate_batches(
+            ShardReader(self.schema), self.validation, self.job.train.batch_size))
+        return metrics["auc"], metrics["logloss"]
+
+    def _record(self, tracker: Any, report: Mapping[str, Any], auc: float, logloss: float,
+                clock: StepClock) -> JobSummary:
+        """The job's summary, logged to its run with the final counters, the controller's
+        actions, where a model in parts is, and the timeline."""
+        from pipeline.tracking.timeline import ActionMark, LeaseSpan, render_timeline
+
         rows = report["rows"]
         agents = report["agents"]
         saved = report.get("saved_model")
@@ -136,13 +154,7 @@ class RankingHooks:
                 title=f"{self.job.name} ({report['job_id']}, {len(agents)} agents, "
                       f"sharding {report['sharding']})"))
         clock.lap("timeline")
-        if trainer is None:
-            tracker.end("FINISHED")
-        else:  # the model is the last thing logged: the run ends with it
-            summary = log_and_register(tracker, trainer.train_step, self.schema, self.job,
-                                       example=self.example, summary=summary)
-        clock.lap("model")
-        return dataclasses.replace(summary, phases=clock.laps).to_dict()
+        return summary
 
     def abort(self, run: Mapping[str, Any], status: str, reason: str) -> None:
         from pipeline.tracking.tracking import Tracker

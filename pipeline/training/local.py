@@ -25,7 +25,7 @@ from models.train_step import TrainStep
 from pipeline.job.config import JobConfig
 from pipeline.job.phases import Phases
 from pipeline.job.report import JobSummary, ProgressSink, oracle_auc
-from pipeline.tracking.registry import data_window, log_and_register
+from pipeline.tracking.registry import data_window, logging_model
 from pipeline.tracking.tracking import Tracker
 
 logger = logging.getLogger(__name__)
@@ -135,23 +135,23 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
                             window_loss, window_start = 0.0, now
                 train_s += time.perf_counter() - epoch_start
         phases.mark("training")
-        metrics = evaluate(step.predict, iterate_batches(reader, data.validation,
-                                                         job.train.batch_size))
-        phases.mark("evaluate")
-        summary = JobSummary(
-            run_id=tracker.run_id, mode="local", workers=1,
-            auc=metrics["auc"], logloss=metrics["logloss"],
-            oracle_auc=oracle_auc(job.data.schema, [g.path for g in data.validation]),
-            rows_trained=rows, rows_lost=0, rows_retrained=0,
-            rows_quarantined=data.quarantined_rows,
-            wall_s=time.perf_counter() - started, train_s=train_s,
-            samples_per_s=rows / max(train_s, 1e-9),
-            tracking_uri=tracker.tracking_uri, experiment_id=tracker.experiment_id,
-        )
-        tracker.summary(summary.metrics())
-        phases.mark("metrics")
-        # the model is the last thing logged: the run ends with it
-        summary = log_and_register(tracker, step, data.schema, job,
-                                   example=(data.validation or data.train)[0], summary=summary)
+        with logging_model(tracker, step, data.schema, job,
+                           example=(data.validation or data.train)[0]) as registered:
+            metrics = evaluate(step.predict, iterate_batches(reader, data.validation,
+                                                             job.train.batch_size))
+            phases.mark("evaluate")
+            summary = JobSummary(
+                run_id=tracker.run_id, mode="local", workers=1,
+                auc=metrics["auc"], logloss=metrics["logloss"],
+                oracle_auc=oracle_auc(job.data.schema, [g.path for g in data.validation]),
+                rows_trained=rows, rows_lost=0, rows_retrained=0,
+                rows_quarantined=data.quarantined_rows,
+                wall_s=time.perf_counter() - started, train_s=train_s,
+                samples_per_s=rows / max(train_s, 1e-9),
+                tracking_uri=tracker.tracking_uri, experiment_id=tracker.experiment_id,
+            )
+            tracker.summary(summary.metrics())
+            phases.mark("metrics")
+            summary = registered(summary)
     phases.mark("model")
     return replace(summary, phases=phases.report(train_s))

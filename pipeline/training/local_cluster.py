@@ -68,11 +68,12 @@ def starting(workers: int, preload: Sequence[str] = ()) -> Iterator[Callable[[],
     level (quiet unless ``-v``: :mod:`pipeline.terminal`)."""
     settings = local_cluster_settings()
     level = logging.getLogger("distributed").getEffectiveLevel()
+    with dask.config.set(settings):
+        if dask.config.get("distributed.worker.multiprocessing-method") == "forkserver":
+            _start_forkserver(preload)
 
     def start() -> LocalCluster:
         with dask.config.set(settings):  # read as the servers start
-            if dask.config.get("distributed.worker.multiprocessing-method") == "forkserver":
-                _start_forkserver(preload)
             return LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
                                 dashboard_address=":0", resources=_gpu_resources(),
                                 silence_logs=level, preload=list(preload))

@@ -78,7 +78,7 @@ def test_cli_train_json_prints_the_summary(job_file: Path) -> None:
     steps = {"start", "prepare", "training", "evaluate", "metrics", "model"}
     assert set(phases) == steps | {"total_s", "outside_s"}
     assert sum(phases[step] for step in steps) == pytest.approx(phases["total_s"], abs=0.01)
-    assert phases["training"] >= summary["train_s"] > 0
+    assert phases["training"] >= summary["train_s"] - 0.001 > 0  # phases: to the ms
     # the override took effect: the run trained batches of 1,024 rows (metrics every 10 steps)
     job = load_job(job_file)
     batches = sum(-(-g.num_rows // 1024) for g in prepare_data(job).train)
