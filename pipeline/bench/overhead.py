@@ -87,14 +87,20 @@ def argv_of(leg: str, job: Path, workers: int, address: str | None) -> list[str]
 
 
 def run_leg(leg: str, argv: list[str], env: dict[str, str], cwd: Path) -> dict[str, Any]:
-    """One run of ``leg``: its wall seconds from outside and what its JSON line says."""
-    started = time.time()
-    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True)
-    wall = time.time() - started
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise click.ClickException(f"{leg}: {' '.join(argv)} exited {done.returncode}:\n"
-                                   f"{done.stderr[-3000:]}")
+    """One run of ``leg``: its wall seconds from outside (until the command's process exited,
+    as a shell waits for it: its output goes to files, which processes it leaves behind may
+    hold a moment longer) and what its JSON line says."""
+    with tempfile.TemporaryFile("w+") as out_file, tempfile.TemporaryFile("w+") as err_file:
+        started = time.time()
+        code = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out_file,
+                                stderr=err_file).wait()
+        wall = time.time() - started
+        out_file.seek(0)
+        err_file.seek(0)
+        stdout, stderr = out_file.read(), err_file.read()
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if code != 0 or not lines:
+        raise click.ClickException(f"{leg}: {' '.join(argv)} exited {code}:\n{stderr[-3000:]}")
     out = json.loads(lines[-1])
     phases = dict(out.get("phases") or {})
     if "total_s" in phases:  # they count from the process's start, a few ms after the spawn

@@ -113,11 +113,13 @@ def _gpu_resources() -> dict[str, float] | None:
 
 
 def _start_forkserver(modules: Sequence[str]) -> None:
-    """Start this process's multiprocessing fork server, preloading Dask and ``modules``, with
+    """Start this process's multiprocessing fork server, preloading Dask and ``modules`` (and
+    :mod:`pipeline.training.fork_server`: it leaves without tearing its modules down), with
     the environment Dask gives the worker processes it spawns (``distributed.nanny.pre-spawn-
     environ``: one OpenMP thread, malloc trimming), which a forked process inherits from the
     server. A server already running (an earlier cluster of this process) is kept."""
-    get_mp_context().set_forkserver_preload(["distributed", *modules])
+    get_mp_context().set_forkserver_preload(
+        ["pipeline.training.fork_server", "distributed", *modules])
     environ = {key: str(value) for key, value in
                dask.config.get("distributed.nanny.pre-spawn-environ").items()}
     saved = {key: os.environ.get(key) for key in environ}

@@ -163,3 +163,25 @@ def test_bench_checkpoint_runs_with_and_without_checkpoints(
     assert 0 < default["bytes"] < larger["bytes"] < 2 * default["bytes"] + 1_000_000
     assert larger["write_s"] > 0 and larger["disk_s"] > 0 and larger["copy_s"] > 0
     assert not list(tmp_path.glob("antdt-bench-checkpoint-*"))  # its files are gone
+
+
+@pytest.mark.slow
+def test_bench_overhead_times_each_command_from_outside_and_by_phase(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[3]  # this checkout, again as --tree
+    out = bench(["overhead", "--rows", "20000", "--modes", "async,local,peer", "--repeats", "1",
+                 "--folder", str(tmp_path), "--tree", str(root)])
+    assert set(out["legs"]) == {"async", "local", "peer", "before async", "before local"}
+    for leg, figures in out["legs"].items():
+        assert figures["wall_s"] > figures["train_s"] > 0, leg
+        assert figures["outside_s"] == pytest.approx(figures["wall_s"] - figures["train_s"],
+                                                     abs=2e-3)
+        assert figures["samples_per_s"] > 0
+    async_phases = out["legs"]["async"]["phases"]
+    assert {"start", "prepare", "cluster", "training", "evaluate", "model", "shutdown",
+            "exit"} <= set(async_phases)
+    # what the command said of itself adds up to what was timed from outside
+    assert async_phases["total_s"] + async_phases["exit"] == pytest.approx(
+        out["legs"]["async"]["wall_s"], abs=2e-3)
+    assert out["ratios"]["async wall / peer"] == pytest.approx(
+        out["legs"]["async"]["wall_s"] / out["legs"]["peer"]["wall_s"], abs=2e-3)
+    assert "local outside / before" in out["ratios"]
