@@ -22,9 +22,23 @@ client that submitted it and several jobs share one cluster.
 
 from __future__ import annotations
 
-from antdt.jobs.client import JobClient, ensure_plugins
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from antdt.jobs.spec import JobCode, JobHooks, JobPlan, JobSpec
 from antdt.sharding import JobState
+
+if TYPE_CHECKING:
+    from antdt.jobs.client import JobClient, ensure_plugins
+
+
+def __getattr__(name: str) -> Any:
+    """The client's names, imported on first use (they import Dask's distributed): a job file
+    is read, and a local job trained, without it."""
+    if name not in ("JobClient", "ensure_plugins"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module("antdt.jobs.client"), name)
+
 
 __all__ = ["JobClient", "JobCode", "JobHooks", "JobPlan", "JobSpec", "JobState",
            "ensure_plugins"]
