@@ -6,6 +6,9 @@ measure of a rank's own time (:func:`own_seconds`)."""
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -281,11 +284,18 @@ class ReadAhead:
     they are dropped (a read of rows no step took: its failure too, the rows taken are read
     again) and the step's own rows are read, after it. Reading moves off the training thread,
     so a rank's own time (:func:`own_seconds`) no longer holds it, but a read that competes
-    with the training thread for a core makes it wait for one, which it does count."""
+    with the training thread for a core makes it wait for one, which it does count.
+
+    The thread runs at the lowest CPU priority (nice 19, :func:`_below_training`): on a core it
+    shares with the training thread it takes the time that thread leaves, its waits in the
+    step's collectives, instead of slowing the step. On 2 cores, 2 ranks of 4,096 rows a step
+    (one run each): a step took 75 ms with the reads at the training thread's priority, 64 ms
+    at nice 19, and 70 ms with the reads in the training thread."""
 
     def __init__(self, read: Callable[[Sequence[Span]], Any]) -> None:
         self._read = read
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="antdt-sync-read")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="antdt-sync-read",
+                                        initializer=_below_training)
         self._ahead: tuple[list[Span], Future[Any]] | None = None
 
     def batch(self, spans: Sequence[Span]) -> Any:
@@ -308,3 +318,9 @@ class ReadAhead:
         """Drop the read ahead (waiting for a read under way) and end the thread."""
         self._ahead = None
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _below_training() -> None:
+    """Give the calling thread alone the lowest CPU priority (on Linux a thread has its own)."""
+    if sys.platform.startswith("linux"):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
