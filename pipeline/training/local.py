@@ -6,10 +6,12 @@ same evaluation. It reads top to bottom: validate the data, train the epochs, ev
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Iterator, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Iterator, Mapping
 
 import numpy as np
 from torchrec.datasets.utils import Batch
@@ -25,8 +27,9 @@ from models.train_step import TrainStep
 from pipeline.job.config import JobConfig
 from pipeline.job.phases import Phases
 from pipeline.job.report import JobSummary, ProgressSink, oracle_auc
-from pipeline.tracking.registry import data_window, logging_model
-from pipeline.tracking.tracking import Tracker
+
+if TYPE_CHECKING:
+    from pipeline.tracking.tracking import Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,59 @@ def epoch_order(groups: list[RowGroup], seed: int, epoch: int) -> list[RowGroup]
     return [groups[i] for i in order]
 
 
+class OpeningRun:
+    """A local job's MLflow run, opened in a thread while its training starts (the data window
+    tagged as training starts to read the files; the config, the schema): MLflow's import and
+    its store's first connection, about a second and a half of Python, overlap the first
+    batches, which run torch's kernels. Their metrics wait until the run is open; an error
+    opening it stops the training at the next metrics step. The run ends with the block
+    (``FAILED`` if it raises)."""
+
+    def __init__(self, job: JobConfig, schema: Schema, tags: Mapping[str, str],
+                 run_name: str | None) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="antdt-run")
+        self._opening = self._pool.submit(self._open, job, schema, tags, run_name)
+        self._waiting: list[tuple[int, Mapping[str, float]]] = []
+
+    @staticmethod
+    def _open(job: JobConfig, schema: Schema, tags: Mapping[str, str],
+              run_name: str | None) -> Tracker:
+        from pipeline.tracking.registry import data_window
+        from pipeline.tracking.tracking import Tracker
+
+        # the run records what ran: this process, not the job file's mode and workers
+        tracked = replace(job, train=replace(job.train, mode="local", workers=1))
+        tracker = Tracker.start(tracked, mode="local", run_name=run_name,
+                                tags={**data_window(job.data).tags(), **tags})
+        tracker.artifact_yaml(schema.to_dict(), "schema.yaml")
+        return tracker
+
+    def metrics(self, values: Mapping[str, float], step: int) -> None:
+        """One step's metrics, logged as soon as the run is open."""
+        if not self._opening.done():
+            self._waiting.append((step, values))
+            return
+        tracker = self.opened()
+        tracker.metrics(values, step=step)
+
+    def opened(self) -> Tracker:
+        """The run, once open, with the metrics that waited for it logged."""
+        tracker = self._opening.result()
+        if self._waiting:
+            tracker.steps(self._waiting)
+            self._waiting.clear()
+        return tracker
+
+    def __enter__(self) -> OpeningRun:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._pool.shutdown()
+        if self._opening.exception() is None:
+            self._opening.result().__exit__(exc_type, exc, tb)
+
+
 def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
                 tags: Mapping[str, str] | None = None, run_name: str | None = None,
                 phases: Phases | None = None) -> JobSummary:
@@ -96,7 +152,6 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
     started = time.perf_counter()
     prepare_process(job.train.threads)
     data = prepare_data(job)
-    data_tags = data_window(job.data).tags()  # the files as training starts to read them
     total_rows = sum(g.num_rows for g in data.train) * job.train.epochs
     logger.info("training on %d rows (%d row groups x %d epochs), validating on %d rows",
                 total_rows, len(data.train), job.train.epochs,
@@ -105,11 +160,7 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
         progress.total(total_rows)
     step = TrainStep(data.schema, job.model, job.train.optim, seed=job.train.seed)
     reader = ShardReader(data.schema)
-    # the run records what ran: this process, not the job file's mode and workers
-    tracked = replace(job, train=replace(job.train, mode="local", workers=1))
-    with Tracker.start(tracked, mode="local", tags={**data_tags, **(tags or {})},
-                       run_name=run_name) as tracker:
-        tracker.artifact_yaml(data.schema.to_dict(), "schema.yaml")
+    with OpeningRun(job, data.schema, tags or {}, run_name) as run:
         phases.mark("prepare")
         rows, steps, train_s = 0, 0, 0.0
         window_loss, window_start = 0.0, time.perf_counter()
@@ -127,7 +178,7 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
                             progress.advance(n)
                         if steps % job.train.log_every == 0:
                             now = time.perf_counter()
-                            tracker.metrics({"train.loss": window_loss / job.train.log_every,
+                            run.metrics({"train.loss": window_loss / job.train.log_every,
                                              "train.samples_per_s":
                                                  job.train.log_every * job.train.batch_size
                                                  / max(now - window_start, 1e-9),
@@ -135,6 +186,9 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
                             window_loss, window_start = 0.0, now
                 train_s += time.perf_counter() - epoch_start
         phases.mark("training")
+        tracker = run.opened()
+        from pipeline.tracking.registry import logging_model
+
         with logging_model(tracker, step, data.schema, job,
                            example=(data.validation or data.train)[0]) as registered:
             metrics = evaluate(step.predict, iterate_batches(reader, data.validation,
