@@ -1,6 +1,7 @@
 """Work MLflow does once per process, done where a process imports this module: the fork server
 of a command's LocalCluster (:func:`pipeline.training.local_cluster.worker_modules`), whose
-worker processes inherit it instead of each paying for it while a job waits.
+worker processes inherit it instead of each paying for it while a job waits, and a local job
+while it trains (:class:`pipeline.training.local.OpeningRun`).
 
 Logging a model checks its pip requirements against the installed packages
 (``mlflow.utils.requirements_utils``), which first maps every installed distribution to its

@@ -7,6 +7,7 @@ same evaluation. It reads top to bottom: validate the data, train the epochs, ev
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -89,9 +90,10 @@ def epoch_order(groups: list[RowGroup], seed: int, epoch: int) -> list[RowGroup]
 
 class OpeningRun:
     """A local job's MLflow run, opened in a thread while its training starts (the data window
-    tagged as training starts to read the files; the config, the schema): MLflow's import and
-    its store's first connection, about a second and a half of Python, overlap the first
-    batches, which run torch's kernels. Their metrics wait until the run is open; an error
+    tagged as training starts to read the files; the config, the schema): MLflow's import, its
+    store's first connection and what logging the model will need
+    (:mod:`pipeline.tracking.warm`), about two seconds of Python, overlap the first batches,
+    which run torch's kernels. Their metrics wait until the run is open; an error
     opening it stops the training at the next metrics step. The run ends with the block
     (``FAILED`` if it raises)."""
 
@@ -112,6 +114,7 @@ class OpeningRun:
         tracker = Tracker.start(tracked, mode="local", run_name=run_name,
                                 tags={**data_window(job.data).tags(), **tags})
         tracker.artifact_yaml(schema.to_dict(), "schema.yaml")
+        importlib.import_module("pipeline.tracking.warm")  # logging the model needs it later
         return tracker
 
     def metrics(self, values: Mapping[str, float], step: int) -> None:
