@@ -29,10 +29,9 @@ logger = logging.getLogger(__name__)
 def worker_modules(job: JobConfig) -> list[str]:
     """What the worker processes of ``job`` import before its agents start: the training stack,
     the tracking code (:mod:`pipeline.tracking.warm` included) and MLflow's modules for the job's
-    store (for MLflow's default store,
-    those of both of its defaults: a SQLite file, or ``./mlruns`` where one has runs). The
-    master imports the job's exact list again (:attr:`antdt.jobs.JobPlan.preload`), which
-    costs nothing when these covered it."""
+    store (for MLflow's default store, those of both of its defaults: a SQLite file, or
+    ``./mlruns`` where one has runs). The master imports the job's exact list again
+    (:attr:`antdt.jobs.JobPlan.preload`), which costs nothing when these covered it."""
     uris = [job.mlflow.tracking_uri] if job.mlflow.tracking_uri else ["sqlite://", "file:"]
     return ["pipeline.training.recipes", "pipeline.tracking.tracking", "pipeline.tracking.warm",
             *(module for uri in uris for module in store_modules(uri))]
