@@ -12,14 +12,17 @@ from commands import antdt
 
 PROBE = """
 import os, sys
-from pipeline.training.local_cluster import connect, worker_modules, starting
+from pipeline.training.local_cluster import connect
 
 def state():
-    return ("torch" in sys.modules, "mlflow" in sys.modules, os.environ.get("OMP_NUM_THREADS"))
+    return ("torch" in sys.modules, "mlflow" in sys.modules, os.environ.get("OMP_NUM_THREADS"),
+            os.getppid() != CLIENT)
 
 
 def imported():
     return ("torch" in sys.modules, "mlflow" in sys.modules)
+
+CLIENT = int(os.environ.setdefault("PROBE_CLIENT", str(os.getpid())))
 
 if __name__ == "__main__":
     assert "torch" not in sys.modules and "mlflow" not in sys.modules, "imported early"
@@ -38,8 +41,9 @@ def test_workers_fork_from_a_server_that_imported_the_stack_the_client_did_not(
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     workers, client = done.stdout.strip().splitlines()[-2:]
-    # every worker has torch and MLflow before any task ran, and Dask's one OpenMP thread
-    assert workers == "[(True, True, '1')]"
+    # every worker has torch and MLflow before any task ran, and Dask's one OpenMP thread, and
+    # is the fork server's child, not this process's (where a spawned worker's nanny lives)
+    assert workers == "[(True, True, '1', True)]"
     # the client process imported neither
     assert client == "(False, False)"
 
