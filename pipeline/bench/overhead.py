@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from typing import Any
 import click
 import yaml
 
-from pipeline.bench import emit
+from pipeline.bench import emit, median_of
 from pipeline.bench.jobs import echo
 from pipeline.bench.processes import DaskProcesses, wait_for_workers
 
@@ -113,14 +112,14 @@ def run_leg(leg: str, argv: list[str], env: dict[str, str], cwd: Path) -> dict[s
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """A leg's medians over its runs."""
     def med(values: list[float]) -> float:
-        return round(statistics.median(values), 3)
+        return round(median_of(values), 3)
 
     steps = {step for run in runs for step in run["phases"]}
     return {"wall_s": med([r["wall_s"] for r in runs]),
             "train_s": med([r["train_s"] for r in runs]),
             "outside_s": med([r["wall_s"] - r["train_s"] for r in runs]),
             "samples_per_s": med([r["samples_per_s"] for r in runs]),
-            "auc": runs[0]["auc"] and med([r["auc"] for r in runs]),
+            "auc": med([r["auc"] for r in runs]),
             "phases": {step: med([r["phases"][step] for r in runs if step in r["phases"]])
                        for step in sorted(steps)},
             "runs_wall_s": [r["wall_s"] for r in runs]}
