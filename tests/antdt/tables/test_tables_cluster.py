@@ -1,0 +1,136 @@
+"""The sharded tables on a real Dask cluster (in-process workers): pushes from trainers on every
+worker counted exactly once while hosts leave, join and refuse, with a model that counts (SGD
+with rate 1 and gradient -1: a row grows by 1 each time a push touches it)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+from distributed import Client, Scheduler, Worker
+from distributed.utils_test import gen_cluster
+
+from antdt.tables.client import TableClient
+from antdt.tables.service import PLUGIN_NAME, TablesService, TablesSpec
+from antdt.tables.serving import PLUGIN_NAME as WORKER_PLUGIN
+
+ROWS = 1000
+SPEC = TablesSpec(total_rows=ROWS, dim=2, optimizer="sgd", lr=1.0, eps=1e-8, buckets=16,
+                  max_inflight=2, bucket_rows=1)
+
+
+def zeros(start: int, stop: int) -> tuple[torch.Tensor, None]:
+    return torch.zeros(stop - start, SPEC.dim), None
+
+
+async def open_tables(s: Scheduler, workers: Sequence[Worker], job: str = "j") -> TablesService:
+    service: TablesService = s.plugins[PLUGIN_NAME]
+    placed = service.start_job(job, [w.address for w in workers], SPEC)
+    for w in workers:
+        plugin = w.plugins[WORKER_PLUGIN]
+        plugin.open(job, zeros)
+        plugin.create(job, SPEC.to_wire(placed.size), placed, w.address)
+    return service
+
+
+class Trainer:
+    """Pushes batches of random rows from one worker (in a thread: the client blocks)."""
+
+    def __init__(self, worker: Worker, seed: int, job: str = "j") -> None:
+        self.client = TableClient(job, worker, SPEC.max_inflight, timeout_s=30)
+        self.rng = torch.Generator().manual_seed(seed)
+        self.counts: Counter[int] = Counter()
+        self.seq = self.offset = 0
+
+    def batch(self) -> None:
+        ids = torch.unique(torch.randint(0, ROWS, (50,), generator=self.rng))
+        self.client.room()
+        rows = self.client.pull(ids)
+        assert rows.shape == (ids.shape[0], SPEC.dim)
+        self.seq += 1
+        self.offset += 10
+        self.client.push(self.seq, self.offset, ids, -torch.ones(ids.shape[0], SPEC.dim))
+        self.counts.update(ids.tolist())
+
+    def run(self, batches: int) -> None:
+        for _ in range(batches):
+            self.batch()
+        self.client.drain()
+
+
+def expected(trainers: Sequence[Trainer]) -> torch.Tensor:
+    want = torch.zeros(ROWS)
+    for t in trainers:
+        for row, n in t.counts.items():
+            want[row] += n
+    return want
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=120)
+async def test_pushes_count_once_while_a_host_leaves_and_backups_take_over(
+        c: Client, s: Scheduler, a: Worker, b: Worker, w: Worker) -> None:
+    await c.register_plugin(TablesService())
+    service = await open_tables(s, [a, b, w])
+    trainers = [Trainer(a, 1), Trainer(b, 2)]
+    await asyncio.gather(*(asyncio.to_thread(t.run, 20) for t in trainers))
+    before = service.maps["j"]
+    assert w.address in before.primary
+    await w.close()  # a host that trains nothing leaves: its backups serve its buckets
+    await service.settled("j")
+    after = service.maps["j"]
+    assert w.address not in after.workers() and after.epoch > before.epoch
+    assert all(p != q for p, q in zip(after.primary, after.backup))
+    assert None not in after.backup  # every bucket has a backup again
+    await asyncio.gather(*(asyncio.to_thread(t.run, 20) for t in trainers))
+    synced = {t.client.trainer: t.offset for t in trainers}
+    weights, _ = await asyncio.to_thread(trainers[0].client.committed, synced)
+    assert torch.equal(weights[:, 0], expected(trainers))
+    assert service.moves["j"] >= 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=120)
+async def test_a_retried_push_is_applied_once(c: Client, s: Scheduler, a: Worker,
+                                              b: Worker) -> None:
+    await c.register_plugin(TablesService())
+    await open_tables(s, [a, b])
+    t = Trainer(a, 3)
+    await asyncio.to_thread(t.run, 3)
+    ids = torch.arange(0, ROWS, 7)
+    for _ in range(3):  # the same batch sent three times (a timed-out push, retried)
+        t.client.push(99, 1000, ids, -torch.ones(ids.shape[0], SPEC.dim))
+    await asyncio.to_thread(t.client.drain)
+    t.counts.update(ids.tolist())
+    weights, _ = await asyncio.to_thread(t.client.committed, {t.client.trainer: 1000})
+    assert torch.equal(weights[:, 0], expected([t]))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=120)
+async def test_a_departed_trainers_unsynced_pushes_are_taken_out_and_refused(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    await c.register_plugin(TablesService())
+    service = await open_tables(s, [a, b])
+    stays, leaves = Trainer(a, 4), Trainer(b, 5)
+    await asyncio.to_thread(stays.run, 5)
+    await asyncio.to_thread(leaves.run, 5)  # offsets 10..50
+    synced_part = Counter(leaves.counts)
+    await asyncio.to_thread(leaves.run, 5)  # offsets 60..100: past what the ledger counts
+    departed = leaves.client.trainer
+    await service._change("j", lambda m: (type(m)(**{**m.__dict__, "epoch": m.epoch + 1,
+                                                       "departed": {departed: 50}}), []))
+    await service.settled("j")
+    refused = await asyncio.to_thread(_push_refused, leaves)
+    assert "left the job" in refused
+    weights, _ = await asyncio.to_thread(stays.client.committed,
+                                         {stays.client.trainer: stays.offset, departed: 50})
+    leaves.counts = synced_part
+    assert torch.equal(weights[:, 0], expected([stays, leaves]))
+
+
+def _push_refused(t: Trainer) -> str:
+    try:
+        t.run(1)
+    except Exception as exc:  # the fenced trainer's push fails
+        return str(exc)
+    return "accepted"
