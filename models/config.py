@@ -22,6 +22,7 @@ from typing import Any, Literal, Mapping, get_args
 from antdt.errors import ConfigError
 
 Arch = Literal["dlrm", "dcn"]
+Tables = Literal["auto", "replicated", "sharded"]
 SparseOptimizer = Literal["rowwise_adagrad", "adagrad", "sgd", "adam"]
 DenseOptimizer = Literal["adam", "adagrad", "sgd"]
 
@@ -74,6 +75,10 @@ class ModelConfig:
     output is stacked with the F pooled embeddings as one more (B, D) "feature" before the
     interaction. ``over_arch`` ends in 1 (one logit) and has at least two layers (TorchRec's
     ``OverArch`` needs a hidden layer). ``dcn_layers`` / ``dcn_low_rank`` are read by DCN only.
+    ``tables``: where the async mode keeps the embedding tables: ``replicated`` (a full copy on
+    every worker), ``sharded`` (in buckets over the workers, :mod:`antdt.tables`) or ``auto``
+    (replicated unless a worker's memory limit cannot hold the replica). The sync mode always
+    shards them its own way.
     """
 
     arch: Arch = "dlrm"
@@ -82,6 +87,7 @@ class ModelConfig:
     over_arch: tuple[int, ...] = (128, 64, 1)
     dcn_layers: int = 3
     dcn_low_rank: int = 16
+    tables: Tables = "auto"
     where: InitVar[str] = "model"
 
     def __post_init__(self, where: str) -> None:
@@ -91,6 +97,7 @@ class ModelConfig:
         object.__setattr__(self, "over_arch", _layer_sizes(where, "over_arch", self.over_arch))
         _positive_int(where, "dcn_layers", self.dcn_layers)
         _positive_int(where, "dcn_low_rank", self.dcn_low_rank)
+        _choice(where, "tables", self.tables, get_args(Tables))
         if self.dense_arch[-1] != self.embedding_dim:
             raise ConfigError(
                 f"{where}.dense_arch: the last layer must equal {where}.embedding_dim "
@@ -110,7 +117,8 @@ class ModelConfig:
         """Plain YAML/JSON-able dict (lists, not tuples); ``from_dict(to_dict())`` round-trips."""
         return {"arch": self.arch, "embedding_dim": self.embedding_dim,
                 "dense_arch": list(self.dense_arch), "over_arch": list(self.over_arch),
-                "dcn_layers": self.dcn_layers, "dcn_low_rank": self.dcn_low_rank}
+                "dcn_layers": self.dcn_layers, "dcn_low_rank": self.dcn_low_rank,
+                "tables": self.tables}
 
 
 @dataclass(frozen=True)

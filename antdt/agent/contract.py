@@ -67,9 +67,13 @@ class Trainer(Protocol[B_contra]):
 
 
 class TrainerFactory(Protocol):
-    """Builds the trainer on the worker, on ``device``; must be picklable."""
+    """Builds the trainer on the worker, on ``device``; must be picklable. ``remote_tables``
+    builds the trainer of the async mode with sharded tables instead
+    (:class:`antdt.agent.modes.hybrid.TableTrainer`)."""
 
     def __call__(self, device: torch.device) -> Trainer[Any]: ...
+
+    def remote_tables(self, device: torch.device) -> Any: ...
 
 
 class ReaderFactory(Protocol):
@@ -90,7 +94,8 @@ class AgentSpec:
     forced device (default: :func:`antdt.device.pick_device` on the worker: cuda when it has a
     GPU). ``model_dir``: where the ranks of a synchronous job write its final model, each its
     own part (:class:`SavedModel`), when the whole would not fit the worker that gathers it
-    (None: such a job is refused as its group forms).
+    (None: such a job is refused as its group forms). ``tables_inflight``: the async mode's
+    tables are sharded over the workers, with this staleness bound K (None: replicated).
     """
 
     job: str
@@ -102,6 +107,7 @@ class AgentSpec:
     device: str | None = None
     faults: Faults = field(default_factory=Faults)
     model_dir: str | None = None
+    tables_inflight: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_rows, bool) or not isinstance(self.batch_rows, int) \

@@ -34,17 +34,19 @@ WAIT_S = 10.0
 
 
 def ensure_plugins(client: Client) -> None:
-    """The sharding service, the straggler controller, the sync service and the job service on
-    the scheduler (kept if already there, so other jobs' state survives) and the agent plugin on
-    every worker, present and future."""
+    """The sharding service, the straggler controller, the sync and tables services and the job
+    service on the scheduler (kept if already there, so other jobs' state survives) and the
+    agent plugin on every worker, present and future."""
     # here, not above: their modules need torch, which reading or cancelling a job does not
     from antdt import agent
     from antdt.controller import ControllerService
     from antdt.jobs.service import JobService
     from antdt.sharding.service import ShardingService
     from antdt.sync.service import SyncService
+    from antdt.tables.service import TablesService
 
-    for plugin in (ShardingService(), ControllerService(), SyncService(), JobService()):
+    for plugin in (ShardingService(), ControllerService(), SyncService(), TablesService(),
+                   JobService()):
         plugin.idempotent = True
         client.register_plugin(plugin)
     agent.register(client)

@@ -248,7 +248,11 @@ class JobRunner(Restarts):
         if unknown:
             raise JobError(f"faults name worker(s) {unknown}, but the job trains on only "
                            f"{len(initial)} worker(s) (indices 0..{len(initial) - 1})")
-        plan.check_memory({w: self.ctx.scheduler.workers[w].memory_limit for w in initial})
+        if self.ctx.mode.tables_inflight is None:
+            plan.check_memory({w: self.ctx.scheduler.workers[w].memory_limit for w in initial})
+        else:
+            self.log("info", "tables: sharded over the workers (model.tables: "
+                             f"{plan.tables and plan.tables.get('placement')})")
         await self.client.run(tasks.prepare_worker, plan.preload, workers=initial)
         self.marks["workers_ready"] = time()
         if plan.sharding == "static" and (plan.checkpoint_dir or plan.resume):
@@ -417,7 +421,8 @@ class JobRunner(Restarts):
             else Faults()
         spec = AgentSpec(job=self.job_id, batch_rows=self.plan.batch_rows, mode=self.plan.mode,
                          sync_period=self._period, join=join, threads=self.plan.threads,
-                         faults=faults, model_dir=self.checkpoints.model_dir)
+                         faults=faults, model_dir=self.checkpoints.model_dir,
+                         tables_inflight=self.ctx.mode.tables_inflight)
         self._agents[index] = self.client.submit(
             tasks.agent_task, spec, self.code.trainer, self.code.reader, restore,
             workers=[worker], allow_other_workers=False, pure=False,

@@ -35,10 +35,10 @@ from distributed.security import Security
 
 from antdt import config, rpc
 from antdt.agent import event_topic
-from antdt.agent.modes import AsyncMaster, MasterMode, Rendezvous, SyncMaster
+from antdt.agent.modes import AsyncMaster, HybridMaster, MasterMode, Rendezvous, SyncMaster
 from antdt.controller import ControllerService
 from antdt.controller import PLUGIN_NAME as CONTROLLER
-from antdt.errors import JobError
+from antdt.errors import JobError, SyncError
 from antdt.jobs.runner import JobContext, JobRunner
 from antdt.jobs.spec import PLUGIN_NAME, JobCode, JobPlan, JobSpec
 from antdt.rpc import Reply
@@ -46,6 +46,8 @@ from antdt.sharding.service import PLUGIN_NAME as SHARDING
 from antdt.sharding.service import ShardingService
 from antdt.sync.service import SyncService
 from antdt.sync.wire import PLUGIN_NAME as SYNC
+from antdt.tables.service import PLUGIN_NAME as TABLES
+from antdt.tables.service import TablesService, TablesSpec
 from antdt.watch import pages
 from antdt.watch.metrics import JobsCollector
 
@@ -118,11 +120,16 @@ class JobService(SchedulerPlugin):
     def sync(self) -> SyncService:
         return self._plugin(SYNC, SyncService)
 
+    @property
+    def tables(self) -> TablesService:
+        return self._plugin(TABLES, TablesService)
+
     def forget(self, job: str) -> None:
         """Drop ``job``'s ledger, controller switch and sync state (its runner keeps its
         record)."""
         self.sharding.forget(job)
         self.sync.stop_job(job)
+        self.tables.stop_job(job)
         self.rendezvous.forget(job)
         self.controller.forget(job)
 
@@ -196,8 +203,11 @@ class JobService(SchedulerPlugin):
     def _context(self, job_id: str, plan: JobPlan, client: Client) -> JobContext:
         """What job ``job_id``'s runner uses of the scheduler and its services."""
         assert self.scheduler is not None
+        tables = plan.sharded_tables({w: state.memory_limit
+                                      for w, state in self.scheduler.workers.items()})
         mode: MasterMode = SyncMaster(self.rendezvous) if plan.mode == "sync" \
-            else AsyncMaster(self.sync)
+            else AsyncMaster(self.sync) if tables is None \
+            else HybridMaster(self.sync, self.tables, _tables_spec(tables))
         return JobContext(
             scheduler=self.scheduler, client=client, sharding=self.sharding,
             controller=self.controller, mode=mode,
@@ -214,6 +224,7 @@ class JobService(SchedulerPlugin):
         self._plugin(SHARDING, ShardingService)
         self._plugin(CONTROLLER, ControllerService)
         self._plugin(SYNC, SyncService)
+        self._plugin(TABLES, TablesService)
 
     def _plugin(self, name: str, kind: type[Any]) -> Any:
         assert self.scheduler is not None
@@ -251,3 +262,10 @@ def _job_id(value: object) -> str:
         raise JobError(f"job_id must be 1 to 128 letters, digits, '.', '_' or '-', starting "
                        f"with a letter or digit, found {str(value)[:80]!r}")
     return value
+
+
+def _tables_spec(raw: dict[str, Any]) -> TablesSpec:
+    try:
+        return TablesSpec(**raw)
+    except (TypeError, SyncError) as exc:
+        raise JobError(f"job plan tables: {exc}") from exc

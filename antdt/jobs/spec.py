@@ -72,6 +72,10 @@ class JobPlan:
     this (0: never; see :meth:`fitted_workers`). ``replica_bytes``: the memory every worker
     holds for its full replica of the model (the async mode); a job is refused before anything
     starts when a worker's memory limit is smaller (:meth:`check_memory`; None: not checked).
+    ``tables``: the async mode's tables kept sharded over the workers (:mod:`antdt.tables`):
+    ``placement`` (``sharded``, or ``auto``: only when a worker's memory limit is below
+    :attr:`replica_bytes`) and the fields of :class:`antdt.tables.service.TablesSpec` (None:
+    replicated; see :meth:`sharded_tables`).
     ``preload``: modules every worker imports before the agents start (the training stack takes
     seconds to import). ``tags``: free text the master shows in ``status`` (never secrets).
 
@@ -107,6 +111,7 @@ class JobPlan:
     fingerprint: dict[str, str] = field(default_factory=dict)
     resume: str | None = None
     replica_bytes: int | None = None
+    tables: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the wire (msgpack): lists, and the fault keys as strings."""
@@ -181,7 +186,8 @@ class JobPlan:
             fingerprint=_tags(raw.get("fingerprint", {}), "fingerprint"),
             resume=_optional_text(raw, "resume", 4096),
             replica_bytes=None if raw.get("replica_bytes") is None
-            else _int(raw, "replica_bytes", 1))
+            else _int(raw, "replica_bytes", 1),
+            tables=_tables(raw.get("tables")))
 
     @property
     def rows(self) -> int:
@@ -229,6 +235,25 @@ workers; training on 1')
             f"min_batches_per_worker ({self.min_batches_per_worker}) for each of {asked} "
             f"workers; training on {fitted}")
         return min(fitted, available), why
+
+    def sharded_tables(self, limits: Mapping[str, int | None]) -> dict[str, Any] | None:
+        """The tables spec when the job's tables are sharded (async mode, ``tables`` set, and
+        placed ``sharded`` or ``auto`` with a worker's memory limit (``limits``) below
+        :attr:`replica_bytes`); None: replicated (or the sync mode's own sharding).
+
+        >>> spec = {"placement": "auto", "total_rows": 10, "dim": 4}
+        >>> plan = JobPlan("j", [], batch_rows=1, shard_rows=1, replica_bytes=2**30, tables=spec)
+        >>> plan.sharded_tables({"a": 2**31}) is None, plan.sharded_tables({"a": 2**29})
+        (True, {'total_rows': 10, 'dim': 4})
+        """
+        if self.mode != "async" or self.tables is None:
+            return None
+        spec = {k: v for k, v in self.tables.items() if k != "placement"}
+        if self.tables.get("placement") == "sharded":
+            return spec
+        need = self.replica_bytes
+        short = need is not None and any(limit and limit < need for limit in limits.values())
+        return spec if short else None
 
     def check_memory(self, limits: Mapping[str, int | None]) -> None:
         """Refuse the job (:class:`JobError`, one line) when a worker it would train on has a
@@ -414,3 +439,12 @@ def _every(value: object) -> str:
         return str(Every.parse(value, where="job plan checkpoint_every"))
     except CheckpointError as exc:
         raise JobError(str(exc)) from exc
+
+
+def _tables(value: object) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or value.get("placement") not in ("auto", "sharded"):
+        raise JobError(f"job plan tables: expected a mapping with placement 'auto' or "
+                       f"'sharded', found {str(value)[:120]}")
+    return dict(value)

@@ -102,3 +102,10 @@ class _Restored:
         trainer = self.make(device)
         trainer.restore_state(self.state)
         return trainer
+
+    def remote_tables(self, device: torch.device) -> Any:
+        """The sharded tables' trainer, its dense part and its hosts' initial rows from the
+        checkpoint."""
+        trainer = self.make.remote_tables(device)
+        trainer.restore_state(self.state)
+        return trainer

@@ -26,6 +26,7 @@ from typing import Any
 
 from distributed.security import Security
 
+from antdt import config
 from antdt.errors import CheckpointError, DataError
 from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec, checkpoints
 from antdt.jobs.checkpoints import Manifest
@@ -116,6 +117,23 @@ def replica_bytes(schema: Schema, model: ModelConfig, optim: OptimConfig) -> int
     return size.total + held_bytes(rows, size.tables, size.dense)
 
 
+def tables_plan(job: JobConfig, schema: Schema) -> dict[str, Any] | None:
+    """The plan's ``tables`` (:meth:`antdt.jobs.JobPlan.sharded_tables`): how the async mode
+    would shard the tables, placed ``sharded`` or ``auto`` (``model.tables``); None when they
+    are replicated."""
+    if job.model.tables == "replicated":
+        return None
+    optim = job.train.optim
+    return {"placement": job.model.tables,
+            "total_rows": sum(f.num_embeddings for f in schema.sparse),
+            "dim": job.model.embedding_dim, "optimizer": optim.sparse_optimizer,
+            "lr": optim.sparse_lr, "eps": optim.eps,
+            "buckets": int(config.number("antdt.tables.buckets", low=1, integer=True)),
+            "bucket_rows": int(config.number("antdt.tables.bucket-rows", low=1, integer=True)),
+            "max_inflight": int(config.number("antdt.tables.max-inflight", low=1,
+                                              integer=True))}
+
+
 def resume_point(job: JobConfig, spec: JobSpec, ref: str,
                  warn: Callable[[str], None] = logger.warning) -> Manifest:
     """The checkpoint ``--resume ref`` names (a job id under the job's ``train.checkpoint_dir``,
@@ -173,7 +191,8 @@ def job_spec(job: JobConfig, data: PreparedData | None = None, *,
                 checkpoint_keep=train.checkpoint_keep,
                 fingerprint=fingerprint(job, data.schema, plan.row_groups),
                 replica_bytes=None if train.mode == "sync" else replica_bytes(
-                    data.schema, job.model, train.optim)),
+                    data.schema, job.model, train.optim),
+                tables=None if train.mode == "sync" else tables_plan(job, data.schema)),
         JobCode.of((ShardedTrainerRecipe if train.mode == "sync" else TrainerRecipe)(
                        data.schema, job.model, train.optim, train.seed),
                    ReaderRecipe(data.schema, train.threads), hooks))

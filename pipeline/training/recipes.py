@@ -27,7 +27,9 @@ from models.config import ModelConfig, OptimConfig
 from models.ranking import dense_parameters, embedding_tables
 from models.sharded import ShardedTrainStep, to_train_step
 from models.shards import read_full_state
+from models.remote_tables import RemoteTableStep
 from models.train_step import TrainStep
+from pipeline.training.remote import TableRankingTrainer
 
 
 class RankingTrainer:
@@ -84,6 +86,12 @@ class TrainerRecipe:
     def __call__(self, device: torch.device) -> RankingTrainer:
         return RankingTrainer(TrainStep(self.schema, self.model, self.optim, device=device,
                                         seed=self.seed))
+
+    def remote_tables(self, device: torch.device) -> TableRankingTrainer:
+        """The trainer of the async mode with sharded tables: the dense part only."""
+        return TableRankingTrainer(
+            RemoteTableStep(self.schema, self.model, self.optim, device=device, seed=self.seed),
+            self.schema, self.model, self.optim, self.seed)
 
 
 class ShardedRankingTrainer:

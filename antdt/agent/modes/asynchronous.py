@@ -30,20 +30,11 @@ SETTLE_POLL_S = 0.02
 """While settling, the agent hurries its sync this often."""
 
 
-class AsyncMode:
-    """:class:`~antdt.agent.modes.WorkerMode` of the async mode: the trainer's tables and dense
-    parameters become a :class:`~antdt.sync.ReplicaSync`, exchanged by a
-    :class:`~antdt.sync.background.BackgroundSync` thread every ``period``."""
+class BackgroundSynced:
+    """The part of a :class:`~antdt.agent.modes.WorkerMode` whose model syncs in the background
+    (``self.sync``): its exchanges, waits, bytes and thread for the agent's report."""
 
-    group_rows = 0
-
-    def __init__(self, trainer: Trainer[Any], job: str, worker: Worker,
-                 period: SyncPeriod) -> None:
-        self.trainer = trainer
-        self.replica = ReplicaSync(worker.address, trainer.dense(), trainer.tables())
-        self.sync = BackgroundSync(self.replica, job, worker=worker, period=period)
-        self.joined_from: str | None = None
-        self._member = False  # took part in the job's sync (and so leaves it at the end)
+    sync: BackgroundSync
 
     @property
     def exchanges(self) -> int:
@@ -61,6 +52,22 @@ class AsyncMode:
     def threads(self) -> Collection[int]:
         thread = self.sync.thread_id
         return () if thread is None else (thread,)
+
+
+class AsyncMode(BackgroundSynced):
+    """:class:`~antdt.agent.modes.WorkerMode` of the async mode: the trainer's tables and dense
+    parameters become a :class:`~antdt.sync.ReplicaSync`, exchanged by a
+    :class:`~antdt.sync.background.BackgroundSync` thread every ``period``."""
+
+    group_rows = 0
+
+    def __init__(self, trainer: Trainer[Any], job: str, worker: Worker,
+                 period: SyncPeriod) -> None:
+        self.trainer = trainer
+        self.replica = ReplicaSync(worker.address, trainer.dense(), trainer.tables())
+        self.sync = BackgroundSync(self.replica, job, worker=worker, period=period)
+        self.joined_from: str | None = None
+        self._member = False  # took part in the job's sync (and so leaves it at the end)
 
     def start(self, join: bool) -> None:
         """Start the background sync; a joiner first copies a live member's model."""
@@ -155,6 +162,7 @@ class AsyncMaster:
     a lost worker's peers go on (they take its unsynced effect out)."""
 
     regroups = False
+    tables_inflight = None
 
     def __init__(self, service: SyncService) -> None:
         self.service = service

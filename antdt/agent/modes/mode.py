@@ -164,6 +164,8 @@ class MasterMode(Protocol):
     when any agent is lost."""
 
     regroups: bool
+    tables_inflight: int | None
+    """The async mode's tables are sharded (the agents' staleness bound K), or None."""
 
     def start(self, job: str, workers: Collection[str]) -> None:
         """The job's model begins with ``workers``."""

@@ -78,6 +78,7 @@ class SyncMaster:
     (a group of fixed ranks cannot take a joiner between two steps)."""
 
     regroups = True
+    tables_inflight = None
 
     def __init__(self, rendezvous: Rendezvous) -> None:
         self.rendezvous = rendezvous
