@@ -17,6 +17,7 @@ COMMANDS = {
     "chaos": "pipeline.bench.chaos",
     "checkpoint": "pipeline.bench.checkpoint",
     "data": "pipeline.bench.data",
+    "hybrid": "pipeline.bench.hybrid",
     "overhead": "pipeline.bench.overhead",
     "quality": "pipeline.bench.quality",
     "scaling": "pipeline.bench.scaling",
