@@ -248,9 +248,11 @@ class JobRunner(Restarts):
         if unknown:
             raise JobError(f"faults name worker(s) {unknown}, but the job trains on only "
                            f"{len(initial)} worker(s) (indices 0..{len(initial) - 1})")
+        limits = {w: self.ctx.scheduler.workers[w].memory_limit for w in initial}
         if self.ctx.mode.tables_inflight is None:
-            plan.check_memory({w: self.ctx.scheduler.workers[w].memory_limit for w in initial})
+            plan.check_memory(limits)
         else:
+            plan.check_sharded_memory(limits)
             self.log("info", "tables: sharded over the workers (model.tables: "
                              f"{plan.tables and plan.tables.get('placement')})")
         await self.client.run(tasks.prepare_worker, plan.preload, workers=initial)

@@ -248,7 +248,7 @@ workers; training on 1')
         """
         if self.mode != "async" or self.tables is None:
             return None
-        spec = {k: v for k, v in self.tables.items() if k != "placement"}
+        spec = {k: v for k, v in self.tables.items() if k not in ("placement", "bytes")}
         if self.tables.get("placement") == "sharded":
             return spec
         need = self.replica_bytes
@@ -266,8 +266,9 @@ workers; training on 1')
         Traceback (most recent call last):
         ...
         antdt.errors.JobError: the model needs 3.00 GiB per worker in async mode (every worker \
-holds a full replica), but worker tcp://a:1's memory limit is 1.00 GiB; train it with --mode \
-sync (train.mode: sync, the tables sharded across workers) or give the workers more memory
+holds a full replica), but worker tcp://a:1's memory limit is 1.00 GiB; shard its tables over \
+the workers (model.tables: sharded or auto), train it with --mode sync, or give the workers more \
+memory
         """
         need = self.replica_bytes
         if need is None:
@@ -281,9 +282,35 @@ sync (train.mode: sync, the tables sharded across workers) or give the workers m
             if len(short) > 1 else ""
         raise JobError(f"the model needs {format_bytes(need)} per worker in async mode (every "
                        f"worker holds a full replica), but worker {worker}'s memory limit is "
-                       f"{format_bytes(limit)}{more}; train it with --mode sync (train.mode: "
-                       "sync, the tables sharded across workers) or give the workers more "
-                       "memory")
+                       f"{format_bytes(limit)}{more}; shard its tables over the workers "
+                       "(model.tables: sharded or auto), train it with --mode sync, or give "
+                       "the workers more memory")
+
+    def check_sharded_memory(self, limits: Mapping[str, int | None]) -> None:
+        """Refuse the job (:class:`JobError`, one line) when its sharded tables (``tables``'
+        ``bytes``: weights and optimiser state), twice (every bucket has a backup), spread over
+        the workers of ``limits`` would not fit a worker's memory limit.
+
+        >>> plan = JobPlan("j", [], batch_rows=1, shard_rows=1,
+        ...                tables={"placement": "sharded", "bytes": 4 * 2**30})
+        >>> plan.check_sharded_memory({"a": 2**30, "b": 2**30})
+        Traceback (most recent call last):
+        ...
+        antdt.errors.JobError: the sharded tables need 4.00 GiB per worker (4.00 GiB of weights and optimiser state, with a backup of each bucket, over 2 workers), but worker a's memory limit is 1.00 GiB; add workers, give them more memory, or train it with --mode sync
+        """
+        size = (self.tables or {}).get("bytes")
+        if not size or not limits:
+            return
+        need = -(-2 * int(size) // len(limits))
+        short = sorted((limit, worker) for worker, limit in limits.items()
+                       if limit and limit < need)
+        if short:
+            limit, worker = short[0]
+            raise JobError(f"the sharded tables need {format_bytes(need)} per worker "
+                           f"({format_bytes(int(size))} of weights and optimiser state, with a "
+                           f"backup of each bucket, over {len(limits)} workers), but worker "
+                           f"{worker}'s memory limit is {format_bytes(limit)}; add workers, "
+                           "give them more memory, or train it with --mode sync")
 
 
 class JobHooks(Protocol):

@@ -30,7 +30,7 @@ from distributed.utils import sync
 from antdt import config, rpc
 from antdt.errors import SyncError
 from antdt.tables.buckets import BucketMap
-from antdt.tables.serving import array, tensor
+from antdt.tables.serving import array, tensor, unless_gone
 from antdt.tables.store import Fenced, Stale
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,8 @@ class TableClient:
         if host == self.worker.address:
             own = self.worker.handlers[handler]
             return await own(**{k: _plain(v) for k, v in kwargs.items()})
-        return await getattr(self.worker.rpc(host), handler)(**kwargs)
+        return await unless_gone(self.worker, self.job, host,
+                                 getattr(self.worker.rpc(host), handler)(**kwargs))
 
     async def _pull_from(self, host: str, ids: torch.Tensor) -> torch.Tensor | None:
         try:
@@ -172,8 +173,8 @@ class TableClient:
     def push(self, seq: int, offset: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Send batch ``seq``'s row gradients (``offset``: the trained rows once it counts),
         without waiting for them to be applied."""
-        future = asyncio.run_coroutine_threadsafe(self._push(seq, offset, ids, grads),
-                                                  self.worker.loop.asyncio_loop)
+        loop = self.worker.loop.asyncio_loop  # type: ignore[attr-defined]
+        future = asyncio.run_coroutine_threadsafe(self._push(seq, offset, ids, grads), loop)
         self._inflight.append(_Push(seq, offset, future))
         self.pushes += 1
 
@@ -244,8 +245,9 @@ class TableClient:
             while True:
                 host = (self.map or current).primary[b]
                 try:
-                    reply = await self.worker.rpc(host).antdt_tables_committed(
-                        job=self.job, bucket=b, synced=synced)
+                    reply = await unless_gone(
+                        self.worker, self.job, host, self.worker.rpc(host).antdt_tables_committed(
+                            job=self.job, bucket=b, synced=synced))
                 except (OSError, asyncio.TimeoutError):
                     reply = {"status": "error", "moved": True}
                 if reply.get("status") == "OK":

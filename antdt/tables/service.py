@@ -23,6 +23,7 @@ right again; a bucket whose primary and backup both died is lost, and the job ca
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -190,15 +191,19 @@ class TablesService(SchedulerPlugin):
             new, copies = change(old)
             if new is old:
                 return
-            self.maps[job] = new
+            handed = {c.bucket for c in copies if c.promote}
+            # trainers keep the old primaries of buckets handed over until their copy is there
+            self.maps[job] = dataclasses.replace(new, primary=tuple(
+                old.primary[b] if b in handed else p for b, p in enumerate(new.primary)))
             spec = self.specs[job].to_wire(new.size)
             await self._promote(job, old, new, copies)
             for trainer in new.departed.keys() - old.departed.keys():
                 await asyncio.gather(*(
                     self._call(w, "antdt_tables_depart", job=job, trainer=trainer,
                                synced=new.departed[trainer]) for w in new.workers()))
-            for copy in copies:
-                await self._copy(job, copy, new.epoch, spec)
+            failed = [c for c in copies if not await self._copy(job, c, new.epoch, spec)]
+            new = await self._without_failed(job, old, new, failed)
+            self.maps[job] = new
             await self._drop(job, old, new)
             if new.lost:
                 logger.error("job %s: %s", job, self.lost(job))
@@ -220,20 +225,44 @@ class TablesService(SchedulerPlugin):
                     await self._call(worker, "antdt_tables_promote", job=job, buckets=part,
                                      epoch=new.epoch, awaiting=awaiting)
 
-    async def _copy(self, job: str, copy: Copy, epoch: int, spec: dict[str, Any]) -> None:
+    async def _copy(self, job: str, copy: Copy, epoch: int, spec: dict[str, Any]) -> bool:
+        """Whether ``copy`` was made (a few attempts while both workers are there)."""
         for attempt in range(COPY_ATTEMPTS):
             if copy.source not in self.scheduler.workers \
                     or copy.target not in self.scheduler.workers:
-                return  # its removal makes the map right
+                return False
             reply = await self._call(copy.source, "antdt_tables_copy", job=job,
                                      bucket=copy.bucket, target=copy.target, epoch=epoch,
                                      promote=copy.promote, spec=spec)
             if reply.get("status") == "OK":
                 self.moves[job] = self.moves.get(job, 0) + 1
-                return
+                return True
             logger.warning("job %s: copying bucket %d from %s to %s failed (attempt %d): %s",
                            job, copy.bucket, copy.source, copy.target, attempt + 1,
                            reply.get("message"))
+        return False
+
+    async def _without_failed(self, job: str, old: BucketMap, new: BucketMap,
+                              failed: Sequence[Copy]) -> BucketMap:
+        """The map once ``failed`` copies are given up: a hand-over keeps its old primary and
+        backup; a new backup is dropped. The primary of every bucket left without a backup (no
+        other worker, or its copy failed) acknowledges pushes alone until a change makes one
+        (it would otherwise wait for it)."""
+        primary, backup = list(new.primary), list(new.backup)
+        for copy in failed:
+            b = copy.bucket
+            if copy.promote:
+                primary[b], backup[b] = old.primary[b], old.backup[b]
+            else:
+                backup[b] = None
+        alone: dict[str, list[int]] = {}
+        for b, (p, q) in enumerate(zip(primary, backup)):
+            if q is None and b not in new.lost:
+                alone.setdefault(p, []).append(b)
+        for worker, buckets in alone.items():
+            await self._call(worker, "antdt_tables_promote", job=job, buckets=buckets,
+                             epoch=new.epoch, awaiting=False)
+        return dataclasses.replace(new, primary=tuple(primary), backup=tuple(backup))
 
     async def _drop(self, job: str, old: BucketMap, new: BucketMap) -> None:
         """Hosts of the old map that hold a bucket the new one does not give them drop it."""

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -46,6 +46,34 @@ from antdt.tables.optim import RowOptimizer
 from antdt.tables.store import BucketState, BucketStore, Entry, Fenced, NotHeld, Stale
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+WATCH_S = 0.5
+"""How often a call to another host that has not answered asks the scheduler whether that host
+still holds buckets of the job (:func:`unless_gone`)."""
+
+
+async def unless_gone(worker: Worker, job: str, host: str, call: Awaitable[T]) -> T:
+    """``call`` to ``host``; :class:`OSError` once the job's map no longer has ``host``, or
+    when ``host`` answers nothing (a worker closing, retired, replies None). A dead worker's
+    connect is retried for the whole connect timeout (30 s), as long as a pull or a push may
+    take: its buckets were served by their backups long before."""
+    task = asyncio.ensure_future(call)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=WATCH_S)
+            if done:
+                result = task.result()
+                if result is None:
+                    raise OSError(f"{host} answered nothing (closing)")
+                return result
+            reply = await worker.scheduler.antdt_tables_map(job=job)
+            if reply.get("status") == "OK" \
+                    and host not in BucketMap.from_wire(reply["map"]).workers():
+                raise OSError(f"{host} holds no bucket of job {job} any more")
+    finally:
+        task.cancel()
 
 PLUGIN_NAME = "antdt-tables"
 HANDLERS = ("pull", "push", "forward", "copy", "install", "promote", "drop",
@@ -188,9 +216,10 @@ class TablesWorkerPlugin(WorkerPlugin):
         async def send(backup: str, items: list[tuple[int, Entry, int]]) -> list[int]:
             epoch = max(e for _, _, e in items)
             try:
-                rpc.ok(await self.worker.rpc(backup).antdt_tables_forward(
-                    job=store.job, trainer=trainer, epoch=epoch,
-                    entries=[entry_msg(b, entry) for b, entry, _ in items]), SyncError)
+                rpc.ok(await unless_gone(
+                    self.worker, store.job, backup, self.worker.rpc(backup).antdt_tables_forward(
+                        job=store.job, trainer=trainer, epoch=epoch,
+                        entries=[entry_msg(b, entry) for b, entry, _ in items])), SyncError)
                 return []
             except (OSError, SyncError, asyncio.TimeoutError) as exc:
                 logger.warning("job %s: forwarding to backup %s failed: %r", store.job,

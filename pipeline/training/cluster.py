@@ -124,7 +124,8 @@ def tables_plan(job: JobConfig, schema: Schema) -> dict[str, Any] | None:
     if job.model.tables == "replicated":
         return None
     optim = job.train.optim
-    return {"placement": job.model.tables,
+    size = model_bytes(schema, job.model, optim)
+    return {"placement": job.model.tables, "bytes": size.tables + size.sparse_state,
             "total_rows": sum(f.num_embeddings for f in schema.sparse),
             "dim": job.model.embedding_dim, "optimizer": optim.sparse_optimizer,
             "lr": optim.sparse_lr, "eps": optim.eps,

@@ -162,7 +162,7 @@ class AsyncMaster:
     a lost worker's peers go on (they take its unsynced effect out)."""
 
     regroups = False
-    tables_inflight = None
+    tables_inflight: int | None = None
 
     def __init__(self, service: SyncService) -> None:
         self.service = service

@@ -110,8 +110,6 @@ class HybridMode(BackgroundSynced):
         self._member = True
         try:
             if join:
-                rpc.ok(sync(self.worker.loop, self.worker.scheduler.antdt_tables_join,
-                            job=self.job, worker=self.worker.address), SyncError)
                 self.tables.refresh()
             else:
                 current = self.tables.refresh()
@@ -209,6 +207,7 @@ class HybridMaster:
     part's :class:`SyncService` job and the tables' :class:`TablesService` map."""
 
     regroups = False
+    tables_inflight: int | None
 
     def __init__(self, service: SyncService, tables: TablesService, spec: TablesSpec) -> None:
         self.service = service

@@ -78,7 +78,7 @@ class SyncMaster:
     (a group of fixed ranks cannot take a joiner between two steps)."""
 
     regroups = True
-    tables_inflight = None
+    tables_inflight: int | None = None
 
     def __init__(self, rendezvous: Rendezvous) -> None:
         self.rendezvous = rendezvous

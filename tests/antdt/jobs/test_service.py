@@ -170,8 +170,9 @@ def test_a_replica_bigger_than_a_worker_s_memory_limit_is_refused_before_anythin
     assert record["error"] == (
         f"the model needs {format_bytes(2 * limit)} per worker in async mode (every worker "
         f"holds a full replica), but worker {worker}'s memory limit is {format_bytes(limit)} "
-        f"(2 of the job's 2 workers have less than it needs); train it with --mode sync "
-        f"(train.mode: sync, the tables sharded across workers) or give the workers more memory")
+        f"(2 of the job's 2 workers have less than it needs); shard its tables over the workers "
+        f"(model.tables: sharded or auto), train it with --mode sync, or give the workers more "
+        f"memory")
 
     fits = bounded.call(jobs.follow, jobs.submit(spec(replica_bytes=limit))["job"]["job_id"])
     assert fits["state"] == "finished" and fits["rows"]["done"] == TOTAL

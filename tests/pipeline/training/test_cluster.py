@@ -1,6 +1,7 @@
 """Cluster jobs from the application's side, end to end: LocalClusters of Nanny-managed worker
 processes with the job service on their scheduler, real Parquet, TorchRec, a real MLflow store;
-a worker process killed for real."""
+a worker process killed for real; the async mode with its tables sharded over the workers
+(``model.tables: sharded``), one of their hosts killed for real."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from antdt import agent
 from antdt.errors import ConfigError, DataError
 from antdt.jobs import JobClient
 from antdt.sharding.service import PLUGIN_NAME
+from antdt.tables.service import PLUGIN_NAME as TABLES
 from broken_files import break_label
 from commands import antdt
 from data.files import expand, row_groups
@@ -231,6 +233,45 @@ def test_a_worker_process_killed_mid_job_costs_no_row(cluster: LocalCluster,
     assert victim not in workers_of(cluster)  # the nanny restarted it under a new address
 
 
+def test_a_job_with_sharded_tables_trains_every_row_once_and_logs_the_model(
+        cluster: LocalCluster, cluster_job: Path) -> None:
+    job = load_job(cluster_job, ["model.tables=sharded"])
+    summary = bounded.call(train_async, job, scheduler=cluster.scheduler_address)
+
+    assert summary.rows_trained == TRAIN_ROWS and summary.rows_lost == 0
+    assert summary.rows_retrained == 0
+    assert summary.auc > 0.55  # the model gathered from the hosts was evaluated
+    mlflow.set_tracking_uri(job.mlflow.tracking_uri)
+    assert mlflow.get_run(summary.run_id).info.status == "FINISHED"
+    assert not cluster.scheduler.plugins[TABLES].maps  # the job's tables were forgotten with it
+
+
+def test_a_killed_shard_host_is_served_by_its_backup_and_costs_no_row(
+        cluster: LocalCluster, cluster_job: Path) -> None:
+    with Client(cluster.scheduler_address) as client:
+        client.wait_for_workers(2, timeout=60)
+        victim = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
+    gone = f"victim-gone-{uuid.uuid4().hex}"
+    job = load_job(cluster_job, [
+        "model.tables=sharded", "train.epochs=2",
+        f"faults=[{{worker: 0, crash_after_rows: 1024}}, {{worker: 1, pause_until: {gone}}}]"])
+    run = bounded.start(train_async, job, scheduler=cluster.scheduler_address)
+    plugins = cluster.scheduler.plugins
+    with Client(cluster.scheduler_address) as client:
+        bounded.until(lambda: TABLES in plugins and any(
+            victim in m.departed for m in plugins[TABLES].maps.values()),
+            "the victim's buckets failed over")
+        service = plugins[TABLES]
+        (placed,) = service.maps.values()
+        assert victim not in placed.workers() and not placed.lost
+        Event(gone, client=client).set()
+    summary = run.result()
+
+    assert summary.rows_lost == 0
+    assert summary.rows_trained == 2 * TRAIN_ROWS + summary.rows_retrained
+    assert summary.auc > 0.55
+
+
 @pytest.mark.slow
 def test_bad_rows_are_quarantined_in_the_ledger_and_the_rest_trained(
         cluster: LocalCluster, cluster_job: Path, small_data: SynthResult,
@@ -302,14 +343,15 @@ def test_a_model_bigger_than_the_workers_memory_limit_is_refused_in_one_line(
         feature["num_embeddings"] = 4_000_000
     big = tmp_path / "big-schema.yaml"
     big.write_text(yaml.safe_dump(schema))
-    job = load_job(cluster_job, [f"data.schema={big}"])
+    job = load_job(cluster_job, [f"data.schema={big}", "model.tables=replicated"])
     need = replica_bytes(Schema.from_dict(schema), job.model, job.train.optim)
     assert need > 2 * 10**9  # tables of 8 x 4M x 8 floats, twice, and more
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, memory_limit="1GiB",
                       dashboard_address=":0") as local:
         worker = workers_of(local)[0]
-        result = antdt("train", str(cluster_job), "--set", f"data.schema={big}", "--scheduler",
-                       local.scheduler_address, cwd=tmp_path, check=False)
+        result = antdt("train", str(cluster_job), "--set", f"data.schema={big}", "--set",
+                       "model.tables=replicated", "--scheduler", local.scheduler_address,
+                       cwd=tmp_path, check=False)
         found = re.search(r"error: job (\S+) failed: ", result.stderr)
         assert found is not None, result.stderr
         with Client(local) as client, JobClient(client, register=False) as jobs:
@@ -320,9 +362,9 @@ def test_a_model_bigger_than_the_workers_memory_limit_is_refused_in_one_line(
     assert result.stderr.strip().splitlines()[-1] == (  # after the progress bar's last state
         f"error: job {found.group(1)} failed: the model needs {format_bytes(need)} per worker "
         f"in async mode (every worker holds a full replica), but worker {worker}'s memory "
-        f"limit is 1.00 GiB (2 of the job's 2 workers have less than it needs); train it with "
-        f"--mode sync (train.mode: sync, the tables sharded across workers) or give the "
-        f"workers more memory")
+        f"limit is 1.00 GiB (2 of the job's 2 workers have less than it needs); shard its "
+        f"tables over the workers (model.tables: sharded or auto), train it with --mode sync, "
+        f"or give the workers more memory")
     assert record["state"] == "failed"
     assert not record["agents"] and record["run"] is None  # no agent, no tracking run
 

@@ -324,7 +324,8 @@ def test_tables_larger_than_a_worker_train_in_sync_mode_and_async_is_refused(
         assert client.run(os.getpid) == pids  # no worker was restarted
         with JobClient(client, register=False) as jobs:
             logs = [r["message"] for r in jobs.logs(record["job_id"])]
-        async_job = load_job(sync_job, [f"data.schema={big}", "train.mode=async"])
+        async_job = load_job(sync_job, [f"data.schema={big}", "train.mode=async",
+                                        "model.tables=replicated"])
         refused = bounded.call(run, async_job, scheduler=local.scheduler_address)
 
     summary = outcome(record)
@@ -353,8 +354,8 @@ def test_tables_larger_than_a_worker_train_in_sync_mode_and_async_is_refused(
     assert refused["error"] == (
         f"the model needs {format_bytes(need)} per worker in async mode (every worker holds a "
         f"full replica), but worker {worker}'s memory limit is 2.00 GiB (3 of the job's 3 "
-        f"workers have less than it needs); train it with --mode sync (train.mode: sync, the "
-        f"tables sharded across workers) or give the workers more memory")
+        f"workers have less than it needs); shard its tables over the workers (model.tables: "
+        f"sharded or auto), train it with --mode sync, or give the workers more memory")
 
 
 @pytest.mark.slow
