@@ -134,3 +134,29 @@ def _push_refused(t: Trainer) -> str:
     except Exception as exc:  # the fenced trainer's push fails
         return str(exc)
     return "accepted"
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=120)
+async def test_a_trainer_waits_while_k_pushes_are_unacknowledged(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    """The host's pushes are held (its handler waits for a gate): the trainer sends K batches,
+    then its next step waits in ``room`` until the held pushes are applied."""
+    await c.register_plugin(TablesService())
+    await open_tables(s, [b])  # every bucket on b, so that every push goes there
+    gate = asyncio.Event()
+    push = b.handlers["antdt_tables_push"]
+
+    async def held(**kwargs: object) -> object:
+        await gate.wait()
+        return await push(**kwargs)
+
+    b.handlers["antdt_tables_push"] = held
+    t = Trainer(a, 6)
+    await asyncio.to_thread(lambda: [t.batch() for _ in range(SPEC.max_inflight)])
+    waiting = asyncio.ensure_future(asyncio.to_thread(t.batch))
+    done, _ = await asyncio.wait({waiting}, timeout=0.5)
+    assert not done and t.client.acked_rows(t.offset) == 0  # K in flight: the next one waits
+    gate.set()
+    await waiting
+    await asyncio.to_thread(t.client.drain)
+    assert t.client.waited_s > 0 and t.client.acked_rows(t.offset) == t.offset
