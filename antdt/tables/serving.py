@@ -175,7 +175,11 @@ class TablesWorkerPlugin(WorkerPlugin):
         return found
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        except RuntimeError as exc:  # the pool is shut down: this worker is closing (retired)
+            raise OSError(f"{self.worker.address} is closing: {exc}") from exc
+        return await future
 
     # ---- trainers ---------------------------------------------------------------------------
 
