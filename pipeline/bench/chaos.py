@@ -15,7 +15,10 @@ another count is a discrepancy. ``--mode`` picks the training mode of the jobs: 
 module's scenarios, with :class:`~pipeline.bench.chaos_run.CountingModel` as every worker's
 replica, the model sync moving its counts like any embedding update), ``sync`` (one model
 sharded over the ranks; its scenarios, and what else a sync run checks, are
-:mod:`pipeline.bench.chaos_sync`'s), or ``all``, the two in alternation.
+:mod:`pipeline.bench.chaos_sync`'s), ``hybrid`` (the async mode with the table sharded over the
+workers, :class:`~pipeline.bench.chaos_run.CountingTables` the trainer: every worker trains and
+hosts buckets of the table, each with a backup on another worker), or ``all``, the three in
+alternation.
 
 Async scenarios (each on a fresh cluster):
 
@@ -34,6 +37,16 @@ Async scenarios (each on a fresh cluster):
                  the job resumes from that checkpoint on a new cluster (as ``--resume`` does),
                  where one more worker process is killed.
 
+Hybrid scenarios (the final table gathered from its hosts):
+
+* ``host-kill``  ``kill`` on a job whose workers host the table: a killed worker's buckets are
+                 served by their backups, the job goes on without a restart; each kill waits
+                 until every bucket has a backup on a live worker (the first kill's buckets are
+                 backed up again before the second: two holders lost at once would lose a
+                 bucket, which only a resume from a checkpoint survives);
+* ``host-hang``  ``hang`` on such a job: the hung worker's handlers go on serving its buckets
+                 until the controller retires it.
+
 No harm waits on the job lasting long enough, however slow the machine (a joiner's start takes
 seconds of imports on two busy cores): every moment a run waits for (a share of the rows, a
 pause, a hang, a joiner's first batch, a checkpoint worth losing) is one the job cannot end
@@ -50,12 +63,13 @@ manifest, so that version is torn and skipped); when the check fails, the schedu
 until the next note.
 
 ``--seconds`` bounds the run: the scenarios follow each other in that order, again and again,
-until the time is spent (each at least once; with ``--mode all`` an async run and a sync run
-in turn). The JSON reports, in all and per scenario (a sync scenario as ``sync/<name>``: two
-names are in both modes), the runs, the kills and hangs made, the rows checked (rows x epochs),
-the discrepancies found and the sync runs' replay mismatches (target: 0 each), and every run's
-mode, seed, counters and seconds. The command exits 1 on a discrepancy, a job that did not
-finish, or a replay mismatch.
+until the time is spent (each at least once; with ``--mode all`` an async, a sync and a
+hybrid run in turn). The JSON reports, in all and per scenario (a sync scenario as
+``sync/<name>``: two names are in both modes), the runs, the kills and hangs made, the rows checked (rows x epochs),
+the discrepancies found, the sync runs' replay mismatches and the hybrid runs' restarts from a
+checkpoint (``hybrid_resumes``; target: 0 each), and every run's mode, seed, counters, resumes
+and seconds. The command exits 1 on a discrepancy, a job that did not finish, a replay
+mismatch or a hybrid job's restart.
 """
 
 from __future__ import annotations
@@ -76,16 +90,19 @@ import torch
 from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec, checkpoints
 from antdt.jobs.client import FINAL
 from pipeline.bench import emit
+from antdt.tables.service import PLUGIN_NAME as TABLES_PLUGIN
 from pipeline.bench.chaos_run import (EPOCHS, NOTHING_CHECKED, STEP_S, WAIT_S, AuditHooks,
-                                      CountingModel, IdReaderRecipe, Run, Watch, audit, ignore,
-                                      write_data)
+                                      CountingModel, CountingTables, IdReaderRecipe, Run, Watch,
+                                      audit, ignore, write_data)
 from pipeline.bench.chaos_sync import SYNC_SCENARIOS, run_sync
 from pipeline.bench.jobs import echo
 from pipeline.bench.processes import freeze, thaw
 
 SCENARIOS = ("kill", "hang", "lone", "scheduler")
-MODE_SCENARIOS = {"async": SCENARIOS, "sync": SYNC_SCENARIOS}
-MODES = {"async": ("async",), "sync": ("sync",), "all": ("async", "sync")}
+HYBRID_SCENARIOS = ("host-kill", "host-hang")
+MODE_SCENARIOS = {"async": SCENARIOS, "sync": SYNC_SCENARIOS, "hybrid": HYBRID_SCENARIOS}
+MODES = {"async": ("async",), "sync": ("sync",), "hybrid": ("hybrid",),
+         "all": ("async", "sync", "hybrid")}
 """``--mode``: the modes whose scenarios run, in the order they alternate."""
 BATCH_ROWS = 64
 
@@ -100,11 +117,11 @@ CONFIG = {"antdt": {
     "sharding": {"no-workers-timeout": "60s"},
     "sync": {"join-timeout": "60s", "final-timeout": "120s"},
     "jobs": {"tick": "200ms"},
-}}
-"""Dask config of every process of an async run: a hung worker is retired within seconds, not
-30; the master notes the job's progress five times a second, so a checkpoint (one a second) is
-followed by several notes of rows trained past it before the next one (the scheduler scenario's
-kill waits for one)."""
+}, "logging": {"antdt.controller": "info"}}
+"""Dask config of every process of an async (or hybrid) run: a hung worker is retired within
+seconds, not 30 (each retirement logged with its evidence); the master notes the job's progress
+five times a second, so a checkpoint (one a second) is followed by several notes of rows
+trained past it before the next one (the scheduler scenario's kill waits for one)."""
 
 
 @dataclass(frozen=True)
@@ -117,13 +134,19 @@ class CountingRecipe:
     def __call__(self, device: torch.device) -> CountingModel:
         return CountingModel(self.rows, self.step_s)
 
+    def remote_tables(self, device: torch.device) -> CountingTables:
+        return CountingTables(self.rows, self.step_s)
+
 
 class AsyncRun(Run):
     """One async scenario's run: its data, sized for ``job_s`` seconds of training on three
-    workers, and its job."""
+    workers, and its job; with ``sharded``, the job's table is sharded over its workers (the
+    hybrid mode)."""
 
-    def __init__(self, scenario: str, seed: int, folder: Path, job_s: float) -> None:
+    def __init__(self, scenario: str, seed: int, folder: Path, job_s: float,
+                 sharded: bool = False) -> None:
         super().__init__(scenario, seed, folder, CONFIG)
+        self.sharded = sharded
         # three workers at half the steps' pace (commits, sync rounds and the cluster share two
         # cores), over the epochs
         self.rows = int(job_s * 3 * BATCH_ROWS / STEP_S / 2 / EPOCHS)
@@ -142,9 +165,22 @@ class AsyncRun(Run):
                        seed=self.seed, faults=faults or {}, workers=workers,
                        preload=[__name__],
                        checkpoint_dir=str(self.folder / "checkpoints"),
-                       checkpoint_every=checkpoint_every or "2s")
+                       checkpoint_every=checkpoint_every or "2s",
+                       tables=self.tables() if self.sharded else None)
         return JobSpec(plan, JobCode.of(CountingRecipe(self.rows), IdReaderRecipe(),
                                         AuditHooks(str(self.folder))))
+
+    def tables(self) -> dict[str, Any]:
+        """The plan's sharded table: one count a row, SGD with lr 1 (a gradient of -1 adds 1),
+        in buckets of about a sixth of a worker's share, so every host serves several."""
+        return {"placement": "sharded", "total_rows": self.rows, "dim": 1, "optimizer": "sgd",
+                "lr": 1.0, "eps": 1e-8, "buckets": 18, "bucket_rows": 1, "max_inflight": 2}
+
+    def backed_up(self, jobs: JobClient, hosts: int) -> bool:
+        """Whether the job's table is held by ``hosts`` live workers (a killed one is out of
+        its map), every bucket with a primary and a backup, no change of its map under way: a
+        kill now loses no bucket."""
+        return bool(jobs.client.run_on_scheduler(_backed_up, job=self.job_id, hosts=hosts))
 
     def at_share(self, jobs: JobClient, share: float) -> dict[str, Any]:
         """The job's record once it trained ``share`` of its rows (or ended)."""
@@ -158,6 +194,16 @@ class AsyncRun(Run):
         return record
 
 
+def _backed_up(job: str, hosts: int, dask_scheduler: Any) -> bool:
+    service = dask_scheduler.plugins[TABLES_PLUGIN]
+    current, lock = service.maps.get(job), service._locks.get(job)
+    if current is None or service._tasks or (lock is not None and lock.locked()):
+        return False
+    holders = current.workers()
+    return len(holders) == hosts and holders <= set(dask_scheduler.workers) \
+        and None not in current.backup and not current.lost
+
+
 def kill(run: AsyncRun) -> dict[str, Any]:
     # each of the three trains at most 30% of the rows before the kills are made (the second
     # comes by 55%: the two left reach it); the killed ones are replaced only then
@@ -168,6 +214,11 @@ def kill(run: AsyncRun) -> dict[str, Any]:
         intact, held, replaced = list(commands), [], 0
         for share in sorted(run.rng.uniform(0.1, 0.55) for _ in range(2)):
             if run.at_share(jobs, share)["state"] in FINAL:
+                return run.end(jobs)  # it failed
+            # sharded: the victim hosts buckets; their backups serve them once it is gone, and
+            # the first kill's buckets are backed up again before the second
+            if run.sharded and not run.until(jobs, lambda: run.backed_up(jobs, len(intact)),
+                                             "every bucket backed up"):
                 return run.end(jobs)  # it failed
             victim = intact.pop(run.rng.randrange(len(intact)))
             if run.rng.random() < 0.5:
@@ -276,25 +327,27 @@ def scheduler(run: AsyncRun) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[[AsyncRun], dict[str, Any]]] = {
-    "kill": kill, "hang": hang, "lone": lone, "scheduler": scheduler}
+    "kill": kill, "hang": hang, "lone": lone, "scheduler": scheduler,
+    "host-kill": kill, "host-hang": hang}
 
 
-def run_scenario(scenario: str, seed: int, folder: Path, job_s: float) -> dict[str, Any]:
-    """One run of the async ``scenario``: its job on fresh clusters, the harm, and
+def run_scenario(scenario: str, seed: int, folder: Path, job_s: float,
+                 mode: str = "async") -> dict[str, Any]:
+    """One run of the async or hybrid ``scenario``: its job on fresh clusters, the harm, and
     :func:`~pipeline.bench.chaos_run.audit` of its final model (``finished`` False, and nothing
     checked, when the job did not finish)."""
     started = time.monotonic()
-    run = AsyncRun(scenario, seed, folder, job_s)
+    run = AsyncRun(scenario, seed, folder, job_s, sharded=mode == "hybrid")
     try:
         record = RUNNERS[scenario](run)
     except TimeoutError as exc:  # a wait of the run's own: reported with the run, unfinished
         record = {"state": "timed out", "error": str(exc), "rows": {}}
     result: dict[str, Any] = {
-        "mode": "async", "scenario": scenario, "seed": seed, "job_id": run.job_id,
+        "mode": mode, "scenario": scenario, "seed": seed, "job_id": run.job_id,
         "state": record["state"], "error": record.get("error"),
         "finished": record["state"] == "finished", "kills": run.kills, "hangs": run.hangs,
         "rows": dict(record["rows"]), "rows_replayed": record.get("rows_replayed", 0),
-        "seconds": round(time.monotonic() - started, 1)}
+        "resumes": record.get("resumes", 0), "seconds": round(time.monotonic() - started, 1)}
     model = folder / f"{run.job_id}.npy"
     if result["finished"] and model.exists():
         result.update(audit(np.load(model), EPOCHS, record["rows"]))
@@ -319,15 +372,15 @@ def chaos(seconds: float, seed: int, folder: Path, scenarios: Sequence[str] | No
         m = modes[len(runs) % len(modes)]
         scenario = plan[m][ran[m] % len(plan[m])]
         ran[m] += 1
-        if m == "async":
+        if m != "sync":
             where = folder / f"run-{len(runs)}-{scenario}"
-            result = run_scenario(scenario, rng.randrange(2**31), where, job_s)
+            result = run_scenario(scenario, rng.randrange(2**31), where, job_s, mode=m)
         else:
             where = folder / f"run-{len(runs)}-sync-{scenario}"
             result = run_sync(scenario, rng.randrange(2**31), where, job_s)
         runs.append(result)
         shutil.rmtree(where / "data", ignore_errors=True)
-        replays = "" if m == "async" else \
+        replays = "" if m != "sync" else \
             f", {result['rows_replayed']:,} rows replayed of {result['trained_twice']:,} " \
             "trained twice"
         echo(f"{label(result)}: {result['state']}, {result['kills']} kill(s), "
@@ -343,7 +396,7 @@ def chaos(seconds: float, seed: int, folder: Path, scenarios: Sequence[str] | No
 
 def label(run: Mapping[str, Any]) -> str:
     """A run's scenario as the totals name it: ``sync/<name>`` for a sync run's."""
-    return run["scenario"] if run["mode"] == "async" else f"sync/{run['scenario']}"
+    return run["scenario"] if run["mode"] != "sync" else f"sync/{run['scenario']}"
 
 
 def _totals(runs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
@@ -351,7 +404,8 @@ def _totals(runs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
             **{key: sum(int(r[key]) for r in runs)
                for key in ("kills", "hangs", "rows_checked", "discrepancies", "missing",
                            "extra")},
-            "replay_mismatches": sum(r["replay_mismatches"] for r in runs if r["mode"] == "sync")}
+            "replay_mismatches": sum(r["replay_mismatches"] for r in runs if r["mode"] == "sync"),
+            "hybrid_resumes": sum(r["resumes"] for r in runs if r["mode"] == "hybrid")}
 
 
 @click.command("chaos")
@@ -359,10 +413,12 @@ def _totals(runs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
               help="Run scenarios until this many seconds passed (each at least once).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--mode", type=click.Choice(sorted(MODES)), default="async", show_default=True,
-              help="The training mode of the jobs; all: an async run and a sync run in turn.")
+              help="The training mode of the jobs; all: an async, a sync and a hybrid run in "
+                   "turn.")
 @click.option("--scenario", "scenarios", default=None,
               help="Comma-separated (default: every scenario of the mode), from: async: "
-                   + ", ".join(SCENARIOS) + "; sync: " + ", ".join(SYNC_SCENARIOS) + ".")
+                   + ", ".join(SCENARIOS) + "; sync: " + ", ".join(SYNC_SCENARIOS)
+                   + "; hybrid: " + ", ".join(HYBRID_SCENARIOS) + ".")
 @click.option("--job-s", type=float, default=8.0, show_default=True,
               help="About how long one job trains on three workers, unharmed.")
 @click.option("--folder", type=click.Path(file_okay=False), default=".antdt-bench/chaos",
@@ -382,5 +438,6 @@ def command(seconds: float, seed: int, mode: str, scenarios: str | None, job_s: 
     shutil.rmtree(folder, ignore_errors=True)
     result = chaos(seconds, seed, Path(folder), chosen, job_s, quiet=as_json, mode=mode)
     emit(result, as_json)
-    if result["discrepancies"] or result["unfinished"] or result["replay_mismatches"]:
+    if result["discrepancies"] or result["unfinished"] or result["replay_mismatches"] \
+            or result["hybrid_resumes"]:
         raise SystemExit(1)

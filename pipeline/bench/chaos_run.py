@@ -1,6 +1,7 @@
-"""What the chaos runs of both modes share (``antdt bench chaos``, :mod:`pipeline.bench.chaos`
+"""What the chaos runs of every mode share (``antdt bench chaos``, :mod:`pipeline.bench.chaos`
 and :mod:`pipeline.bench.chaos_sync`): the data, whose rows are their ids; the reader of those
-ids; the single-process model that counts them; the hooks that save the final model's counts;
+ids; the single-process model that counts them (and :class:`CountingTables`, the same count
+with its table sharded over the workers); the hooks that save the final model's counts;
 the audit of those counts against the ledger; and a run's clusters, kills and waits.
 
 Data. ``rows`` rows whose one column is the row's id (``0 .. rows-1``), in Parquet files of
@@ -33,7 +34,7 @@ import torch
 import yaml
 from distributed import Event
 
-from antdt.agent import event_topic
+from antdt.agent import SavedModel, event_topic
 from antdt.jobs import JobClient, checkpoints
 from antdt.jobs.client import FINAL
 from pipeline.bench.processes import DaskProcesses, wait_for_workers, wait_until
@@ -89,6 +90,92 @@ class CountingModel:
     def restore_state(self, state: Mapping[str, torch.Tensor]) -> None:
         self.table.copy_(state["table"])
         self.bias.copy_(state["bias"])
+
+
+class CountingTables:
+    """:class:`antdt.agent.modes.hybrid.TableTrainer` of the same count, its table (``(rows, 1)``
+    float32) held by the job's workers in buckets: global row ``i`` is data row ``i``, from 0;
+    a step sleeps ``step_s``, adds 0.01 to the dense bias and returns the gradient -1 per
+    occurrence of a row in its batch, which the hosts' SGD (lr 1) adds to the row. Its
+    checkpoints are written in parts (:meth:`write_part` by every host, :meth:`write_dense`)
+    or given whole (:meth:`checkpoint_state`); either resumes (:meth:`restore_state`)."""
+
+    def __init__(self, rows: int, step_s: float) -> None:
+        self.rows = rows
+        self.step_s = step_s
+        self.bias = torch.zeros(1)
+        self._restored: torch.Tensor | None = None
+
+    def rows_of(self, batch: torch.Tensor) -> torch.Tensor:
+        return torch.unique(batch)
+
+    def step(self, batch: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor
+             ) -> tuple[float, torch.Tensor]:
+        time.sleep(self.step_s)
+        _, counts = torch.unique(batch, return_counts=True)
+        self.bias += 0.01
+        return 0.5, -counts.to(rows.dtype).reshape(-1, 1)
+
+    def dense(self) -> list[torch.Tensor]:
+        return [self.bias]
+
+    def initial_rows(self, start: int, stop: int) -> tuple[torch.Tensor, None]:
+        if self._restored is None:
+            return torch.zeros(stop - start, 1), None
+        return self._restored[start:stop].reshape(-1, 1).clone(), None
+
+    def checkpoint_state(self, tables: tuple[torch.Tensor, torch.Tensor]
+                         ) -> dict[str, torch.Tensor]:
+        return {"table": tables[0].reshape(-1, 1).clone(), "bias": self.bias.clone()}
+
+    def write_part(self, folder: str, index: int, count: int,
+                   parts: Sequence[tuple[int, torch.Tensor, torch.Tensor]]
+                   ) -> tuple[str, dict[str, Any]]:
+        """Buckets ``(first row, weights (n, 1), state)`` as part ``index`` of ``count``."""
+        blocks = [(first, weights.reshape(-1).clone()) for first, weights, _ in parts]
+        return _save(folder, f"table-{index:04d}-of-{count}.pt", blocks)
+
+    def write_dense(self, folder: str) -> tuple[str, dict[str, Any]]:
+        return _save(folder, DENSE_FILE, {"bias": self.bias.clone()})
+
+    def restore_state(self, state: Mapping[str, torch.Tensor] | SavedModel) -> None:
+        if isinstance(state, SavedModel):
+            table = torch.zeros(self.rows)
+            for name in state.files:
+                if name != DENSE_FILE:
+                    for first, weights in _load(state.folder, name):
+                        table[first:first + weights.shape[0]] = weights
+            state = {"table": table, "bias": _load(state.folder, DENSE_FILE)["bias"]}
+        self._restored = state["table"].reshape(-1).clone()
+        self.bias.copy_(state["bias"])
+
+    def final(self, gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> GatheredCounts:
+        return GatheredCounts(gather)
+
+
+DENSE_FILE = "dense.pt"
+"""The dense part's file of a :class:`CountingTables` checkpoint in parts."""
+
+
+def _save(folder: str, name: str, value: Any) -> tuple[str, dict[str, Any]]:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return name, checkpoints.write(checkpoints.join(folder, name), buffer.getvalue())
+
+
+def _load(folder: str, name: str) -> Any:
+    return torch.load(os.path.join(folder, name), weights_only=True)
+
+
+class GatheredCounts:
+    """The final model of a job with sharded counting tables: the counts gathered from their
+    hosts when :meth:`state` is read (by the worker that finishes the job)."""
+
+    def __init__(self, gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._gather = gather
+
+    def state(self) -> np.ndarray:
+        return self._gather()[0][:, 0].numpy().copy()
 
 
 class IdReader:

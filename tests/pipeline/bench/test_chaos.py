@@ -2,9 +2,9 @@
 ``dask scheduler`` and ``dask worker`` processes, workers killed for real, the final model's
 count of every row against the ledger.
 
-One test per scenario of each mode: the async ``scheduler`` (the scheduler and every worker
-lost, the job resumed from its checkpoint, a worker killed again) runs in the default tier, the
-others in the full tier. Every harm comes at a moment the job cannot end before (see
+One test per scenario of each mode (of the hybrid mode, ``host-kill``): the async
+``scheduler`` (the scheduler and every worker lost, the job resumed from its checkpoint, a
+worker killed again) runs in the default tier, the others in the full tier. Every harm comes at a moment the job cannot end before (see
 :mod:`pipeline.bench.chaos` and :mod:`pipeline.bench.chaos_sync`), so each scenario's harm is
 asserted, not hoped for. A sync run's job must also have trained twice exactly the rows its
 master counts replayed."""
@@ -70,6 +70,25 @@ def test_every_row_done_is_in_the_final_model_once_per_epoch_whatever_died(
         # the checkpoint it resumed from held rows in flight, and rows were trained past it
         assert run["rows"]["retrained"] > 0
         assert run["rows_replayed"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_killed_table_host_is_served_by_its_backups_and_every_row_counts_once(
+        tmp_path: Path) -> None:
+    """The hybrid ``host-kill`` run: two of the three workers, each a trainer and a host of
+    buckets of the table, killed in turn; the job goes on without a restart and the table
+    gathered from its hosts holds every row once per epoch. (Seed 0 draws a run whose pushes
+    reached a killed host: before calls to a host gone from the map failed fast, they waited
+    out the 30 s connect timeout and the job failed.)"""
+    result = chaos(0, seed=0, folder=tmp_path, scenarios=("host-kill",), job_s=6.0,
+                   mode="hybrid")
+    (run,) = result["runs"]
+    assert (run["mode"], run["scenario"]) == ("hybrid", "host-kill")
+    assert run["finished"], run
+    assert run["discrepancies"] == 0, run
+    assert run["rows_checked"] == run["rows"]["expected"] == run["rows"]["done"]
+    assert run["kills"] == 2 and run["resumes"] == 0, run
 
 
 SYNC_JOB_S = 3.0
