@@ -268,6 +268,20 @@ class RemoteTableStep:
             "rows_trained": self.rows_trained,
         }
 
+    def dense_state(self) -> dict[str, Any]:
+        """What :meth:`state_dict` holds but the tables and their optimiser's state (cloned),
+        with ``keys``, the model's state keys in order: the dense part of a model in parts
+        (:func:`models.shards.write_dense`)."""
+        tables = set(self._table_keys.values())
+        weights = self.model.state_dict()
+        fused = fused_embeddings(self.model)
+        return {"keys": list(weights),
+                "model": {k: _clone(v) for k, v in weights.items() if k not in tables},
+                "dense_optimizer": _clone(self.dense_optimizer.state_dict()),
+                "sparse_iter": [torch.zeros(m._emb_module.iter.shape, dtype=torch.int64)
+                                for m in fused._emb_modules],
+                "rows_trained": self.rows_trained}
+
     def _sparse_optimizer_state(self, sparse_state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """``sparse_state`` keyed and shaped as the fused optimiser's ``state_dict()`` (whose
         names and shapes the ``meta`` tables' optimiser gives: table ``f``'s key is

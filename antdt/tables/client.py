@@ -85,9 +85,13 @@ class TableClient:
         self.spec = dict(reply["spec"])
         return self.map
 
-    def _hosts(self, current: BucketMap, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Index into ``ids`` (sorted) per primary."""
-        primaries = [current.primary[b] for b in range(current.buckets)]
+    def _hosts(self, current: BucketMap, ids: torch.Tensor, local: bool = False
+               ) -> dict[str, torch.Tensor]:
+        """Index into ``ids`` (sorted) per primary; with ``local``, per this worker for the
+        buckets it holds as primary or backup (a read: :meth:`BucketStore.pull`)."""
+        me = self.worker.address
+        primaries = [me if local and me in (p, q) else p
+                     for p, q in zip(current.primary, current.backup)]
         buckets = current.bucket_of(ids)
         lost = set(current.lost)
         if lost and any(int(b) in lost for b in torch.unique(buckets)):
@@ -114,8 +118,10 @@ class TableClient:
         current = self.map if self.map is not None else await self._refresh()
         out = torch.empty(ids.shape[0], int(self.spec["dim"]))
         todo = torch.arange(ids.shape[0])
+        local = True  # the first try reads this worker's own buckets, backups included
         while todo.numel():
-            parts = self._hosts(current, ids[todo])
+            parts = self._hosts(current, ids[todo], local)
+            local = False
             replies = await asyncio.gather(*(self._pull_from(host, ids[todo[index]])
                                              for host, index in parts.items()))
             left = []
@@ -270,3 +276,29 @@ class TableClient:
         for start, part in states:  # type: ignore[misc]
             state_all[start:start + part.shape[0]] = part
         return weights, state_all
+
+    def write(self, folder: str, synced: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+        """Every primary writes its buckets' committed rows (exactly the rows ``synced``
+        counts) as one part of a model in parts into ``folder``; each file's name with its
+        size and checksum. :class:`Stale` when confirmations passed ``synced``."""
+        return sync(self.worker.loop, self._write, folder, dict(synced))
+
+    async def _write(self, folder: str, synced: dict[str, int]) -> dict[str, dict[str, Any]]:
+        deadline = time.monotonic() + self.timeout_s
+        current = await self._refresh()
+        while True:
+            hosts = sorted(set(current.primary))
+            replies = await asyncio.gather(*(
+                self._call(host, "antdt_tables_write", job=self.job, folder=folder, index=i,
+                           count=len(hosts), synced=synced,
+                           buckets=[b for b, p in enumerate(current.primary) if p == host])
+                for i, host in enumerate(hosts)), return_exceptions=True)
+            if all(isinstance(r, dict) and r.get("status") == "OK" for r in replies):
+                return {r["name"]: r["digest"] for r in replies}  # type: ignore[index]
+            for reply in replies:
+                if isinstance(reply, dict) and reply.get("stale"):
+                    raise Stale(str(reply.get("message")))
+                if isinstance(reply, dict) and reply.get("status") != "OK" \
+                        and not reply.get("moved"):
+                    raise SyncError(f"writing the tables into {folder}: {reply.get('message')}")
+            current = await self._again(deadline, f"writing the tables into {folder}")

@@ -77,7 +77,9 @@ class TablesSpec:
 class TablesService(SchedulerPlugin):
     """Scheduler plugin: one bucket map a job (see the module docstring). Handlers:
     ``antdt_tables_map(job)``, ``antdt_tables_join(job, worker)``,
-    ``antdt_tables_leave(job, worker)``, ``antdt_tables_backup_lost(job, worker, buckets)``.
+    ``antdt_tables_leave(job, worker)``, ``antdt_tables_drain(job, worker)`` (a closing
+    worker's, answered once its buckets moved), ``antdt_tables_backup_lost(job, worker,
+    buckets)``.
     Registering it registers :class:`~antdt.tables.serving.TablesWorkerPlugin` on every
     worker."""
 
@@ -99,6 +101,7 @@ class TablesService(SchedulerPlugin):
             "antdt_tables_join": self.join_handler,
             "antdt_tables_leave": self.leave_handler,
             "antdt_tables_backup_lost": self.backup_lost_handler,
+            "antdt_tables_drain": self.drain_handler,
         })
         await scheduler.register_worker_plugin(None, dumps(TablesWorkerPlugin()),
                                                name=WORKER_PLUGIN, idempotent=True)
@@ -134,11 +137,18 @@ class TablesService(SchedulerPlugin):
     def remove(self, job: str, worker: str) -> None:
         """``worker`` left ``job``: its buckets are served by their backups, new backups made,
         and its changes past the rows the ledger counts synced for it taken out."""
+        self._spawn(self._remove(job, worker))
+
+    async def _remove(self, job: str, worker: str) -> None:
         current = self.maps.get(job)
         if current is None or worker in current.departed:
             return
         synced = self._synced_rows(job, worker)
-        self._spawn(self._change(job, lambda m: without(m, worker, synced)))
+        def leave(current: BucketMap) -> tuple[BucketMap, list[Copy]]:
+            return (current, []) if worker in current.departed \
+                else without(current, worker, synced)
+
+        await self._change(job, leave)
 
     # ---- handlers ---------------------------------------------------------------------------
 
@@ -161,6 +171,14 @@ class TablesService(SchedulerPlugin):
     async def leave_handler(self, job: object, worker: object) -> Reply:
         who = rpc.name("worker", worker, SyncError)
         self.remove(self._map(job).job, who)
+        return {"status": "OK"}
+
+    @rpc.handler
+    async def drain_handler(self, job: object, worker: object) -> Reply:
+        """``worker`` is closing: :meth:`remove` it now, and answer once its buckets are served
+        by others and have their backups again."""
+        who = rpc.name("worker", worker, SyncError)
+        await self._remove(self._map(job).job, who)
         return {"status": "OK"}
 
     @rpc.handler

@@ -76,10 +76,14 @@ async def unless_gone(worker: Worker, job: str, host: str, call: Awaitable[T]) -
         task.cancel()
 
 PLUGIN_NAME = "antdt-tables"
-HANDLERS = ("pull", "push", "forward", "copy", "install", "promote", "drop",
+HANDLERS = ("pull", "push", "forward", "copy", "write", "install", "promote", "drop",
             "depart", "committed", "forget")
 
 Initial = Callable[[int, int], tuple[torch.Tensor, torch.Tensor | None]]
+Writer = Callable[[str, int, int, list[tuple[int, torch.Tensor, torch.Tensor]]],
+                  tuple[str, dict[str, Any]]]
+"""Write buckets ``(first row, weights, state)`` as part ``index`` of ``count`` into a folder;
+the file's name and its size and checksum (the trainer's :meth:`write_part`)."""
 """The initial weights of global rows ``[start, stop)`` and their optimiser state (the
 trainer's seed and no state, or a restored checkpoint's)."""
 
@@ -133,6 +137,7 @@ class TablesWorkerPlugin(WorkerPlugin):
     def __init__(self) -> None:
         self.stores: dict[str, BucketStore] = {}
         self.initial: dict[str, Initial] = {}
+        self.writers: dict[str, Writer] = {}
 
     def __reduce__(self) -> tuple[type[TablesWorkerPlugin], tuple[()]]:
         return TablesWorkerPlugin, ()
@@ -144,15 +149,28 @@ class TablesWorkerPlugin(WorkerPlugin):
         for name in HANDLERS:
             worker.handlers[f"antdt_tables_{name}"] = getattr(self, f"{name}_handler")
 
-    def teardown(self, worker: Worker) -> None:
+    async def teardown(self, worker: Worker) -> None:
+        """The worker closes (retired by Dask, ``Adaptive``, or shut down): its buckets are
+        drained first, while it still serves them: the scheduler promotes their backups and
+        makes new ones before the worker goes (``antdt_tables_drain``; bounded by
+        ``antdt.sync.rpc-timeout``)."""
+        for job in [job for job, store in self.stores.items() if store.buckets]:
+            try:
+                await asyncio.wait_for(worker.scheduler.antdt_tables_drain(
+                    job=job, worker=worker.address), config.seconds("antdt.sync.rpc-timeout"))
+            except (OSError, asyncio.TimeoutError) as exc:
+                logger.warning("job %s: could not drain the buckets of %s: %r", job,
+                               worker.address, exc)
         for name in HANDLERS:
             worker.handlers.pop(f"antdt_tables_{name}", None)
         self.stores.clear()
         self.pool.shutdown(wait=False)
 
-    def open(self, job: str, initial: Initial) -> None:
-        """This worker's trainer of ``job`` draws initial rows with ``initial``."""
+    def open(self, job: str, initial: Initial, writer: Writer) -> None:
+        """This worker's trainer of ``job`` draws initial rows with ``initial`` and writes a
+        model's part with ``writer``."""
         self.initial[job] = initial
+        self.writers[job] = writer
 
     def create(self, job: str, spec: Mapping[str, Any], current: BucketMap, worker: str
                ) -> None:
@@ -347,10 +365,35 @@ class TablesWorkerPlugin(WorkerPlugin):
                 "state": array(state)}
 
     @rpc.handler
+    async def write_handler(self, job: object, folder: object, index: object, count: object,
+                            buckets: object, synced: object) -> Reply:
+        """Write the committed rows of ``buckets`` (held here) as part ``index`` of ``count``
+        of a model in parts into ``folder``."""
+        store = self.store(job)
+        where = rpc.name("folder", folder, SyncError)
+        part = rpc.integer("index", index, error=SyncError)
+        parts = rpc.integer("count", count, 1, error=SyncError)
+        if not isinstance(synced, Mapping):
+            raise SyncError(f"synced must be a mapping, found {type(synced).__name__}")
+        writer = self.writers.get(store.job)
+        if writer is None:
+            raise SyncError(f"job {store.job}: no trainer here writes its parts")
+        rows = {str(k): int(v) for k, v in synced.items()}
+        try:
+            name, digest = await self._run(_write, store, writer, where, part, parts,
+                                           _buckets(buckets), rows)
+        except Stale as exc:
+            return {"status": "error", "message": str(exc), "stale": True}
+        except NotHeld as exc:
+            return {"status": "error", "message": str(exc), "moved": True}
+        return {"status": "OK", "name": name, "digest": digest}
+
+    @rpc.handler
     async def forget_handler(self, job: object) -> Reply:
         name = rpc.name("job", job, SyncError)
         self.stores.pop(name, None)
         self.initial.pop(name, None)
+        self.writers.pop(name, None)
         return {"status": "OK"}
 
 
@@ -373,6 +416,12 @@ def _push(store: BucketStore, trainer: str, seq: int, offset: int, ids: torch.Te
         if entry is not None and backup is not None:
             forwards.setdefault(backup, []).append((bucket, entry, held.epoch))
     return forwards, retry
+
+
+def _write(store: BucketStore, writer: Writer, folder: str, index: int, count: int,
+           buckets: list[int], synced: dict[str, int]) -> tuple[str, dict[str, Any]]:
+    parts = [store.committed(b, synced) for b in buckets]
+    return writer(folder, index, count, parts)
 
 
 def _add(store: BucketStore, trainer: str, items: list[tuple[int, Entry]], epoch: int) -> None:

@@ -199,8 +199,11 @@ class BucketStore:
     # ---- training -------------------------------------------------------------------------
 
     def pull(self, bucket: int, rows: torch.Tensor) -> torch.Tensor:
-        """The weights of local ``rows`` of ``bucket``, served by its primary."""
-        held = self.held(bucket, "primary")
+        """The weights of local ``rows`` of ``bucket``, as its primary or its backup holds them.
+        A backup lacks only changes not yet acknowledged (the primary forwards each before it
+        acknowledges it): pushes still in flight, which the staleness bound already allows a
+        reader not to see."""
+        held = self.held(bucket)
         with held.lock:
             return held.weights.index_select(0, rows)
 

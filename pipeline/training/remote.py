@@ -10,18 +10,20 @@ evaluates it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torchrec.datasets.utils import Batch
 
 from antdt.agent import SavedModel
+from antdt.tables.optim import RowOptimizer
 from data.schema import Schema
 from models.config import ModelConfig, OptimConfig
 from models.remote_tables import RemoteTableStep, initial_rows
 from models.sharded import to_train_step
-from models.shards import read_full_state
+from models.ranking import embedding_keys, sparse_optimizer
+from models.shards import Block, ShardFiles, Table, write_dense, write_rank
 from models.train_step import TrainStep
 
 Tables = tuple[torch.Tensor, torch.Tensor]
@@ -36,7 +38,15 @@ class TableRankingTrainer:
         self.remote = step
         self.schema, self.model, self.optim, self.seed = schema, model, optim, seed
         self.layout = step.layout
-        self._restored: Mapping[str, Any] | None = None
+        self._restored: Mapping[str, Any] | ShardFiles | None = None
+        template = sparse_optimizer(step.model).state_dict()["state"]
+        keys = embedding_keys(step.model)
+        self.tables = [Table(name=f, key=keys[f], shape=(rows, self.layout.dim),
+                             states=list(template.get(f"{f}.weight", {})))
+                       for f, rows in zip(self.layout.features, self.layout.rows)]
+        """The tables as :mod:`models.shards` names them (a part's header)."""
+        self.width = RowOptimizer(optim.sparse_optimizer, optim.sparse_lr,
+                                  optim.eps).state_width(self.layout.dim)
 
     def rows_of(self, batch: Batch) -> torch.Tensor:
         return self.remote.rows_of(batch)
@@ -49,10 +59,61 @@ class TableRankingTrainer:
         return list(self.remote.dense())
 
     def initial_rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The seed's rows (no optimiser state), or the restored checkpoint's with theirs."""
+        """The seed's rows (no optimiser state), or the restored checkpoint's with theirs (of
+        a model in parts, only these rows are read)."""
         if self._restored is None:
             return initial_rows(self.layout, self.seed, start, stop), None
+        if isinstance(self._restored, ShardFiles):
+            return self._read(self._restored, start, stop)
         return self._slice(self._restored, start, stop)
+
+    def _pieces(self, start: int, stop: int) -> list[tuple[Table, int, int]]:
+        """The tables' pieces of global rows ``[start, stop)``: ``(table, first row in it,
+        rows)``."""
+        offsets = self.layout.offsets
+        return [(table, max(start, offsets[i]) - offsets[i],
+                 min(stop, offsets[i + 1]) - max(start, offsets[i]))
+                for i, table in enumerate(self.tables)
+                if max(start, offsets[i]) < min(stop, offsets[i + 1])]
+
+    def _read(self, files: ShardFiles, start: int, stop: int
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        dim = self.layout.dim
+        weights = torch.empty(stop - start, dim)
+        width = self.width
+        state = torch.zeros(stop - start, width)
+        at = 0
+        for table, first, rows in self._pieces(start, stop):
+            files.fill(weights[at:at + rows], table, None, (first, rows), (0, dim))
+            for name in table.states:
+                out = state[at:at + rows, 0] if width == 1 else state[at:at + rows]
+                files.fill(out, table, name, (first, rows), (0, dim))
+            at += rows
+        return weights, state
+
+    def write_part(self, folder: str, index: int, count: int,
+                   parts: Sequence[tuple[int, torch.Tensor, torch.Tensor]]
+                   ) -> tuple[str, dict[str, Any]]:
+        """Write buckets ``(first global row, weights, state)`` as part ``index`` of ``count``
+        of a model in parts (:func:`models.shards.write_rank`: blocks in each table's
+        coordinates, so any mode and any number of workers reads it back)."""
+        blocks = []
+        dim = self.layout.dim
+        for start, weights, state in parts:
+            at = 0
+            for table, first, rows in self._pieces(start, start + weights.shape[0]):
+                blocks.append((Block(table.key, None, (first, rows), (0, dim)),
+                               weights[at:at + rows]))
+                for name in table.states:
+                    part = state[at:at + rows]
+                    blocks.append((Block(table.key, name, (first, rows), (0, dim)),
+                                   part[:, 0] if part.shape[1] == 1 else part))
+                at += rows
+        return write_rank(folder, index, count, self.tables, blocks)
+
+    def write_dense(self, folder: str) -> tuple[str, dict[str, Any]]:
+        """Write everything but the tables (:func:`models.shards.write_dense`)."""
+        return write_dense(folder, self.remote.dense_state())
 
     def checkpoint_state(self, tables: Tables) -> dict[str, Any]:
         """:meth:`RemoteTableStep.state_dict` of the gathered ``tables`` (weights and state end
@@ -68,7 +129,11 @@ class TableRankingTrainer:
         """Resume: the dense part here; the tables are drawn by each host from the same state
         (:meth:`initial_rows`)."""
         if isinstance(state, SavedModel):
-            state = read_full_state(state.folder, state.files)
+            files = ShardFiles(state.folder, state.files)
+            dense = files.dense()
+            self.remote.load_dense(dense)
+            self._restored = files
+            return
         self.remote.load_dense(state)
         self._restored = state
 

@@ -33,7 +33,7 @@ def worker_mode(spec: AgentSpec, make_trainer: TrainerFactory, device: torch.dev
         return IndependentMode(make_trainer(device))
     if spec.tables_inflight is not None:
         return HybridMode(make_trainer.remote_tables(device), spec.job, worker,
-                          spec.sync_period, spec.tables_inflight)
+                          spec.sync_period, spec.tables_inflight, spec.model_dir)
     return AsyncMode(make_trainer(device), spec.job, worker, spec.sync_period)
 
 

@@ -21,7 +21,7 @@ from distributed import Worker
 from distributed.utils import sync
 
 from antdt import rpc
-from antdt.agent.contract import Outcome, Trainer
+from antdt.agent.contract import Outcome, SavedModel, Trainer
 from antdt.agent.modes.asynchronous import BackgroundSynced
 from antdt.agent.modes.mode import AgentParts, Declined
 from antdt.errors import CheckpointError, SyncError
@@ -29,9 +29,10 @@ from antdt.sync import ReplicaSync, SyncPeriod
 from antdt.sync.background import BackgroundSync
 from antdt.sync.service import SyncService
 from antdt.tables.client import TableClient
+from antdt.tables.optim import RowOptimizer
 from antdt.tables.serving import PLUGIN_NAME, TablesWorkerPlugin
 from antdt.tables.service import TablesService, TablesSpec
-from antdt.tables.store import Stale
+from antdt.tables.store import Fenced, Stale
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,10 @@ class TableTrainer(Protocol):
     or a restored checkpoint's);
     ``checkpoint_state(tables)``: the trainer's checkpoint form with these tables;
     ``restore_state(state)``; ``final(gather)``: the final model as a :class:`Trainer`, whose
-    tables ``gather()`` returns when it needs them (on the worker that evaluates it)."""
+    tables ``gather()`` returns when it needs them (on the worker that evaluates it);
+    ``write_part(folder, index, count, parts)``: write buckets ``(first row, weights, state)``
+    as one part of a model in parts, ``write_dense(folder)`` the rest (each the file's name and
+    its size and checksum)."""
 
     def rows_of(self, batch: Any) -> torch.Tensor: ...
 
@@ -72,6 +76,12 @@ class TableTrainer(Protocol):
 
     def final(self, gather: Callable[[], Tables]) -> Trainer[Any]: ...
 
+    def write_part(self, folder: str, index: int, count: int,
+                   parts: list[tuple[int, torch.Tensor, torch.Tensor]]
+                   ) -> tuple[str, dict[str, Any]]: ...
+
+    def write_dense(self, folder: str) -> tuple[str, dict[str, Any]]: ...
+
 
 def plugin_of(worker: Worker) -> TablesWorkerPlugin:
     plugin = worker.plugins.get(PLUGIN_NAME)
@@ -87,8 +97,9 @@ class HybridMode(BackgroundSynced):
     group_rows = 0
 
     def __init__(self, trainer: TableTrainer, job: str, worker: Worker, period: SyncPeriod,
-                 max_inflight: int) -> None:
+                 max_inflight: int, model_dir: str | None = None) -> None:
         self.trainer = trainer
+        self.model_dir = model_dir
         self.job = job
         self.worker = worker
         self.replica = ReplicaSync(worker.address, trainer.dense(), {})
@@ -106,10 +117,12 @@ class HybridMode(BackgroundSynced):
         """Hold this worker's buckets (drawn from the trainer's initial rows; a joiner's are
         copied to it), then start the dense part's background sync."""
         plugin = plugin_of(self.worker)
-        plugin.open(self.job, self.trainer.initial_rows)
+        plugin.open(self.job, self.trainer.initial_rows, self.trainer.write_part)
         self._member = True
         try:
-            if join:
+            if join:  # the scheduler copies it buckets to take over, then hands them over
+                rpc.ok(sync(self.worker.loop, self.worker.scheduler.antdt_tables_join,
+                            job=self.job, worker=self.worker.address), SyncError)
                 self.tables.refresh()
             else:
                 current = self.tables.refresh()
@@ -122,7 +135,13 @@ class HybridMode(BackgroundSynced):
             raise Declined(str(exc)) from exc
 
     def train(self, agent: AgentParts) -> Outcome:
-        return agent.train_leases()
+        """The lease loop; a worker the tables fenced off (it is closing: its buckets were
+        drained and its changes past its synced rows taken out) stops as cancelled."""
+        try:
+            return agent.train_leases()
+        except Fenced as exc:
+            logger.warning("agent of job %s on %s: %s", self.job, self.worker.address, exc)
+            return "cancelled"
 
     def step(self, batch: Any, rows_after: int) -> float:
         """Pull the batch's rows (once fewer than K pushes are in flight), train the dense part
@@ -156,31 +175,55 @@ class HybridMode(BackgroundSynced):
 
     def checkpoint(self, copy_ledger: Callable[[], Mapping[str, Any]], folder: str
                    ) -> tuple[Mapping[str, Any], Any]:
-        """The ledger, then every bucket's committed rows from its primary (exactly the rows
-        that copy counts done); the dense part as it is, under the replica lock."""
+        """The ledger, then every primary writes its buckets' committed rows (exactly the rows
+        that copy counts done) as its own part of a model in parts into the version ``folder``
+        (nothing is gathered), and this worker the dense part as it is, under the replica lock.
+        """
         for _ in range(CHECKPOINT_ATTEMPTS):
             ledger = copy_ledger()
             try:
-                tables = self.tables.committed(ledger["synced"])
+                files = self.tables.write(folder, ledger["synced"])
             except Stale:
                 continue
             with self.replica.lock:
-                return ledger, self.trainer.checkpoint_state(tables)
+                name, digest = self.trainer.write_dense(folder)
+            return ledger, SavedModel(folder, {**files, name: digest})
         raise CheckpointError(f"job {self.job}: the tables moved past the ledger's copy "
                               f"{CHECKPOINT_ATTEMPTS} times")
 
-    def finish(self) -> Trainer[Any]:
-        """Every push applied, the dense part's final round; the final model gathers the
-        tables from their hosts when it is evaluated."""
+    def finish(self) -> Trainer[Any] | SavedModel | None:
+        """Every push applied, the dense part's final round. The final model gathers the tables
+        from their hosts when it is evaluated; when it would not fit this worker (and the job
+        has a ``model_dir``) the hosts write it in parts there instead, the first host's agent
+        leading (the others hold nothing)."""
         self.tables.drain()
         self.sync.finish()
         worker, job, tables = self.worker, self.job, self.tables
 
-        def gather() -> Tables:
+        def synced() -> Mapping[str, int]:
             ledger = rpc.ok(sync(worker.loop, worker.scheduler.antdt_ledger_copy, job=job),
                             CheckpointError)
-            return tables.committed(ledger["synced"])
-        return self.trainer.final(gather)
+            return ledger["synced"]  # type: ignore[no-any-return]
+
+        if self.model_dir is None or self._fits():
+            return self.trainer.final(lambda: tables.committed(synced()))
+        current = tables.refresh()
+        if worker.address != min(current.workers()):
+            return None
+        files = tables.write(self.model_dir, synced())
+        name, digest = self.trainer.write_dense(self.model_dir)
+        return SavedModel(self.model_dir, {**files, name: digest})
+
+    def _fits(self) -> bool:
+        """Whether the whole tables, gathered and then loaded into a model (twice their bytes),
+        fit this worker's memory limit beside what it holds."""
+        limit = self.worker.memory_manager.memory_limit
+        spec = self.tables.spec
+        dim = int(spec["dim"])
+        width = RowOptimizer(str(spec["optimizer"]), float(spec["lr"]),
+                             float(spec["eps"])).state_width(dim)
+        need = 2 * int(spec["total_rows"]) * (dim + width) * 4
+        return not limit or need < limit / 2
 
     def stop(self) -> None:
         if self._member:

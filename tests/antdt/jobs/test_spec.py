@@ -45,5 +45,18 @@ def test_the_refusal_names_the_smallest_limit_and_how_many_workers_are_short() -
     assert message.startswith("the model needs 3.00 GiB per worker in async mode")
     assert "but worker tcp://b:1's memory limit is 1.00 GiB (2 of the job's 3 workers have " \
            "less than it needs)" in message
-    assert "--mode sync" in message and "train.mode: sync" in message
+    assert "--mode sync" in message and "model.tables: sharded" in message
     assert "\n" not in message
+
+
+def test_sharded_tables_are_chosen_when_the_replica_does_not_fit_and_refused_when_they_do_not(
+        ) -> None:
+    tables = {"placement": "auto", "total_rows": 100, "dim": 4, "bytes": 3 * GIB}
+    sized = dataclasses.replace(PLAN, replica_bytes=3 * GIB, tables=tables)
+    assert sized.sharded_tables({"a": 4 * GIB}) is None  # the replica fits: replicated
+    spec = sized.sharded_tables({"a": 4 * GIB, "b": 2 * GIB})
+    assert spec == {"total_rows": 100, "dim": 4}  # one worker is short: sharded
+    sized.check_sharded_memory({w: 2 * GIB for w in "abcd"})  # 2 x 3 GiB over 4: 1.5 GiB each
+    with pytest.raises(JobError, match="need 3.00 GiB per worker"):
+        sized.check_sharded_memory({"a": 2 * GIB, "b": 2 * GIB})
+    assert dataclasses.replace(sized, mode="sync").sharded_tables({"a": 1}) is None

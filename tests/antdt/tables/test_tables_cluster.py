@@ -5,6 +5,7 @@ with rate 1 and gradient -1: a row grows by 1 each time a push touches it)."""
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections import Counter
 from collections.abc import Sequence
 
@@ -25,12 +26,28 @@ def zeros(start: int, stop: int) -> tuple[torch.Tensor, None]:
     return torch.zeros(stop - start, SPEC.dim), None
 
 
+def save_part(folder: str, index: int, count: int,
+              parts: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[str, dict[str, int]]:
+    """A part as ``torch.save`` of its buckets (the application writes models.shards files)."""
+    name = f"part-{index}-of-{count}.pt"
+    torch.save(parts, f"{folder}/{name}")
+    return name, {"buckets": len(parts)}
+
+
+def load_parts(folder: str, names: Sequence[str]) -> torch.Tensor:
+    weights = torch.full((ROWS, SPEC.dim), float("nan"))
+    for name in names:
+        for start, part, _ in torch.load(f"{folder}/{name}"):
+            weights[start:start + part.shape[0]] = part
+    return weights
+
+
 async def open_tables(s: Scheduler, workers: Sequence[Worker], job: str = "j") -> TablesService:
     service: TablesService = s.plugins[PLUGIN_NAME]
     placed = service.start_job(job, [w.address for w in workers], SPEC)
     for w in workers:
         plugin = w.plugins[WORKER_PLUGIN]
-        plugin.open(job, zeros)
+        plugin.open(job, zeros, save_part)
         plugin.create(job, SPEC.to_wire(placed.size), placed, w.address)
     return service
 
@@ -71,6 +88,7 @@ def expected(trainers: Sequence[Trainer]) -> torch.Tensor:
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=120)
 async def test_pushes_count_once_while_a_host_leaves_and_backups_take_over(
         c: Client, s: Scheduler, a: Worker, b: Worker, w: Worker) -> None:
+    """...and the tables written in parts by their hosts hold the same rows."""
     await c.register_plugin(TablesService())
     service = await open_tables(s, [a, b, w])
     trainers = [Trainer(a, 1), Trainer(b, 2)]
@@ -88,6 +106,10 @@ async def test_pushes_count_once_while_a_host_leaves_and_backups_take_over(
     weights, _ = await asyncio.to_thread(trainers[0].client.committed, synced)
     assert torch.equal(weights[:, 0], expected(trainers))
     assert service.moves["j"] >= 1
+    with tempfile.TemporaryDirectory() as tmp:
+        files = await asyncio.to_thread(trainers[1].client.write, tmp, synced)
+        assert len(files) == 2  # one part a primary host, every bucket in one of them
+        assert torch.equal(load_parts(tmp, list(files)), weights)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=120)

@@ -272,6 +272,41 @@ def test_a_killed_shard_host_is_served_by_its_backup_and_costs_no_row(
     assert summary.auc > 0.55
 
 
+def test_a_retired_shard_host_drains_its_buckets_before_it_goes(cluster: LocalCluster,
+                                                                 cluster_job: Path) -> None:
+    """Both workers pause after 1,024 rows; Dask retires one (as ``Adaptive`` would): it drains
+    its buckets while it still serves them (their backups promoted, new backups made) and the
+    other trains the rest, every row once."""
+    go = f"retired-{uuid.uuid4().hex}"
+    job = load_job(cluster_job, [
+        "model.tables=sharded", "train.shard_rows=512",
+        f"faults=[{{worker: 0, pause_after_rows: 1024, pause_until: {go}}}, "
+        f"{{worker: 1, pause_after_rows: 1024, pause_until: {go}}}]"])
+    run = bounded.start(train_async, job, scheduler=cluster.scheduler_address)
+    plugins = cluster.scheduler.plugins
+    (job_id,) = bounded.until(lambda: PLUGIN_NAME in plugins and list(plugins[PLUGIN_NAME].jobs),
+                              "the job's registration")
+    with Client(cluster.scheduler_address) as client:
+        bounded.until(lambda: sum(m.get("fault") == "pause" for _, m in
+                                  client.get_events(agent.event_topic(job_id))) == 2,
+                      "both workers paused")
+        before = set(scheduler_workers(client))
+        cluster.scale(1)  # as Adaptive retires a worker: Scheduler.retire_workers
+        (victim,) = bounded.until(lambda: before - set(scheduler_workers(client)),
+                                  "a worker retired")
+        placed = cluster.scheduler.plugins[TABLES].maps[job_id]
+        assert victim in placed.departed and victim not in placed.workers()
+        assert not placed.lost
+        Event(go, client=client).set()
+        summary = run.result()
+        cluster.scale(2)
+        client.wait_for_workers(2, timeout=60)  # the next test finds the cluster it expects
+
+    assert summary.rows_lost == 0
+    assert summary.rows_trained == TRAIN_ROWS + summary.rows_retrained
+    assert summary.auc > 0.55
+
+
 @pytest.mark.slow
 def test_bad_rows_are_quarantined_in_the_ledger_and_the_rest_trained(
         cluster: LocalCluster, cluster_job: Path, small_data: SynthResult,
@@ -300,13 +335,16 @@ def test_bad_rows_are_quarantined_in_the_ledger_and_the_rest_trained(
     assert "quarantine.yaml" in artifacts
 
 
-@pytest.mark.slow
-def test_a_worker_added_mid_job_joins_and_trains(cluster: LocalCluster, cluster_job: Path) -> None:
+@pytest.mark.parametrize("tables", [pytest.param("replicated", marks=pytest.mark.slow),
+                                    "sharded"])
+def test_a_worker_added_mid_job_joins_and_trains(cluster: LocalCluster, cluster_job: Path,
+                                                 tables: str) -> None:
     """The first two workers pause after 1,024 rows each; a third worker joins the running job,
-    copies the model and trains 2,048 rows before they go on."""
+    copies the model (replicated tables) or takes buckets over (sharded: copied to it while the
+    others serve them, then handed over) and trains 2,048 rows before they go on."""
     go = f"joiner-trained-{uuid.uuid4().hex}"
     job = load_job(cluster_job, [
-        "train.epochs=2", "train.shard_rows=512",
+        f"model.tables={tables}", "train.epochs=2", "train.shard_rows=512",
         f"faults=[{{worker: 0, pause_after_rows: 1024, pause_until: {go}}}, "
         f"{{worker: 1, pause_after_rows: 1024, pause_until: {go}}}]"])
     run = bounded.start(train_async, job, scheduler=cluster.scheduler_address)
@@ -317,9 +355,15 @@ def test_a_worker_added_mid_job_joins_and_trains(cluster: LocalCluster, cluster_
                                   client.get_events(agent.event_topic(job_id))) == 2,
                       "both workers paused")
         before = jobs[job_id].rows_trained
+        first = set(cluster.scheduler.workers)
         cluster.scale(3)
         bounded.until(lambda: jobs[job_id].rows_trained >= before + 2048,
                       "the joiner trained 2,048 rows")
+        if tables == "sharded":  # the joiner holds buckets, copied to it
+            service = cluster.scheduler.plugins[TABLES]
+            (joiner,) = service.maps[job_id].workers() - first
+            assert sum(map(len, service.maps[job_id].held(joiner))) > 0
+            assert service.moves[job_id] > 0
         Event(go, client=client).set()
         summary = run.result()
     cluster.scale(2)

@@ -148,8 +148,9 @@ def test_a_finished_job_is_not_resumed(job_file: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tables", ["replicated", "sharded"])
 def test_a_job_resumes_after_its_scheduler_and_every_worker_were_killed(
-        medium_job: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        medium_job: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tables: str) -> None:
     """A job with checkpoints every 150,000 rows, whose two workers each pause after 35% of its
     rows until an event nobody sets (it cannot end before the kill). Once its master has noted
     rows trained past its newest complete checkpoint, the scheduler and every worker are
@@ -157,13 +158,14 @@ def test_a_job_resumes_after_its_scheduler_and_every_worker_were_killed(
     checkpoint and the note the resumed job reads are the ones checked. On a new scheduler
     (another port) with new workers, ``--resume JOB_ID`` finishes it in the same MLflow run: no
     row lost, exactly the rows trained past that checkpoint replayed, the AUC of an
-    uninterrupted run."""
+    uninterrupted run. With sharded tables every host writes its own buckets into each
+    checkpoint, and each draws its buckets from those parts on the new cluster."""
     every, workers, rows = 150_000, 2, 2 * 300_000
     # the master notes the job's progress 5x a second: between two checkpoints, notes of rows
     # trained past the first one (what the kill waits for) come several times, not once
     monkeypatch.setenv("DASK_ANTDT__JOBS__TICK", "200ms")
     edit(medium_job, {"train": {"checkpoint_dir": str(tmp_path / "checkpoints"),
-                                "checkpoint_every": every}})
+                                "checkpoint_every": every}, "model": {"tables": tables}})
     gated = tmp_path / "gated.yaml"  # the same job, its workers paused past 70% of the rows
     raw = yaml.safe_load(medium_job.read_text())
     raw["faults"] = [{"worker": worker, "pause_until": "daily-never",
@@ -192,6 +194,7 @@ def test_a_job_resumes_after_its_scheduler_and_every_worker_were_killed(
     assert checkpoints.read_note(folder) == noted
     assert all(folder in warning for warning in skipped)  # each names the version it skips
     assert noted["state"] == "running" and noted["rows"]["done"] < rows
+    assert (checkpoints.MODEL in manifest.files) == (tables == "replicated")  # else in parts
 
     with DaskProcesses(second) as new:
         assert new.address != old.address
