@@ -99,6 +99,29 @@ def initial_rows(layout: TableLayout, seed: int, start: int, stop: int) -> torch
     return out
 
 
+class _SumBags(torch.autograd.Function):
+    """SUM-pooled bags of ``rows[index]`` cut at ``offsets`` (``embedding_bag`` with
+    ``include_last_offset``), whose backward adds each bag's gradient to its rows in one
+    ``index_add_``: half the time of ``embedding_bag``'s own backward on the CPU."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, index: torch.Tensor,
+                offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index, offsets)
+        ctx.rows = rows.shape[0]
+        return nn.functional.embedding_bag(index, rows, offsets, mode="sum",
+                                           include_last_offset=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        index, offsets = ctx.saved_tensors
+        bag_of = torch.repeat_interleave(
+            torch.arange(len(offsets) - 1, device=grad.device), offsets.diff(),
+            output_size=len(index))
+        out = torch.zeros(ctx.rows, grad.shape[1], dtype=grad.dtype, device=grad.device)
+        return out.index_add_(0, index, grad.index_select(0, bag_of)), None, None
+
+
 class _PulledRows(nn.Module):
     """Stands in for the model's sparse arch: returns the pooled embeddings ``(B, F, D)`` the
     step prepared from the pulled rows (:meth:`prepared`), in place of a lookup.
@@ -150,6 +173,8 @@ class RemoteTableStep:
         self.model.sparse_arch = self._sparse
         self.dense_optimizer = _dense_optimizer(self.dense(), optim_cfg, self.device)
         self.rows_trained = 0
+        self._last: tuple[KeyedJaggedTensor, torch.Tensor, torch.Tensor] | None = None
+        """The features :meth:`rows_of` read last, their ids and each value's index in them."""
         self.model.train()
         logger.info("remote-table step on %s (seed %d): %d global rows of dim %d outside, "
                     "%s dense optimiser", self.device, seed, self.layout.total_rows,
@@ -164,7 +189,10 @@ class RemoteTableStep:
         """The sorted unique global rows ``(U,)`` int64 that ``batch`` reads, over all features
         (on the batch's device). Raises ``ValueError`` for a batch whose features are not the
         schema's, in its order, or whose id is outside its table."""
-        return torch.unique(self._global_rows(batch.sparse_features))
+        features = batch.sparse_features
+        ids, index = torch.unique(self._global_rows(features), return_inverse=True)
+        self._last = (features, ids, index)  # the step on this batch needs no search
+        return ids
 
     def _global_rows(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """The global row of every value of ``features`` ``(N,)`` int64, in the KJT's order."""
@@ -188,13 +216,16 @@ class RemoteTableStep:
                 rows: torch.Tensor) -> torch.Tensor:
         """The SUM-pooled embeddings ``(B, F, D)`` of ``features`` over the pulled ``rows``
         ``(U, D)`` of ``ids`` ``(U,)``: the layout TorchRec's sparse arch returns."""
-        wanted = self._global_rows(features)
-        index = torch.searchsorted(ids, wanted).clamp_(max=max(len(ids) - 1, 0))
-        if len(wanted) and not torch.equal(ids[index], wanted):
-            raise ValueError("the pulled ids do not hold every row the batch reads; pass the "
-                             "ids rows_of(batch) returned")
-        bags = nn.functional.embedding_bag(index, rows, features.offsets().long(), mode="sum",
-                                           include_last_offset=True)
+        last = self._last
+        if last is not None and last[0] is features and last[1] is ids:
+            index = last[2].to(rows.device)
+        else:
+            wanted = self._global_rows(features)
+            index = torch.searchsorted(ids, wanted).clamp_(max=max(len(ids) - 1, 0))
+            if len(wanted) and not torch.equal(ids[index], wanted):
+                raise ValueError("the pulled ids do not hold every row the batch reads; pass "
+                                 "the ids rows_of(batch) returned")
+        bags = _SumBags.apply(rows, index, features.offsets().long())
         return bags.view(len(self.layout.features), features.stride(), -1).transpose(0, 1)
 
     def _logits(self, batch: Batch, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
