@@ -279,8 +279,8 @@ class TableClient:
 
     def write(self, folder: str, synced: Mapping[str, int]) -> dict[str, dict[str, Any]]:
         """Every primary writes its buckets' committed rows (exactly the rows ``synced``
-        counts) as one part of a model in parts into ``folder``; each file's name with its
-        size and checksum. :class:`Stale` when confirmations passed ``synced``."""
+        counts) into ``folder``, a part a bucket, of a model in parts; each file's name with
+        its size and checksum. :class:`Stale` when confirmations passed ``synced``."""
         return sync(self.worker.loop, self._write, folder, dict(synced))
 
     async def _write(self, folder: str, synced: dict[str, int]) -> dict[str, dict[str, Any]]:
@@ -289,12 +289,13 @@ class TableClient:
         while True:
             hosts = sorted(set(current.primary))
             replies = await asyncio.gather(*(
-                self._call(host, "antdt_tables_write", job=self.job, folder=folder, index=i,
-                           count=len(hosts), synced=synced,
+                self._call(host, "antdt_tables_write", job=self.job, folder=folder,
+                           count=current.buckets, synced=synced,
                            buckets=[b for b, p in enumerate(current.primary) if p == host])
-                for i, host in enumerate(hosts)), return_exceptions=True)
+                for host in hosts), return_exceptions=True)
             if all(isinstance(r, dict) and r.get("status") == "OK" for r in replies):
-                return {r["name"]: r["digest"] for r in replies}  # type: ignore[index]
+                return {name: digest for r in replies  # type: ignore[union-attr]
+                        for name, digest in r["files"].items()}
             for reply in replies:
                 if isinstance(reply, dict) and reply.get("stale"):
                     raise Stale(str(reply.get("message")))

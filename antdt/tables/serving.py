@@ -365,13 +365,13 @@ class TablesWorkerPlugin(WorkerPlugin):
                 "state": array(state)}
 
     @rpc.handler
-    async def write_handler(self, job: object, folder: object, index: object, count: object,
+    async def write_handler(self, job: object, folder: object, count: object,
                             buckets: object, synced: object) -> Reply:
-        """Write the committed rows of ``buckets`` (held here) as part ``index`` of ``count``
-        of a model in parts into ``folder``."""
+        """Write the committed rows of each of ``buckets`` (held here) as its own part (index:
+        the bucket, of ``count``) of a model in parts into ``folder``, one bucket at a time (a
+        copy of one bucket at most beside the tables)."""
         store = self.store(job)
         where = rpc.name("folder", folder, SyncError)
-        part = rpc.integer("index", index, error=SyncError)
         parts = rpc.integer("count", count, 1, error=SyncError)
         if not isinstance(synced, Mapping):
             raise SyncError(f"synced must be a mapping, found {type(synced).__name__}")
@@ -380,13 +380,12 @@ class TablesWorkerPlugin(WorkerPlugin):
             raise SyncError(f"job {store.job}: no trainer here writes its parts")
         rows = {str(k): int(v) for k, v in synced.items()}
         try:
-            name, digest = await self._run(_write, store, writer, where, part, parts,
-                                           _buckets(buckets), rows)
+            files = await self._run(_write, store, writer, where, parts, _buckets(buckets), rows)
         except Stale as exc:
             return {"status": "error", "message": str(exc), "stale": True}
         except NotHeld as exc:
             return {"status": "error", "message": str(exc), "moved": True}
-        return {"status": "OK", "name": name, "digest": digest}
+        return {"status": "OK", "files": files}
 
     @rpc.handler
     async def forget_handler(self, job: object) -> Reply:
@@ -418,10 +417,13 @@ def _push(store: BucketStore, trainer: str, seq: int, offset: int, ids: torch.Te
     return forwards, retry
 
 
-def _write(store: BucketStore, writer: Writer, folder: str, index: int, count: int,
-           buckets: list[int], synced: dict[str, int]) -> tuple[str, dict[str, Any]]:
-    parts = [store.committed(b, synced) for b in buckets]
-    return writer(folder, index, count, parts)
+def _write(store: BucketStore, writer: Writer, folder: str, count: int, buckets: list[int],
+           synced: dict[str, int]) -> dict[str, dict[str, Any]]:
+    files = {}
+    for b in buckets:
+        name, digest = writer(folder, b, count, [store.committed(b, synced)])
+        files[name] = digest
+    return files
 
 
 def _add(store: BucketStore, trainer: str, items: list[tuple[int, Entry]], epoch: int) -> None:

@@ -115,7 +115,9 @@ class HybridMode(BackgroundSynced):
 
     def start(self, join: bool) -> None:
         """Hold this worker's buckets (drawn from the trainer's initial rows; a joiner's are
-        copied to it), then start the dense part's background sync."""
+        copied to it), then start the dense part's background sync. A job whose final model
+        could not be gathered on this worker and that has nowhere to write it in parts is
+        refused here, before anything trains."""
         plugin = plugin_of(self.worker)
         plugin.open(self.job, self.trainer.initial_rows, self.trainer.write_part)
         self._member = True
@@ -126,6 +128,12 @@ class HybridMode(BackgroundSynced):
                 self.tables.refresh()
             else:
                 current = self.tables.refresh()
+                if self.model_dir is None and not self._fits():
+                    raise SyncError(
+                        f"job {self.job}: its tables ({current.total_rows:,} rows) could not be "
+                        f"gathered into one model on {self.worker.address} at its end; set "
+                        "train.checkpoint_dir (storage every worker reaches): the hosts write "
+                        "it there in parts")
                 plugin.create(self.job, self.tables.spec, current, self.worker.address)
             self.joined_from = self.sync.start(join=join)
         except SyncError as exc:

@@ -108,7 +108,7 @@ async def test_pushes_count_once_while_a_host_leaves_and_backups_take_over(
     assert service.moves["j"] >= 1
     with tempfile.TemporaryDirectory() as tmp:
         files = await asyncio.to_thread(trainers[1].client.write, tmp, synced)
-        assert len(files) == 2  # one part a primary host, every bucket in one of them
+        assert len(files) == after.buckets  # a part a bucket, each written by its primary
         assert torch.equal(load_parts(tmp, list(files)), weights)
 
 
