@@ -293,9 +293,9 @@ class TableClient:
                            count=current.buckets, synced=synced,
                            buckets=[b for b, p in enumerate(current.primary) if p == host])
                 for host in hosts), return_exceptions=True)
-            if all(isinstance(r, dict) and r.get("status") == "OK" for r in replies):
-                return {name: digest for r in replies  # type: ignore[union-attr]
-                        for name, digest in r["files"].items()}
+            done = [r for r in replies if isinstance(r, dict) and r.get("status") == "OK"]
+            if len(done) == len(replies):
+                return {name: digest for r in done for name, digest in r["files"].items()}
             for reply in replies:
                 if isinstance(reply, dict) and reply.get("stale"):
                     raise Stale(str(reply.get("message")))
