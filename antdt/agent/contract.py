@@ -151,6 +151,8 @@ class AgentReport:
     it, when it did not fit one worker (the first rank's report; then no worker holds it).
     ``group_rows``: in the synchronous mode, the rows the group's model trained since the group
     formed, every step this rank saw complete (the master's count of what a lost model held).
+    ``tables``: what the agent saw of the async mode's sharded tables
+    (:meth:`~antdt.agent.modes.WorkerMode.tables_stats`; None: not sharded).
     """
 
     worker: str
@@ -169,6 +171,7 @@ class AgentReport:
     holds_model: bool = False
     saved_model: SavedModel | None = None
     group_rows: int = 0
+    tables: dict[str, float] | None = None
 
 
 def event_topic(job: str) -> str:

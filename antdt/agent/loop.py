@@ -130,7 +130,7 @@ class Agent:
             exchanges=self.mode.exchanges, device=str(self.device),
             joined_from=self.mode.joined_from, sync_wait_s=self.mode.waited_s, cpu_s=self.cpu_s,
             holds_model=self.holds_model, saved_model=self.saved_model,
-            group_rows=self.mode.group_rows)
+            group_rows=self.mode.group_rows, tables=self.mode.tables_stats())
         logger.info("agent of job %s on %s %s: %d rows in %d batches, %.1fs", self.spec.job,
                     self.worker.address, outcome, report.rows, report.batches, report.seconds)
         return report
@@ -305,7 +305,8 @@ class Agent:
                 "busy_s": self.busy_s, "cpu_s": self.cpu_s, "window_rows": window.rows,
                 "loss": window.loss / window.batches if window.batches else None,
                 "samples_per_s": window.rows / elapsed, "exchanges": self.mode.exchanges,
-                "exchanged_bytes": self.mode.exchanged_bytes})
+                "exchanged_bytes": self.mode.exchanged_bytes,
+                "tables": self.mode.tables_stats()})
         self._window = _Window(now)
 
     def event(self, msg: dict[str, Any]) -> None:

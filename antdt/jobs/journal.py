@@ -148,6 +148,7 @@ class Journal:
                     slot.cpu_s = float(msg["cpu_s"])
                     slot.exchanges = int(msg.get("exchanges", slot.exchanges))
                     slot.exchanged_bytes = msg.get("exchanged_bytes", slot.exchanged_bytes)
+                    slot.tables = _tables(msg.get("tables")) or slot.tables
             elif kind == "fault":
                 self.log("warning", f"injected {msg.get('fault')} after {msg.get('rows')} rows",
                          source=worker, at=at)
@@ -167,6 +168,8 @@ class Journal:
                         for w, r in fresh.items()})
         metrics.update({f"{SERIES}batch_rows.{by_worker[w].label}": float(n)
                         for w, n in self.batch_rows.items() if w in by_worker})
+        metrics.update({f"{SERIES}{name}.{s.label}": s.tables[name]
+                        for s in live if s.tables for name in ("pull_ms", "push_ms")})
         if losses:
             metrics[f"{SERIES}loss"] = sum(losses) / len(losses)
         metrics["controller.actions"] = len(self.actions)
@@ -194,7 +197,7 @@ class Journal:
                     "samples_per_s": round(s.rate, 1) if s.worker in live else 0.0,
                     "state": s.as_dict()["outcome"],
                     "health": self.health.get(s.worker, "normal") if s.worker in live else "-",
-                    "batch_rows": self.batch_rows.get(s.worker)}
+                    "batch_rows": self.batch_rows.get(s.worker), "tables": s.tables}
                    for s in slots]
         return {"rows": dict(self.rows), "workers": workers,
                 "actions": self.actions[-LAST_ACTIONS:], "actions_total": len(self.actions),
@@ -233,6 +236,15 @@ class Journal:
                                 int(msg["rows"]), str(msg["outcome"])))
             if int(msg["rows"]):
                 self._last_row = max(self._last_row, float(msg["time"]))
+
+
+def _tables(value: object) -> dict[str, float] | None:
+    """An agent's ``tables`` stats as numbers (None: absent or not a mapping of numbers)."""
+    if not isinstance(value, dict):
+        return None
+    found = {str(k): float(v) for k, v in value.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return found or None
 
 
 def _health(state: str) -> str:

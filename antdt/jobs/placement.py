@@ -30,7 +30,9 @@ class Slot:
     ended (seconds after training started; None: still running), its rows, busy seconds and
     the training thread's CPU seconds in them (from its report, or its latest progress event if
     it died), its latest samples/s, and its mode's model exchanges and the bytes they received
-    as of its latest progress event (None: the mode does not count them). ``generation``: the
+    as of its latest progress event (None: the mode does not count them), and what it saw of
+    the async mode's sharded tables (``tables``: pull and push milliseconds, pushes in flight,
+    waits; None: the job's tables are not sharded). ``generation``: the
     job's model it trained (one per restart from a checkpoint: a restart begins a new model,
     and the agents of an older one, finished or not, no longer hold the job's)."""
 
@@ -46,6 +48,7 @@ class Slot:
     rate: float = 0.0
     exchanges: int = 0
     exchanged_bytes: int | None = None
+    tables: dict[str, float] | None = None
     report: AgentReport | None = None
     dead: bool = False
 
@@ -152,6 +155,7 @@ class Placement:
         slot.report = report
         slot.ended = self._clock()
         slot.rows, slot.busy_s, slot.cpu_s = report.rows, report.busy_s, report.cpu_s
+        slot.tables = report.tables or slot.tables
 
     def write_off(self, slot: Slot) -> None:
         """``slot``'s agent died with its worker."""

@@ -119,6 +119,7 @@ class JobRunner(Restarts):
         self.error: str | None = None
         self.run: dict[str, Any] | None = None
         self.summary: dict[str, Any] | None = None
+        self._tables_seen: dict[str, Any] | None = None
         self.journal = Journal(
             job_id, time, self._bump,
             log_length=int(config.number("antdt.jobs.log-length", low=1, integer=True)))
@@ -162,7 +163,15 @@ class JobRunner(Restarts):
                 "checkpoint": self.checkpoints.last_path,
                 "checkpoints": self.checkpoints.summary(),
                 "rows_replayed": self.recovery.rows_replayed, "resumes": self.recovery.resumes,
-                "adapted": self.placement.adapted}
+                "adapted": self.placement.adapted, "tables": self.tables()}
+
+    def tables(self) -> dict[str, Any] | None:
+        """Where the job's sharded tables are, as its master mode last said (kept once the job
+        ended and its tables were forgotten)."""
+        found = self.ctx.mode.tables(self.job_id)
+        if found is not None:
+            self._tables_seen = found
+        return self._tables_seen
 
     def log_records(self, since: int) -> list[dict[str, Any]]:
         """The job's log records with ``seq >= since``, oldest first."""

@@ -71,7 +71,8 @@ class TableClient:
         self.confirmed = 0
         self.waited_s = 0.0
         self.pull_s = 0.0
-        self.pulls = self.pushes = self.retries = 0
+        self.push_s = 0.0  # sent to acknowledged, summed over the acknowledged pushes
+        self.pulls = self.pushes = self.acked = self.retries = 0
 
     # ---- the map ------------------------------------------------------------------------------
 
@@ -186,7 +187,8 @@ class TableClient:
 
     async def _push(self, seq: int, offset: int, ids: torch.Tensor, grads: torch.Tensor
                     ) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        sent = time.monotonic()
+        deadline = sent + self.timeout_s
         current = self.map if self.map is not None else await self._refresh()
         todo = torch.arange(ids.shape[0])
         while todo.numel():
@@ -198,6 +200,8 @@ class TableClient:
             todo = torch.cat(left) if left else todo[:0]
             if todo.numel():
                 current = await self._again(deadline, f"pushing batch {seq}")
+        self.push_s += time.monotonic() - sent
+        self.acked += 1
 
     async def _push_to(self, host: str, seq: int, offset: int, ids: torch.Tensor,
                        grads: torch.Tensor) -> bool:
@@ -221,6 +225,15 @@ class TableClient:
             done = self._inflight.popleft()
             done.future.result()
             self._acked = done.offset
+
+    def stats(self) -> dict[str, float]:
+        """What the trainer saw of the tables so far: mean pull and push (to acknowledged)
+        milliseconds, pushes in flight now, seconds steps waited for the staleness bound, and
+        the pulls, pushes and retries made."""
+        return {"pull_ms": round(1000 * self.pull_s / max(self.pulls, 1), 2),
+                "push_ms": round(1000 * self.push_s / max(self.acked, 1), 2),
+                "inflight": len(self._inflight), "waited_s": round(self.waited_s, 3),
+                "pulls": self.pulls, "pushes": self.pushes, "retries": self.retries}
 
     def acked_rows(self, trained_rows: int) -> int:
         """The trained rows whose pushes, and every push before, are acknowledged."""

@@ -126,6 +126,20 @@ class TablesService(SchedulerPlugin):
             for worker in current.workers() | set(current.departed):
                 self._spawn(self._call(worker, "antdt_tables_forget", job=job))
 
+    def summary(self, job: str) -> dict[str, Any] | None:
+        """``job``'s tables as its record shows them: buckets, the map's epoch, the buckets
+        copied, lost ones, the workers that left, and per worker the buckets it is primary and
+        backup of (None: no tables here)."""
+        current = self.maps.get(job)
+        if current is None:
+            return None
+        return {"buckets": current.buckets, "rows": current.total_rows, "epoch": current.epoch,
+                "moves": self.moves.get(job, 0), "lost": list(current.lost),
+                "departed": sorted(current.departed),
+                "held": {w: {"primary": len(p), "backup": len(b)}
+                         for w in sorted(current.workers())
+                         for p, b in [current.held(w)]}}
+
     def lost(self, job: str) -> str | None:
         """Why ``job``'s tables cannot go on (buckets lost with both holders), or None."""
         current = self.maps.get(job)

@@ -51,6 +51,14 @@ series (``dask_antdt_`` + ...)     type     labels: what it is
 ``worker_sync_bytes_total``        counter  job_id, worker, agent: bytes its exchanges received
                                             (async mode; each byte moved is counted once, by its
                                             receiver)
+``job_tables_buckets``             gauge    job_id, worker, role (primary, backup): buckets of the
+                                            job's sharded tables it holds
+``job_tables_moves_total``         counter  job_id: buckets copied (new backups, joiners)
+``job_tables_lost``                gauge    job_id: buckets whose primary and backup both left
+``worker_tables_pull_seconds``     gauge    job_id, worker, agent: its mean pull of a batch's rows
+``worker_tables_push_seconds``     gauge    job_id, worker, agent: its mean push, sent to
+                                            acknowledged by both holders
+``worker_tables_inflight``         gauge    job_id, worker, agent: its pushes unacknowledged
 =================================  =======  ========================================================
 
 The rows are gauges, not counters: a job that restarts from a checkpoint goes back to the
@@ -128,6 +136,17 @@ FAMILIES: dict[str, tuple[str, str, list[str]]] = {
                              "persistent, hung), 0 for the others", [*WORKER, "state"]),
     "worker_sync_rounds": (_COUNTER, "Model exchanges of the worker's agent", WORKER),
     "worker_sync_bytes": (_COUNTER, "Bytes the worker's model exchanges received", WORKER),
+    "job_tables_buckets": (_GAUGE, "Buckets of the job's sharded tables a worker holds, by "
+                                   "role", [*JOB, "worker", "role"]),
+    "job_tables_moves": (_COUNTER, "Buckets of the job's sharded tables copied to a worker",
+                         JOB),
+    "job_tables_lost": (_GAUGE, "Buckets of the job's sharded tables whose holders both left",
+                        JOB),
+    "worker_tables_pull_seconds": (_GAUGE, "The agent's mean time to pull a batch's rows of the "
+                                           "sharded tables", WORKER),
+    "worker_tables_push_seconds": (_GAUGE, "The agent's mean time from a push of the sharded "
+                                           "tables to its acknowledgement", WORKER),
+    "worker_tables_inflight": (_GAUGE, "The agent's pushes not yet acknowledged", WORKER),
 }
 """Every family the collector exports, without the ``dask_antdt_`` prefix (a counter's samples
 add ``_total``)."""
@@ -216,6 +235,13 @@ def _add_job(families: Families, runner: JobRunner) -> None:
     for kind, count in sorted(journal.action_counts.items()):
         add("job_controller_actions", count, kind)
     add("job_checkpoints_written", runner.checkpoints.written)
+    tables = runner.tables()
+    if tables is not None:
+        add("job_tables_moves", tables["moves"])
+        add("job_tables_lost", len(tables["lost"]))
+        for worker, held in tables["held"].items():
+            for role in ("primary", "backup"):
+                add("job_tables_buckets", held[role], worker, role)
     for worker, slot in live.items():
         _add_worker(families, job, slot, journal.verdicts.get(worker))
 
@@ -235,3 +261,7 @@ def _add_worker(families: Families, job: str, slot: Slot,
     families["worker_sync_rounds"].add_metric(labels, slot.exchanges)
     if slot.exchanged_bytes is not None:
         families["worker_sync_bytes"].add_metric(labels, slot.exchanged_bytes)
+    if slot.tables:
+        families["worker_tables_pull_seconds"].add_metric(labels, slot.tables["pull_ms"] / 1000)
+        families["worker_tables_push_seconds"].add_metric(labels, slot.tables["push_ms"] / 1000)
+        families["worker_tables_inflight"].add_metric(labels, slot.tables["inflight"])

@@ -349,6 +349,22 @@ ms){% end %}{% else %}-{% end %}</td>
 <td class="n">{% if w['last_report_s'] is not None %}{{ seconds(w['last_report_s']) }} ago
 {% else %}-{% end %}</td><td class="n">{{ number(w['rows']) }}</td></tr>{% end %}
 </table>
+{% if job['record'].get('tables') %}{% set tables = job['record']['tables'] %}
+<h2>Sharded tables</h2>
+<p id="tables">{{ number(tables['rows']) }} rows in {{ tables['buckets'] }} buckets, each with a
+primary and a backup; map epoch {{ tables['epoch'] }}, {{ tables['moves'] }} bucket(s) copied
+{% if tables['lost'] %}<span class="error">, {{ len(tables['lost']) }} lost</span>{% end %}.</p>
+<table id="buckets"><tr><th>worker</th><th class="n">primary</th><th class="n">backup</th>
+<th class="n">pull ms</th><th class="n">push ms</th><th class="n">pushes in flight</th>
+<th class="n">waited for the bound</th></tr>
+{% for worker, held in tables['held'].items() %}{% set seen = job['tables_seen'].get(worker) or {} %}
+<tr><td>{{ worker }}</td><td class="n">{{ held['primary'] }}</td>
+<td class="n">{{ held['backup'] }}</td>
+<td class="n">{% if 'pull_ms' in seen %}{{ '%.1f' % seen['pull_ms'] }}{% else %}-{% end %}</td>
+<td class="n">{% if 'push_ms' in seen %}{{ '%.1f' % seen['push_ms'] }}{% else %}-{% end %}</td>
+<td class="n">{{ seen.get('inflight', '-') }}</td>
+<td class="n">{% if 'waited_s' in seen %}{{ seconds(seen['waited_s']) }}{% else %}-{% end %}
+</td></tr>{% end %}</table>{% end %}
 <h2>Lease timeline</h2>
 {% if job['timeline']['spans_total'] > len(job['timeline']['spans']) %}<p class="muted">The
 newest {{ len(job['timeline']['spans']) }} of {{ job['timeline']['spans_total'] }} leases.</p>

@@ -49,7 +49,8 @@ def job_row(runner: JobRunner, now: float) -> dict[str, Any]:
 def job_view(runner: JobRunner, now: float) -> dict[str, Any]:
     """One job as its page shows it: :func:`job_row`, the runner's record (``record``), a
     row per worker (``workers``), the lease timeline (``timeline``) and the recent controller
-    actions (``actions``, newest last, with ``actions_total``)."""
+    actions (``actions``, newest last, with ``actions_total``); with sharded tables, what each
+    worker's trainer saw of them (``tables_seen``: pull and push ms, pushes in flight, waits)."""
     record = runner.record()
     t0 = runner.started_at
     labels = _labels(runner.placement.slots)
@@ -75,7 +76,9 @@ def job_view(runner: JobRunner, now: float) -> dict[str, Any]:
                          "lanes": list(labels.values()),
                          "spans": spans[-MAX_SPANS:], "spans_total": len(spans),
                          "marks": report["marks"][-MAX_SPANS:]},
-            "actions": record["actions"], "actions_total": record["actions_total"]}
+            "actions": record["actions"], "actions_total": record["actions_total"],
+            "tables_seen": {w["worker"]: w["tables"] for w in record["workers"]
+                            if w.get("tables")}}
 
 
 def _workers(slots: Sequence[Slot], health: Mapping[str, Mapping[str, Any]],

@@ -369,14 +369,21 @@ def job_details(r: Mapping[str, Any], page: str | None = None) -> list[Any]:
         lines.append(f"error: {r['error']}")
     if r["stopped"]:
         lines.append(f"stopped: {r['stopped']}")
+    tables = r.get("tables")
+    if tables:
+        lines.append(f"tables sharded: {tables['rows']:,} rows in {tables['buckets']} buckets "
+                     f"(map epoch {tables['epoch']}, {tables['moves']} copied"
+                     + (f", {len(tables['lost'])} LOST" if tables["lost"] else "") + ")")
     workers = Table(title="workers (ranks in address order)" if sync else "workers")
     for column in ("agent", "address", "state", "rows", "rows/s", "health") + \
-            (("local batch",) if sync else ()):
+            (("local batch",) if sync else ()) + \
+            (("buckets (primary+backup)", "pull ms", "push ms") if tables else ()):
         workers.add_column(column)
     for w in r["workers"]:
         batch = (f"{w.get('batch_rows') or r['batch_rows']:,}",) if sync else ()
         workers.add_row(w["label"], w["worker"], w["state"], f"{w['rows']:,}",
-                        f"{w['samples_per_s']:,.0f}", w["health"], *batch)
+                        f"{w['samples_per_s']:,.0f}", w["health"], *batch,
+                        *(_tables_columns(tables, w) if tables else ()))
     actions = Table(title=f"controller actions ({r['actions_total']} in all, the last "
                           f"{len(r['actions'])})")
     for column in ("time", "action", "worker", "rows", "reason"):
@@ -385,6 +392,15 @@ def job_details(r: Mapping[str, Any], page: str | None = None) -> list[Any]:
         actions.add_row(_when(a["time"]), a["action"], a["worker"],
                         "-" if a["rows"] is None else f"{a['rows']:,}", a["reason"])
     return ["\n".join(lines), workers, actions]
+
+
+def _tables_columns(tables: Mapping[str, Any], w: Mapping[str, Any]) -> tuple[str, ...]:
+    """A worker's buckets and what its trainer saw of the sharded tables."""
+    held = tables["held"].get(w["worker"])
+    seen = w.get("tables") or {}
+    return (f"{held['primary']}+{held['backup']}" if held else "-",
+            f"{seen['pull_ms']:.1f}" if "pull_ms" in seen else "-",
+            f"{seen['push_ms']:.1f}" if "push_ms" in seen else "-")
 
 
 def log_line(record: Mapping[str, Any]) -> str:

@@ -20,7 +20,7 @@ from distributed import Worker
 
 from antdt import config
 from antdt.agent.contract import Outcome, Trainer
-from antdt.agent.modes.mode import AgentParts, Declined
+from antdt.agent.modes.mode import AgentParts, Declined, OwnTables
 from antdt.errors import SyncError
 from antdt.sync import ReplicaSync, SyncPeriod
 from antdt.sync.background import BackgroundSync
@@ -54,7 +54,7 @@ class BackgroundSynced:
         return () if thread is None else (thread,)
 
 
-class AsyncMode(BackgroundSynced):
+class AsyncMode(BackgroundSynced, OwnTables):
     """:class:`~antdt.agent.modes.WorkerMode` of the async mode: the trainer's tables and dense
     parameters become a :class:`~antdt.sync.ReplicaSync`, exchanged by a
     :class:`~antdt.sync.background.BackgroundSync` thread every ``period``."""
@@ -163,6 +163,9 @@ class AsyncMaster:
 
     regroups = False
     tables_inflight: int | None = None
+
+    def tables(self, job: str) -> dict[str, Any] | None:
+        return None
 
     def __init__(self, service: SyncService) -> None:
         self.service = service

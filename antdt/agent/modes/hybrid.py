@@ -17,10 +17,10 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
 import torch
-from distributed import Worker
+from distributed import Event, Worker
 from distributed.utils import sync
 
-from antdt import rpc
+from antdt import config, rpc
 from antdt.agent.contract import Outcome, SavedModel, Trainer
 from antdt.agent.modes.asynchronous import BackgroundSynced
 from antdt.agent.modes.mode import AgentParts, Declined
@@ -113,6 +113,9 @@ class HybridMode(BackgroundSynced):
     def waited_s(self) -> float:
         return self.sync.waited_s + self.tables.waited_s
 
+    def tables_stats(self) -> dict[str, float]:
+        return self.tables.stats()
+
     def start(self, join: bool) -> None:
         """Hold this worker's buckets (drawn from the trainer's initial rows; a joiner's are
         copied to it), then start the dense part's background sync. A job whose final model
@@ -135,12 +138,28 @@ class HybridMode(BackgroundSynced):
                         "train.checkpoint_dir (storage every worker reaches): the hosts write "
                         "it there in parts")
                 plugin.create(self.job, self.tables.spec, current, self.worker.address)
+                self._await_hosts(current.epoch, current.workers())
             self.joined_from = self.sync.start(join=join)
         except SyncError as exc:
             if not join:
                 raise
             self._member = False
             raise Declined(str(exc)) from exc
+
+    def _await_hosts(self, epoch: int, hosts: Collection[str]) -> None:
+        """Say this worker holds its buckets of the first map, then wait (at most
+        ``antdt.sync.rpc-timeout``) until every host says so: a push forwarded to a backup
+        still drawing its buckets finds none there, and its primary would drop that backup
+        and copy the bucket to another host, a third copy that can push a worker near its
+        memory limit over it (Dask then restarts it, and the job loses buckets)."""
+        name = f"antdt-tables-{self.job}-{epoch}-held-"
+        Event(name + self.worker.address).set()
+        timeout = config.seconds("antdt.sync.rpc-timeout")
+        for host in sorted(hosts):
+            if not Event(name + host).wait(timeout):
+                logger.warning("job %s: %s did not hold its buckets within %gs; training on",
+                               self.job, host, timeout)
+                return
 
     def train(self, agent: AgentParts) -> Outcome:
         """The lease loop; a worker the tables fenced off (it is closing: its buckets were
@@ -262,20 +281,23 @@ class HybridMaster:
 
     def __init__(self, service: SyncService, tables: TablesService, spec: TablesSpec) -> None:
         self.service = service
-        self.tables = tables
+        self.tables_service = tables
         self.spec = spec
         self.tables_inflight = spec.max_inflight
 
     def start(self, job: str, workers: Collection[str]) -> None:
         self.service.start_job(job, list(workers))
-        self.tables.start_job(job, list(workers), self.spec)
+        self.tables_service.start_job(job, list(workers), self.spec)
 
     def restart(self, job: str, workers: Collection[str]) -> None:
         self.service.stop_job(job)
-        self.tables.stop_job(job)
+        self.tables_service.stop_job(job)
         self.start(job, workers)
 
     def accepts_joiners(self, job: str) -> bool:
         sync_job = self.service.jobs.get(job)
         return sync_job is None or sync_job.final is None
+
+    def tables(self, job: str) -> dict[str, Any] | None:
+        return self.tables_service.summary(job)
 

@@ -8,10 +8,10 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from antdt.agent.contract import Outcome, Trainer
-from antdt.agent.modes.mode import AgentParts, EverySynced
+from antdt.agent.modes.mode import AgentParts, EverySynced, OwnTables
 
 
-class IndependentMode(EverySynced):
+class IndependentMode(EverySynced, OwnTables):
     """:class:`~antdt.agent.modes.WorkerMode` of a worker that trains its own model alone."""
 
     joined_from: str | None = None

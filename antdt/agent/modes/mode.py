@@ -87,6 +87,11 @@ class WorkerMode(Protocol):
     @property
     def threads(self) -> Collection[int]: ...
 
+    def tables_stats(self) -> dict[str, float] | None:
+        """What the trainer saw of sharded tables (pull and push times, pushes in flight, the
+        staleness bound's waits), for the agent's progress events; None: the mode holds its
+        tables itself."""
+
     def start(self, join: bool) -> None:
         """Take part in the job's model; a joiner copies a live member's model first. Raises
         :class:`Declined` when a joiner cannot join."""
@@ -138,6 +143,14 @@ class WorkerMode(Protocol):
         """Raise the failure of the mode's own threads, if any."""
 
 
+class OwnTables:
+    """The part of a :class:`WorkerMode` whose tables are not the async mode's sharded ones
+    (a replica, or the sync mode's shards): nothing to say of them."""
+
+    def tables_stats(self) -> dict[str, float] | None:
+        return None
+
+
 class EverySynced:
     """The part of a :class:`WorkerMode` whose trained rows are in the job's model as soon as
     they are trained (one model per worker; a synchronous step): every trained row counts as
@@ -176,3 +189,7 @@ class MasterMode(Protocol):
     def accepts_joiners(self, job: str) -> bool:
         """Whether a worker that arrives now can still join (False once the final state is
         forming: a joiner would train nothing)."""
+
+    def tables(self, job: str) -> dict[str, Any] | None:
+        """Where the job's sharded tables are (buckets per worker, moves, lost ones), for its
+        record; None: the mode holds no sharded tables (or the job's are forgotten)."""

@@ -93,7 +93,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from antdt import config, rpc
 from antdt.agent.contract import (AgentSpec, Outcome, SavedModel, Trainer, TrainerFactory,
                                   event_topic)
-from antdt.agent.modes.mode import AgentParts, Declined, EverySynced
+from antdt.agent.modes.mode import AgentParts, Declined, EverySynced, OwnTables
 from antdt.agent.modes.sync_steps import (Header, ReadAhead, Span, StepRows, own_seconds,
                                           step_rows)
 from antdt.device import FROZEN_HEAP
@@ -201,7 +201,7 @@ class _Request:
     error: BaseException | None = None
 
 
-class SyncMode(EverySynced):
+class SyncMode(EverySynced, OwnTables):
     """:class:`~antdt.agent.modes.WorkerMode` of the synchronous mode: one rank of the job's
     group (see the module docstring). A rank's trained rows are synced once their step
     completed (the model's shards on every rank hold them)."""

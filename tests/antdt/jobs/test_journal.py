@@ -213,9 +213,9 @@ def test_the_record_shows_the_last_actions_and_the_health_of_live_workers_only()
     assert [r["seq"] for r in record["actions"]] == list(range(2, LAST_ACTIONS + 2))
     assert record["workers"] == [
         {"worker": "tcp://a", "label": "worker0", "rows": 0, "samples_per_s": 12.3,
-         "state": "running", "health": "straggler", "batch_rows": 300},
+         "state": "running", "health": "straggler", "batch_rows": 300, "tables": None},
         {"worker": "tcp://b", "label": "worker1", "rows": 0, "samples_per_s": 0.0,
-         "state": "dead", "health": "-", "batch_rows": None}]
+         "state": "dead", "health": "-", "batch_rows": None, "tables": None}]
     assert rig.journal.read_events(rig.slots, {})[f"{SERIES}batch_rows.worker0"] == 300
     assert record["last_row"] is None and record["first_lease"] == {}
     assert record["rows"] == rig.journal.rows and record["rows"] is not rig.journal.rows

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from antdt import agent
 from antdt.errors import ConfigError, DataError
 from antdt.jobs import JobClient
 from antdt.sharding.service import PLUGIN_NAME
+from antdt.jobs.spec import PLUGIN_NAME as JOBS
 from antdt.tables.service import PLUGIN_NAME as TABLES
 from broken_files import break_label
 from commands import antdt
@@ -244,6 +246,23 @@ def test_a_job_with_sharded_tables_trains_every_row_once_and_logs_the_model(
     mlflow.set_tracking_uri(job.mlflow.tracking_uri)
     assert mlflow.get_run(summary.run_id).info.status == "FINISHED"
     assert not cluster.scheduler.plugins[TABLES].maps  # the job's tables were forgotten with it
+    # what status, the job page and /metrics show of them
+    (runner,) = [r for r in cluster.scheduler.plugins[JOBS].runners.values()
+                 if (r.run or {}).get("run_id") == summary.run_id]
+    record = runner.record()
+    tables = record["tables"]
+    assert sum(h["primary"] for h in tables["held"].values()) == tables["buckets"]
+    assert all(h["backup"] for h in tables["held"].values())  # two workers back each other up
+    assert all(w["tables"]["pulls"] > 0 and w["tables"]["pushes"] > 0 for w in record["workers"])
+    with Client(cluster.scheduler_address) as client, \
+            JobClient(client, register=False) as jobs:
+        page = jobs.page(runner.job_id)
+        metrics_url = client.dashboard_link.replace("/status", "/metrics")
+    assert page is not None
+    with urllib.request.urlopen(page, timeout=30) as answer:
+        assert 'id="buckets"' in answer.read().decode()
+    with urllib.request.urlopen(metrics_url, timeout=30) as answer:
+        assert f'dask_antdt_job_tables_buckets{{job_id="{runner.job_id}"' in answer.read().decode()
 
 
 def test_a_killed_shard_host_is_served_by_its_backup_and_costs_no_row(
