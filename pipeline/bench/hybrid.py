@@ -16,6 +16,11 @@ runs of the pairs are the quality runs of 2 workers too (same job, same settings
 The job is synthetic and sized by time (:mod:`pipeline.bench.sizing`): ``--target-s`` seconds of
 ideal training on 2 workers, unless ``--rows`` names its size. The targets decide ``passed``;
 ``--strict`` makes a failed target exit with status 1.
+
+``--big`` runs the big-model scenario instead (:mod:`pipeline.bench.hybrid_big`): 26 tables of
+``--tables-rows`` rows on 4 workers of ``--memory-limit``, one of them ``--slowdown`` times
+slower, the async mode (``model.tables: auto``) against the sync mode (target: ``ratio`` >=
+``--ratio-target``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import click
 
 from models.config import Tables
 from pipeline.bench import emit, median_of
+from pipeline.bench import hybrid_big
 from pipeline.bench.jobs import SET_HELP, echo, run_async, with_train
 from pipeline.bench.quality import async_runs, gaps_of, run_row
 from pipeline.bench.sizing import sized_job
@@ -140,14 +146,39 @@ def table(result: dict[str, Any]) -> None:
 @click.option("--speed-target", type=float, default=0.8, show_default=True,
               help="Least sharded over replicated samples/s.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+@click.option("--big", is_flag=True,
+              help="The big-model scenario instead: async (tables auto) against sync mode on 4 "
+                   "memory-limited workers, one slow (module docstring).")
+@click.option("--tables-rows", type=click.IntRange(min=2), default=hybrid_big.TABLES_ROWS,
+              show_default=True, help="--big: rows of each of the 26 tables.")
+@click.option("--memory-limit", default=hybrid_big.MEMORY_LIMIT, show_default=True,
+              help="--big: each worker's Dask memory limit.")
+@click.option("--slowdown", type=click.FloatRange(min=1.0), default=4.0, show_default=True,
+              help="--big: how many times slower the last worker is.")
+@click.option("--ratio-target", type=float, default=hybrid_big.RATIO_TARGET,
+              show_default=True, help="--big: least async over sync samples/s.")
+@click.option("--checkpoint-root", default=".antdt-bench", show_default=True,
+              help="--big: where each run's checkpoint_dir is made (removed after the run).")
 @click.option("--strict", is_flag=True, help="Exit with status 1 when a target fails.")
 @click.option("--json", "as_json", is_flag=True)
 def command(target_s: float, rows: int | None, data_dir: str | None, workers: str, repeats: int,
-            tolerance: float, speed_target: float, overrides: tuple[str, ...], strict: bool,
-            as_json: bool) -> None:
+            tolerance: float, speed_target: float, overrides: tuple[str, ...], big: bool,
+            tables_rows: int, memory_limit: str, slowdown: float, ratio_target: float,
+            checkpoint_root: str, strict: bool, as_json: bool) -> None:
     """Sharded tables against the local reference AUC on 2 and 4 workers (target: every run
     >= ref - 0.002) and against replicated tables' samples/s on 2 workers (target ratio
-    >= 0.8)."""
+    >= 0.8); with --big, a model too big for a worker's replica, async against sync."""
+    if big:
+        result = hybrid_big.big_command(tables_rows, memory_limit, slowdown, ratio_target,
+                                        target_s, rows, data_dir, checkpoint_root, overrides,
+                                        as_json)
+        if as_json:
+            emit(result, as_json)
+        else:
+            hybrid_big.table(result)
+        if strict and not result["passed"]:
+            raise SystemExit(1)
+        return
     try:
         counts = [int(w) for w in workers.split(",")]
     except ValueError:

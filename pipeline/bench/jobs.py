@@ -131,12 +131,13 @@ class Outcome:
 
 
 def run_async(job: JobConfig, workers: int, *, deadline_s: float | None = None,
-              setting: Callable[[Client], AbstractContextManager[Any]] | None = None) -> Outcome:
-    """Train ``job`` on a new LocalCluster of ``workers`` single-threaded workers, as ``antdt
-    train`` does; ``setting`` (given the client) surrounds the run, e.g. a CPU hog next to one
-    worker."""
+              setting: Callable[[Client], AbstractContextManager[Any]] | None = None,
+              memory_limit: str | None = None) -> Outcome:
+    """Train ``job`` on a new LocalCluster of ``workers`` single-threaded workers (each limited
+    to ``memory_limit`` by Dask when given), as ``antdt train`` does; ``setting`` (given the
+    client) surrounds the run, e.g. a CPU hog next to one worker."""
     spec = job_spec(job, deadline_s=deadline_s)
-    with connect(workers, preload=worker_modules(job)) as client, \
+    with connect(workers, preload=worker_modules(job), memory_limit=memory_limit) as client, \
             (setting(client) if setting is not None else contextlib.nullcontext()), \
             JobClient(client) as jobs:
         record = jobs.follow(jobs.submit(spec)["job"]["job_id"])

@@ -39,24 +39,27 @@ def worker_modules(job: JobConfig) -> list[str]:
 
 @contextlib.contextmanager
 def connect(workers: int | None = None, scheduler: str | None = None, *,
-            security: Security | None = None, preload: Sequence[str] = ()) -> Iterator[Client]:
+            security: Security | None = None, preload: Sequence[str] = (),
+            memory_limit: str | None = None) -> Iterator[Client]:
     """A client of the scheduler at ``scheduler``, or of a new LocalCluster of ``workers``
-    (:func:`starting`, whose worker processes import ``preload`` as they start), closed at the
-    end."""
+    (:func:`starting`, whose worker processes import ``preload`` as they start, each limited to
+    ``memory_limit`` by Dask when given), closed at the end."""
     if scheduler is not None:
         with Client(scheduler, security=security, set_as_default=False) as client:
             yield client
         return
     if workers is None:
         raise JobError("connect: give the workers of a LocalCluster to start, or a scheduler")
-    with starting(workers, preload) as client:
+    with starting(workers, preload, memory_limit) as client:
         yield client()
 
 
 @contextlib.contextmanager
-def starting(workers: int, preload: Sequence[str] = ()) -> Iterator[Callable[[], Client]]:
+def starting(workers: int, preload: Sequence[str] = (), memory_limit: str | None = None
+             ) -> Iterator[Callable[[], Client]]:
     """A LocalCluster of ``workers`` Nanny-managed worker processes with one thread each (a GPU
-    resource each when this machine has CUDA), started in a thread at once: its processes
+    resource each when this machine has CUDA; ``memory_limit`` each when given, else Dask's
+    share of this machine's memory), started in a thread at once: its processes
     start while this one prepares the job. Yields a function that waits for the cluster and
     returns a client of it; the cluster is closed at the end (waiting for it to have started).
 
@@ -75,7 +78,8 @@ def starting(workers: int, preload: Sequence[str] = ()) -> Iterator[Callable[[],
         with dask.config.set(settings):  # read as the servers start
             return LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
                                 dashboard_address=":0", resources=_gpu_resources(),
-                                silence_logs=level, preload=list(preload))
+                                silence_logs=level, preload=list(preload),
+                                memory_limit=memory_limit or "auto")
 
     clients: list[Client] = []
 
