@@ -292,6 +292,7 @@ class TablesWorkerPlugin(WorkerPlugin):
         on ``target`` and forward to it from then on (or hand it the primary role)."""
         held = store.held(bucket, "primary")
         with held.lock:
+            store.still_held(held, "primary")
             state = held.export()
             rpc.ok(sync(self.worker.loop, self._install_on, target, store.job, spec, epoch,
                         state), SyncError)

@@ -196,6 +196,13 @@ class BucketStore:
                              f"{held.role})"))
         return held
 
+    def still_held(self, held: Bucket, role: Role) -> None:
+        """Under ``held``'s lock: it is still this store's bucket in ``role`` (a hand-over or
+        a new copy may have changed either while the caller waited for the lock)."""
+        if self.buckets.get(held.bucket) is not held or held.role != role:
+            raise NotHeld(f"job {self.job}: bucket {held.bucket} moved while a call waited "
+                          "for it")
+
     # ---- training -------------------------------------------------------------------------
 
     def pull(self, bucket: int, rows: torch.Tensor) -> torch.Tensor:
@@ -214,6 +221,7 @@ class BucketStore:
         forward it to, and whether the bucket awaits a backup (not acknowledged yet)."""
         held = self.held(bucket, "primary")
         with held.lock:
+            self.still_held(held, "primary")
             self._check(trainer)
             if held.seen(trainer, seq):
                 return None, held.backup, held.awaiting
@@ -224,16 +232,19 @@ class BucketStore:
             return entry, held.backup, held.awaiting
 
     def forward(self, trainer: str, bucket: int, entry: Entry, epoch: int) -> None:
-        """Add the primary's change to this backup of ``bucket`` once; a change from a primary
-        of an older map than this bucket's is refused."""
+        """Add the primary's change to this backup of ``bucket`` once; a change it does not
+        hold yet from a primary of an older map than this bucket's is refused (a change the
+        copy it was installed from held is not: the copy's primary forwarded it late)."""
         held = self.held(bucket, "backup")
         with held.lock:
+            self.still_held(held, "backup")
+            if held.seen(trainer, entry.seq):
+                return  # e.g. in the copy this backup was installed from since
             if epoch < held.epoch:
                 raise NotHeld(f"job {self.job}: bucket {bucket}: a change of map epoch {epoch}, "
                               f"older than this backup's ({held.epoch})")
             self._check(trainer)
-            if not held.seen(trainer, entry.seq):
-                held.add(trainer, entry)
+            held.add(trainer, entry)
 
     def confirm(self, trainer: str, offset: int, buckets: Iterable[int] | None = None) -> None:
         """The ledger confirmed ``trainer``'s rows up to ``offset``: its entries up to there
