@@ -18,6 +18,7 @@ This package's namespace holds the plain classes (no Dask cluster needed); impor
 its modules.
 """
 
-from antdt.tables.buckets import BucketMap, Copy, place, with_worker, without, without_backups
+from antdt.tables.buckets import (BucketMap, Copy, off_host, place, with_worker, without,
+                                  without_backups)
 
-__all__ = ["BucketMap", "Copy", "place", "with_worker", "without", "without_backups"]
+__all__ = ["BucketMap", "Copy", "off_host", "place", "with_worker", "without", "without_backups"]

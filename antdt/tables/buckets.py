@@ -236,3 +236,19 @@ def without_backups(current: BucketMap, primary: str, buckets: Sequence[int]
     nxt = dataclasses.replace(current, epoch=current.epoch + 1, backup=tuple(backup))
     copies = _backups(nxt, nxt.workers())
     return _with_backups(nxt, copies), copies
+
+
+def off_host(current: BucketMap, host: str) -> tuple[BucketMap, list[Copy]]:
+    """``host`` serves its buckets slowly: every bucket it is primary of and whose backup is
+    elsewhere is handed over to that backup (copied to it afresh, then promoted), ``host``
+    staying its backup; the pulls and pushes go to the others from then on."""
+    primary, backup = list(current.primary), list(current.backup)
+    copies = []
+    for b, (p, q) in enumerate(zip(current.primary, current.backup)):
+        if p == host and q is not None and b not in current.lost:
+            copies.append(Copy(b, host, q, promote=True))
+            primary[b], backup[b] = q, host
+    if not copies:
+        return current, []
+    return dataclasses.replace(current, epoch=current.epoch + 1, primary=tuple(primary),
+                               backup=tuple(backup)), copies

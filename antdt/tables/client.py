@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -73,6 +74,10 @@ class TableClient:
         self.pull_s = 0.0
         self.push_s = 0.0  # sent to acknowledged, summed over the acknowledged pushes
         self.pulls = self.pushes = self.acked = self.retries = 0
+        self._host_pulls: dict[str, list[float]] = {}  # since the last report: [seconds, n]
+        self._report_every = config.seconds("antdt.tables.report-interval")
+        self._reported = time.monotonic()
+        self._reports: set[asyncio.Task[None]] = set()
 
     # ---- the map ------------------------------------------------------------------------------
 
@@ -134,7 +139,24 @@ class TableClient:
             todo = torch.cat(left) if left else todo[:0]
             if todo.numel():
                 current = await self._again(deadline, "pulling rows")
+        if self._host_pulls and time.monotonic() - self._reported >= self._report_every:
+            self._report_latency()
         return out
+
+    def _report_latency(self) -> None:
+        """Tell the scheduler the mean pull milliseconds from each other host since the last
+        report (it judges slow hosts: :class:`~antdt.tables.slow.SlowHosts`); not waited for."""
+        pulls_ms = {host: 1000 * s / n for host, (s, n) in self._host_pulls.items()}
+        self._host_pulls = {}
+        self._reported = time.monotonic()
+
+        async def send() -> None:
+            with contextlib.suppress(OSError, asyncio.TimeoutError):
+                await self.worker.scheduler.antdt_tables_latency(
+                    job=self.job, worker=self.trainer, pulls_ms=pulls_ms)
+        task = asyncio.ensure_future(send())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     async def _call(self, host: str, handler: str, **kwargs: Any) -> Any:
         """``handler`` on ``host``; on this worker itself, without the comm (no copy)."""
@@ -145,10 +167,15 @@ class TableClient:
                                  getattr(self.worker.rpc(host), handler)(**kwargs))
 
     async def _pull_from(self, host: str, ids: torch.Tensor) -> torch.Tensor | None:
+        started = time.monotonic()
         try:
             reply = await self._call(host, "antdt_tables_pull", job=self.job, ids=array(ids))
         except (OSError, asyncio.TimeoutError):
             return None
+        if host != self.worker.address:
+            seen = self._host_pulls.setdefault(host, [0.0, 0])
+            seen[0] += time.monotonic() - started
+            seen[1] += 1
         if reply.get("status") != "OK":
             if reply.get("moved"):
                 return None

@@ -12,6 +12,8 @@
  a worker joins: antdt_tables_join(job, worker) ── ``with_worker`` ──► copies (+ hand-overs),
    then the old holders drop what they no longer hold
  a primary cannot forward: antdt_tables_backup_lost(job, worker, buckets) ──► new backups
+ trainers: antdt_tables_latency(job, worker, pulls_ms) ── a slow host ── ``off_host`` ──►
+   its primaries handed over to their backups
 ```
 
 Changes of one job run one at a time (a lock a job), each from the map the previous one left.
@@ -24,23 +26,28 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
-from collections.abc import Callable, Sequence
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from distributed import Scheduler
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.metrics import time
 from distributed.protocol.pickle import dumps
 
-from antdt import rpc
+from antdt import config, rpc
 from antdt.errors import SyncError
 from antdt.rpc import Reply
 from antdt.sharding.service import PLUGIN_NAME as SHARDING_PLUGIN
 from antdt.sharding.service import ShardingService
-from antdt.tables.buckets import BucketMap, Copy, place, with_worker, without, without_backups
+from antdt.tables.buckets import (BucketMap, Copy, off_host, place, with_worker, without,
+                                  without_backups)
 from antdt.tables.serving import PLUGIN_NAME as WORKER_PLUGIN
 from antdt.tables.serving import TablesWorkerPlugin
+from antdt.tables.slow import SlowHosts
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +100,10 @@ class TablesService(SchedulerPlugin):
         self._tasks: set[asyncio.Task[None]] = set()
         self.moves: dict[str, int] = {}
         """Buckets copied a job (backups made again, joiners' buckets)."""
+        self.slow: dict[str, SlowHosts] = {}
+        self.moved_off: dict[str, list[dict[str, Any]]] = {}
+        """A job's slow hosts whose primaries were handed over: when, the host, its pulls' and
+        the others' milliseconds, the buckets."""
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -102,6 +113,7 @@ class TablesService(SchedulerPlugin):
             "antdt_tables_leave": self.leave_handler,
             "antdt_tables_backup_lost": self.backup_lost_handler,
             "antdt_tables_drain": self.drain_handler,
+            "antdt_tables_latency": self.latency_handler,
         })
         await scheduler.register_worker_plugin(None, dumps(TablesWorkerPlugin()),
                                                name=WORKER_PLUGIN, idempotent=True)
@@ -114,6 +126,10 @@ class TablesService(SchedulerPlugin):
         self.maps[job] = placed
         self.specs[job] = spec
         self.moves[job] = 0
+        self.moved_off[job] = []
+        self.slow[job] = SlowHosts(config.number("antdt.tables.slow-factor", low=1.0),
+                                   int(config.number("antdt.tables.slow-reports", integer=True)),
+                                   1000 * config.seconds("antdt.tables.slow-floor"))
         logger.info("tables of job %s: %d rows in %d buckets on %d workers", job,
                     spec.total_rows, placed.buckets, len(set(workers)))
         return placed
@@ -122,6 +138,7 @@ class TablesService(SchedulerPlugin):
         """Forget ``job`` here and on its hosts (idempotent)."""
         current = self.maps.pop(job, None)
         self.specs.pop(job, None)
+        self.slow.pop(job, None)
         if current is not None:
             for worker in current.workers() | set(current.departed):
                 self._spawn(self._call(worker, "antdt_tables_forget", job=job))
@@ -138,7 +155,8 @@ class TablesService(SchedulerPlugin):
                 "departed": sorted(current.departed),
                 "held": {w: {"primary": len(p), "backup": len(b)}
                          for w in sorted(current.workers())
-                         for p, b in [current.held(w)]}}
+                         for p, b in [current.held(w)]},
+                "moved_off": list(self.moved_off.get(job, []))}
 
     def lost(self, job: str) -> str | None:
         """Why ``job``'s tables cannot go on (buckets lost with both holders), or None."""
@@ -193,6 +211,37 @@ class TablesService(SchedulerPlugin):
         by others and have their backups again."""
         who = rpc.name("worker", worker, SyncError)
         await self._remove(self._map(job).job, who)
+        return {"status": "OK"}
+
+    @rpc.handler
+    async def latency_handler(self, job: object, worker: object, pulls_ms: object) -> Reply:
+        """``worker``'s trainer's mean pull milliseconds per other host since its last report:
+        a host judged slow (:class:`~antdt.tables.slow.SlowHosts`) hands its primaries over
+        to their backups."""
+        who = rpc.name("worker", worker, SyncError)
+        if not isinstance(pulls_ms, Mapping) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+                for v in pulls_ms.values()):
+            raise SyncError(f"pulls_ms must map hosts to milliseconds >= 0, found "
+                            f"{str(pulls_ms)[:120]}")
+        current = self._map(job)
+        judge = self.slow.get(current.job)
+        if judge is None or judge.reports <= 0:
+            return {"status": "OK"}
+        moved = {m["host"] for m in self.moved_off[current.job]}
+        for host in judge.report(who, {str(h): float(v) for h, v in pulls_ms.items()
+                                       if h in current.workers() and h not in moved}):
+            others = [judge.latency(h) for h in judge.seen if h != host]
+            primaries = current.held(host)[0]
+            self.moved_off[current.job].append({
+                "time": time(), "host": host, "pull_ms": round(judge.latency(host), 2),
+                "others_ms": round(statistics.median(others), 2), "buckets": len(primaries)})
+            logger.warning("job %s: host %s serves its buckets slowly (pulls %.1f ms, the "
+                           "others' %.1f ms): its %d primaries go to their backups (once a "
+                           "job)", current.job, host, judge.latency(host),
+                           statistics.median(others), len(primaries))
+            judge.forget(host)
+            self._spawn(self._change(current.job, functools.partial(off_host, host=host)))
         return {"status": "OK"}
 
     @rpc.handler

@@ -182,3 +182,41 @@ async def test_a_trainer_waits_while_k_pushes_are_unacknowledged(
     await waiting
     await asyncio.to_thread(t.client.drain)
     assert t.client.waited_s > 0 and t.client.acked_rows(t.offset) == t.offset
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 3, timeout=120,
+             config={"antdt.tables.report-interval": "10ms", "antdt.tables.slow-reports": 2,
+                     "antdt.tables.slow-floor": "1ms"})
+async def test_a_slow_host_hands_its_primaries_to_their_backups(
+        c: Client, s: Scheduler, a: Worker, b: Worker, w: Worker) -> None:
+    """w answers every pull 50 ms late (an injected fault): the trainers' reports find it slow
+    and the scheduler hands its primaries over to their backups while the trainers push on,
+    every push counted once."""
+    await c.register_plugin(TablesService())
+    service = await open_tables(s, [a, b, w])
+    assert service.maps["j"].held(w.address)[0]
+    pull = w.handlers["antdt_tables_pull"]
+
+    async def late(**kwargs: object) -> object:
+        await asyncio.sleep(0.05)
+        return await pull(**kwargs)
+
+    w.handlers["antdt_tables_pull"] = late
+    trainers = [Trainer(a, 7), Trainer(b, 8)]
+
+    def until_moved(t: Trainer) -> None:
+        for _ in range(400):  # a bound only: the move comes after a few reports
+            t.batch()
+            if service.moved_off["j"] and not service.maps["j"].held(w.address)[0]:
+                break
+        t.client.drain()
+
+    await asyncio.gather(*(asyncio.to_thread(until_moved, t) for t in trainers))
+    (moved,) = service.moved_off["j"]
+    assert moved["host"] == w.address and moved["pull_ms"] > 3 * moved["others_ms"]
+    await service.settled("j")
+    placed = service.maps["j"]
+    assert not placed.held(w.address)[0] and placed.held(w.address)[1]  # now only a backup
+    synced = {t.client.trainer: t.offset for t in trainers}
+    weights, _ = await asyncio.to_thread(trainers[0].client.committed, synced)
+    assert torch.equal(weights[:, 0], expected(trainers))
