@@ -25,6 +25,7 @@ right again; a bucket whose primary and backup both died is lost, and the job ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -53,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "antdt-tables-service"
 COPY_ATTEMPTS = 3
+HELD_POLL_S = 1.0
+"""A worker waiting for the others to hold their buckets looks again at least this often (a
+worker of the map may leave meanwhile)."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,8 @@ class TablesSpec:
 class TablesService(SchedulerPlugin):
     """Scheduler plugin: one bucket map a job (see the module docstring). Handlers:
     ``antdt_tables_map(job)``, ``antdt_tables_join(job, worker)``,
-    ``antdt_tables_leave(job, worker)``, ``antdt_tables_drain(job, worker)`` (a closing
+    ``antdt_tables_leave(job, worker)``, ``antdt_tables_held(job, worker, timeout_s)``,
+    ``antdt_tables_latency(job, worker, pulls_ms)``, ``antdt_tables_drain(job, worker)`` (a closing
     worker's, answered once its buckets moved), ``antdt_tables_backup_lost(job, worker,
     buckets)``.
     Registering it registers :class:`~antdt.tables.serving.TablesWorkerPlugin` on every
@@ -101,6 +106,9 @@ class TablesService(SchedulerPlugin):
         self.moves: dict[str, int] = {}
         """Buckets copied a job (backups made again, joiners' buckets)."""
         self.slow: dict[str, SlowHosts] = {}
+        self.holding: dict[str, set[str]] = {}
+        """A job's workers that hold their buckets of its first map (drawn)."""
+        self._holding_changed: dict[str, asyncio.Event] = {}
         self.moved_off: dict[str, list[dict[str, Any]]] = {}
         """A job's slow hosts whose primaries were handed over: when, the host, its pulls' and
         the others' milliseconds, the buckets."""
@@ -114,6 +122,7 @@ class TablesService(SchedulerPlugin):
             "antdt_tables_backup_lost": self.backup_lost_handler,
             "antdt_tables_drain": self.drain_handler,
             "antdt_tables_latency": self.latency_handler,
+            "antdt_tables_held": self.held_handler,
         })
         await scheduler.register_worker_plugin(None, dumps(TablesWorkerPlugin()),
                                                name=WORKER_PLUGIN, idempotent=True)
@@ -139,6 +148,8 @@ class TablesService(SchedulerPlugin):
         current = self.maps.pop(job, None)
         self.specs.pop(job, None)
         self.slow.pop(job, None)
+        self.holding.pop(job, None)
+        self._holding_changed.pop(job, asyncio.Event()).set()
         if current is not None:
             for worker in current.workers() | set(current.departed):
                 self._spawn(self._call(worker, "antdt_tables_forget", job=job))
@@ -212,6 +223,28 @@ class TablesService(SchedulerPlugin):
         who = rpc.name("worker", worker, SyncError)
         await self._remove(self._map(job).job, who)
         return {"status": "OK"}
+
+    @rpc.handler
+    async def held_handler(self, job: object, worker: object, timeout_s: object) -> Reply:
+        """``worker`` holds its buckets of the job's first map; answers once every worker of
+        the map does (``all``: True), or after ``timeout_s`` (False). A push forwarded to a
+        backup still drawing its buckets would find none there: its primary would drop that
+        backup and copy the bucket elsewhere, a third copy that can take a worker near its
+        memory limit over it."""
+        who = rpc.name("worker", worker, SyncError)
+        wait_s = rpc.seconds("timeout_s", timeout_s, 3600.0, error=SyncError)
+        name = self._map(job).job
+        holding = self.holding.setdefault(name, set())
+        holding.add(who)
+        self._holding_changed.pop(name, asyncio.Event()).set()
+        deadline = time() + wait_s
+        while (current := self.maps.get(name)) is not None \
+                and not current.workers() <= holding and (left := deadline - time()) > 0:
+            changed = self._holding_changed.setdefault(name, asyncio.Event())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(left, HELD_POLL_S))
+        current = self.maps.get(name)
+        return {"status": "OK", "all": current is not None and current.workers() <= holding}
 
     @rpc.handler
     async def latency_handler(self, job: object, worker: object, pulls_ms: object) -> Reply:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
 import torch
-from distributed import Event, Worker
+from distributed import Worker
 from distributed.utils import sync
 
 from antdt import config, rpc
@@ -138,7 +138,7 @@ class HybridMode(BackgroundSynced):
                         "train.checkpoint_dir (storage every worker reaches): the hosts write "
                         "it there in parts")
                 plugin.create(self.job, self.tables.spec, current, self.worker.address)
-                self._await_hosts(current.epoch, current.workers())
+                self._await_hosts()
             self.joined_from = self.sync.start(join=join)
         except SyncError as exc:
             if not join:
@@ -146,20 +146,16 @@ class HybridMode(BackgroundSynced):
             self._member = False
             raise Declined(str(exc)) from exc
 
-    def _await_hosts(self, epoch: int, hosts: Collection[str]) -> None:
+    def _await_hosts(self) -> None:
         """Say this worker holds its buckets of the first map, then wait (at most
-        ``antdt.sync.rpc-timeout``) until every host says so: a push forwarded to a backup
-        still drawing its buckets finds none there, and its primary would drop that backup
-        and copy the bucket to another host, a third copy that can push a worker near its
-        memory limit over it (Dask then restarts it, and the job loses buckets)."""
-        name = f"antdt-tables-{self.job}-{epoch}-held-"
-        Event(name + self.worker.address).set()
+        ``antdt.sync.rpc-timeout``) until every host says so (``antdt_tables_held``: why)."""
         timeout = config.seconds("antdt.sync.rpc-timeout")
-        for host in sorted(hosts):
-            if not Event(name + host).wait(timeout):
-                logger.warning("job %s: %s did not hold its buckets within %gs; training on",
-                               self.job, host, timeout)
-                return
+        reply = rpc.ok(sync(self.worker.loop, self.worker.scheduler.antdt_tables_held,
+                            job=self.job, worker=self.worker.address, timeout_s=timeout),
+                       SyncError)
+        if not reply["all"]:
+            logger.warning("job %s: not every host held its buckets within %gs; training on",
+                           self.job, timeout)
 
     def train(self, agent: AgentParts) -> Outcome:
         """The lease loop; a worker the tables fenced off (it is closing: its buckets were

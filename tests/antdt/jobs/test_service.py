@@ -249,6 +249,7 @@ def valid_calls(jobs: JobClient, job_id: str, folder: str) -> dict[str, dict[str
         "antdt_tables_backup_lost": {**job, "worker": worker, "buckets": [0]},
         "antdt_tables_drain": {**job, "worker": worker},
         "antdt_tables_latency": {**job, "worker": worker, "pulls_ms": {worker: 1.0}},
+        "antdt_tables_held": {**job, "worker": worker, "timeout_s": 0.01},
         "antdt_register_job": {"job": f"{job_id}-new", "row_groups": [["a.parquet", 0, 10]],
                                "shard_rows": 4, "batch_rows": 2, "epochs": 1, "seed": 0,
                                "quarantine": None, "max_claim_rows": None, "static": None},
