@@ -5,7 +5,9 @@ Quality: the job trains once in the local mode (the single-process reference), t
 ``--repeats`` times with sharded tables per worker count (``--workers``, 2 and 4); every run
 must reach the reference AUC minus ``--tolerance`` (0.002) with every row trained once. Each
 worker count reports every run's AUC and gap, the median, smallest and worst gap, and passes on
-the worst (as :mod:`pipeline.bench.quality` does, whose helpers run and judge these runs).
+the worst (as :mod:`pipeline.bench.quality` does, whose helpers run and judge these runs), and
+beside them the AUCs of as many runs with replicated tables (``replicated_aucs``): a gap both
+share is the async mode's, not the sharded tables'.
 
 Speed: on 2 workers, ``--repeats`` pairs of runs, sharded and replicated tables
 (``model.tables: replicated``), interleaved with the order swapped on odd repeats so that a
@@ -98,11 +100,14 @@ def hybrid(job: JobConfig, counts: list[int], repeats: int, tolerance: float,
     for count in counts:
         if count == SPEED_WORKERS:
             runs = [run_row(s, reference.auc, expected, tolerance) for s in pairs["sharded"]]
-            quality.append(quality_of(count, runs))
+            replicated = [round(s.auc, 4) for s in pairs["replicated"]]
         else:
-            result = async_runs(with_tables(job, "sharded"), count, repeats, reference.auc,
-                                expected, tolerance, quiet)
-            quality.append(quality_of(count, result["runs"]))
+            runs = async_runs(with_tables(job, "sharded"), count, repeats, reference.auc,
+                              expected, tolerance, quiet)["runs"]
+            replicated = [run["auc"] for run in async_runs(
+                with_tables(job, "replicated"), count, repeats, reference.auc, expected,
+                tolerance, quiet)["runs"]]
+        quality.append({**quality_of(count, runs), "replicated_aucs": replicated})
     speed = speed_of(pairs, speed_target)
     return {"job": job.name, "reference_auc": round(reference.auc, 4),
             "reference_samples_per_s": round(reference.samples_per_s), "rows": expected,

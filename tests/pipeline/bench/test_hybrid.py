@@ -34,6 +34,8 @@ def test_bench_hybrid_measures_sharded_tables_against_both_baselines(
         assert run["gap"] == pytest.approx(out["reference_auc"] - run["auc"], abs=2e-4)
         assert quality["min_gap"] == quality["worst_gap"] == quality["median_gap"] == run["gap"]
         assert quality["passed"] is True
+        (replicated,) = quality["replicated_aucs"]  # the same count with replicated tables
+        assert 0.5 < replicated <= 1.0
     speed = out["speed"]
     assert speed["workers"] == 2 and speed["target"] == 0.8
     assert speed["sharded_samples_per_s"] > 0 and speed["replicated_samples_per_s"] > 0
