@@ -114,17 +114,37 @@ def new_store(job: str, spec: Mapping[str, Any]) -> BucketStore:
                         f"{dict(spec)}") from exc
 
 
-def entry_msg(bucket: int, entry: Entry) -> dict[str, Any]:
-    return {"bucket": bucket, "seq": entry.seq, "offset": entry.offset,
-            "rows": array(entry.rows), "weights": array(entry.weights),
-            "state": array(entry.state)}
+def entries_msg(items: list[tuple[int, Entry]]) -> dict[str, Any]:
+    """Entries of buckets as one message: their fields as lists and their tensors end to end
+    (three frames on the comm whatever the number of buckets)."""
+    if not items:
+        return {"buckets": [], "seqs": [], "offsets": [], "counts": []}
+    entries = [e for _, e in items]
+    return {"buckets": [b for b, _ in items], "seqs": [e.seq for e in entries],
+            "offsets": [e.offset for e in entries],
+            "counts": [e.rows.shape[0] for e in entries],
+            "rows": array(torch.cat([e.rows for e in entries])),
+            "weights": array(torch.cat([e.weights for e in entries])),
+            "state": array(torch.cat([e.state for e in entries]))}
 
 
-def msg_entry(msg: Mapping[str, Any]) -> tuple[int, Entry]:
-    return int(msg["bucket"]), Entry(int(msg["seq"]), int(msg["offset"]),
-                                     tensor(msg["rows"], "rows", torch.int64),
-                                     tensor(msg["weights"], "weights", torch.float32),
-                                     tensor(msg["state"], "state", torch.float32))
+def msg_entries(msg: Mapping[str, Any]) -> list[tuple[int, Entry]]:
+    """:func:`entries_msg`'s entries back."""
+    try:
+        buckets, seqs, offsets, counts = (list(msg[k]) for k in
+                                          ("buckets", "seqs", "offsets", "counts"))
+    except (KeyError, TypeError) as exc:
+        raise SyncError(f"entries need buckets, seqs, offsets and counts: {exc!r}") from exc
+    if not buckets:
+        return []
+    if not len(buckets) == len(seqs) == len(offsets) == len(counts):
+        raise SyncError("entries' buckets, seqs, offsets and counts differ in length")
+    parts = [torch.split(tensor(msg[k], k, dtype), [int(c) for c in counts])
+             for k, dtype in (("rows", torch.int64), ("weights", torch.float32),
+                              ("state", torch.float32))]
+    return [(int(b), Entry(int(seq), int(offset), rows, weights, state))
+            for b, seq, offset, rows, weights, state
+            in zip(buckets, seqs, offsets, *parts)]
 
 
 class TablesWorkerPlugin(WorkerPlugin):
@@ -241,7 +261,7 @@ class TablesWorkerPlugin(WorkerPlugin):
                 rpc.ok(await unless_gone(
                     self.worker, store.job, backup, self.worker.rpc(backup).antdt_tables_forward(
                         job=store.job, trainer=trainer, epoch=epoch,
-                        entries=[entry_msg(b, entry) for b, entry, _ in items])), SyncError)
+                        entries=entries_msg([(b, entry) for b, entry, _ in items]))), SyncError)
                 return []
             except (OSError, SyncError, asyncio.TimeoutError) as exc:
                 logger.warning("job %s: forwarding to backup %s failed: %r", store.job,
@@ -268,9 +288,9 @@ class TablesWorkerPlugin(WorkerPlugin):
         store = self.store(job)
         who = rpc.name("trainer", trainer, SyncError)
         epoch_ = rpc.integer("epoch", epoch, error=SyncError)
-        if not isinstance(entries, (list, tuple)):
-            raise SyncError(f"entries must be a list, found {type(entries).__name__}")
-        items = [msg_entry(m) for m in entries]
+        if not isinstance(entries, Mapping):
+            raise SyncError(f"entries must be a mapping, found {type(entries).__name__}")
+        items = msg_entries(entries)
         await self._run(_add, store, who, items, epoch_)
         return {"status": "OK"}
 
@@ -469,7 +489,7 @@ def _buckets(value: object) -> list[int]:
 def _state_msg(state: BucketState) -> dict[str, Any]:
     return {"bucket": state.bucket, "start": state.start, "weights": array(state.weights),
             "state": array(state.state),
-            "entries": {t: [entry_msg(state.bucket, e) for e in es]
+            "entries": {t: entries_msg([(state.bucket, e) for e in es])
                         for t, es in state.entries.items()},
             "confirmed": {t: list(v) for t, v in state.confirmed.items()}}
 
@@ -478,6 +498,6 @@ def _msg_state(msg: Mapping[str, Any]) -> BucketState:
     return BucketState(int(msg["bucket"]), int(msg["start"]),
                        tensor(msg["weights"], "weights", torch.float32),
                        tensor(msg["state"], "state", torch.float32),
-                       {str(t): [msg_entry(m)[1] for m in es]
+                       {str(t): [e for _, e in msg_entries(es)]
                         for t, es in msg["entries"].items()},
                        {str(t): (int(v[0]), int(v[1])) for t, v in msg["confirmed"].items()})
