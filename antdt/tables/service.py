@@ -61,7 +61,8 @@ worker of the map may leave meanwhile)."""
 
 @dataclass(frozen=True)
 class TablesSpec:
-    """A job's sharded tables: ``total_rows`` rows of ``dim`` floats in ``buckets`` buckets,
+    """A job's sharded tables: ``total_rows`` rows of ``dim`` floats in ``buckets_per_worker``
+    buckets a worker (:func:`~antdt.tables.buckets.place`),
     trained by the sparse ``optimizer`` (``lr``, ``eps``) on their hosts, each bucket at least
     ``bucket_rows`` rows where there are enough (:func:`~antdt.tables.buckets.place`);
     ``max_inflight``:
@@ -72,12 +73,12 @@ class TablesSpec:
     optimizer: str
     lr: float
     eps: float
-    buckets: int = 256
+    buckets_per_worker: int = 4
     max_inflight: int = 2
     bucket_rows: int = 65536
 
     def __post_init__(self) -> None:
-        for name in ("total_rows", "dim", "buckets", "max_inflight", "bucket_rows"):
+        for name in ("total_rows", "dim", "buckets_per_worker", "max_inflight", "bucket_rows"):
             rpc.integer(f"tables {name}", getattr(self, name), 1, error=SyncError)
 
     def to_wire(self, size: int) -> dict[str, Any]:
@@ -131,7 +132,7 @@ class TablesService(SchedulerPlugin):
 
     def start_job(self, job: str, workers: Sequence[str], spec: TablesSpec) -> BucketMap:
         """Place ``job``'s buckets on ``workers``; each draws its own when its agent starts."""
-        placed = place(job, spec.total_rows, spec.buckets, workers, spec.bucket_rows)
+        placed = place(job, spec.total_rows, spec.buckets_per_worker, workers, spec.bucket_rows)
         self.maps[job] = placed
         self.specs[job] = spec
         self.moves[job] = 0

@@ -174,7 +174,8 @@ class AsyncRun(Run):
         """The plan's sharded table: one count a row, SGD with lr 1 (a gradient of -1 adds 1),
         in buckets of about a sixth of a worker's share, so every host serves several."""
         return {"placement": "sharded", "total_rows": self.rows, "dim": 1, "optimizer": "sgd",
-                "lr": 1.0, "eps": 1e-8, "buckets": 18, "bucket_rows": 1, "max_inflight": 2}
+                "lr": 1.0, "eps": 1e-8, "buckets_per_worker": 6, "bucket_rows": 1,
+                "max_inflight": 2}
 
     def backed_up(self, jobs: JobClient, hosts: int) -> bool:
         """Whether the job's table is held by ``hosts`` live workers (a killed one is out of

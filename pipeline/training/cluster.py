@@ -129,7 +129,8 @@ def tables_plan(job: JobConfig, schema: Schema) -> dict[str, Any] | None:
             "total_rows": sum(f.num_embeddings for f in schema.sparse),
             "dim": job.model.embedding_dim, "optimizer": optim.sparse_optimizer,
             "lr": optim.sparse_lr, "eps": optim.eps,
-            "buckets": int(config.number("antdt.tables.buckets", low=1, integer=True)),
+            "buckets_per_worker": int(config.number("antdt.tables.buckets-per-worker", low=1,
+                                                    integer=True)),
             "bucket_rows": int(config.number("antdt.tables.bucket-rows", low=1, integer=True)),
             "max_inflight": int(config.number("antdt.tables.max-inflight", low=1,
                                               integer=True))}

@@ -18,8 +18,8 @@ from antdt.tables.service import PLUGIN_NAME, TablesService, TablesSpec
 from antdt.tables.serving import PLUGIN_NAME as WORKER_PLUGIN
 
 ROWS = 1000
-SPEC = TablesSpec(total_rows=ROWS, dim=2, optimizer="sgd", lr=1.0, eps=1e-8, buckets=16,
-                  max_inflight=2, bucket_rows=1)
+SPEC = TablesSpec(total_rows=ROWS, dim=2, optimizer="sgd", lr=1.0, eps=1e-8,
+                  buckets_per_worker=6, max_inflight=2, bucket_rows=1)
 
 
 def zeros(start: int, stop: int) -> tuple[torch.Tensor, None]:
