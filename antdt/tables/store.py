@@ -298,6 +298,3 @@ class BucketStore:
         with held.lock:
             weights, state = held.committed(synced)
         return held.start, weights, state
-
-    def nbytes(self) -> int:
-        return sum(b.weights.nbytes + b.state.nbytes for b in self.buckets.values())
