@@ -28,8 +28,15 @@ Component scales are calibrated on a fixed sample so the logit has a standard de
 embedding bucket under :mod:`data.hashing` (``num_embeddings`` is twice the cardinality):
 hashing costs the model nothing, so the oracle is a fair ceiling.
 
+By default the model is the same every day. With a :class:`data.drift.Drift` it moves from day to
+day (weights that rotate, new ids each day whose popularity decays, a weekly cycle of the base rate
+and one abrupt shift; :mod:`data.drift` says how), the oracle of each day is that day's model, and
+``oracle.json`` records the drift's settings under ``"drift"``; the schema is the same for all days,
+its ``num_embeddings`` sized for every day's ids. Without a drift, nothing of the above changes.
+
 Everything is a function of the arguments: each row group draws from its own random stream keyed
-by ``(seed, day, file, row group)``, so the same arguments give byte-identical files (with the
+by ``(seed, day, file, row group)`` (and a drifting day's model from its own stream keyed by
+``(seed, day)``), so the same arguments give byte-identical files (with the
 same numpy and pyarrow on the same kind of CPU: numpy's vectorised ``exp``/``log`` may round
 differently on another instruction set). Rows are generated one row group at a time (bounded
 memory), with numpy, vectorised per column, while a background thread encodes the previous row
@@ -44,7 +51,7 @@ import logging
 import posixpath
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -54,6 +61,7 @@ import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
 from antdt.errors import ConfigError
+from data.drift import Drift, group_ranks, mix_new_ids, turn
 from data.hashing import hash_arrow, hash_ints
 from data.schema import Schema, SparseFeature
 from data.zipf import zipf_ranks
@@ -78,8 +86,9 @@ _MULTI_MEAN_LENGTH = 2.0
 _MULTI_NULL_RATE = 0.02
 _CALIBRATION_ROWS = 65_536
 _ORACLE_BINS = 1 << 18
-# Stream keys of the random generators: the hidden model, its calibration sample, the rows.
-_MODEL_STREAM, _CALIBRATION_STREAM, _ROWS_STREAM = 0, 1, 2
+# Stream keys of the random generators: the hidden model, its calibration sample, the rows, the
+# model's drift from one day to the next.
+_MODEL_STREAM, _CALIBRATION_STREAM, _ROWS_STREAM, _DRIFT_STREAM = 0, 1, 2, 3
 
 Array = npt.NDArray[Any]
 
@@ -100,7 +109,12 @@ class _DenseTruth:
 @dataclass(frozen=True)
 class _SparseTruth:
     """A sparse feature: the id of frequency rank ``r`` (Zipf-like, ``exponent``) is
-    ``raw_ids[r]``, its weight ``weights[r]``."""
+    ``raw_ids[r]``, its weight ``weights[r]``, drawn from ``normal(0, prior_std[r])``.
+
+    With drift, the ``cardinality`` base ids are followed by cohorts of ``cohort_size`` new ids,
+    one a day; ``cohorts`` are the day's shares of traffic on the cohorts that have arrived
+    (:func:`data.drift.mix_new_ids`), empty on day 0 and without drift.
+    """
 
     feature: SparseFeature
     cardinality: int
@@ -108,6 +122,9 @@ class _SparseTruth:
     null_rate: float
     raw_ids: Array
     weights: npt.NDArray[np.float64]
+    prior_std: npt.NDArray[np.float64]
+    cohort_size: int = 0
+    cohorts: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -194,8 +211,9 @@ def _distinct_bucket_ids(rng: np.random.Generator, feature: SparseFeature, cardi
 
 
 def _build_truth(seed: int, num_dense: int, num_sparse: int, with_string: bool,
-                 with_multi_valued: bool) -> _Truth:
-    """Draw the hidden model (unscaled): feature distributions, weights and latent vectors."""
+                 with_multi_valued: bool, drift: Drift | None = None, days: int = 1) -> _Truth:
+    """Draw the hidden model (unscaled): feature distributions, weights and latent vectors; with
+    ``drift``, also the ids and weights of the new ids of days ``1..days-1``."""
     rng = np.random.default_rng([seed, _MODEL_STREAM])
     dense = [_DenseTruth(name=f"I{i + 1}", mu=float(rng.uniform(-1.0, 3.0)),
                          sigma=float(rng.uniform(0.3, 0.8)),
@@ -203,36 +221,47 @@ def _build_truth(seed: int, num_dense: int, num_sparse: int, with_string: bool,
                          null_rate=float(rng.choice([0.0, 0.01, 0.05])),
                          weight=float(rng.normal()))
              for i in range(num_dense)]
+    def cohort_size(cardinality: int) -> int:
+        """The ids a day after day 0 brings to a feature (none without drift)."""
+        return drift.cohort_size(cardinality) if drift is not None else 0
+
+    def ids(cardinality: int) -> int:
+        """The feature's ids over all days: its base ids and a cohort a day after day 0."""
+        return cardinality + (days - 1) * cohort_size(cardinality)
+
     specs: list[tuple[SparseFeature, int]] = []
     cardinalities = np.geomspace(10, 100_000, num_sparse).round().astype(int) if num_sparse \
         else np.array([], dtype=int)
     for i, cardinality in enumerate(cardinalities):
-        specs.append((SparseFeature(f"C{i + 1}", 2 * int(cardinality)), int(cardinality)))
+        specs.append((SparseFeature(f"C{i + 1}", 2 * ids(int(cardinality))), int(cardinality)))
     if with_string:
-        specs.append((SparseFeature(STRING_FEATURE, 2 * _EXTRA_CARDINALITY, type="string"),
+        specs.append((SparseFeature(STRING_FEATURE, 2 * ids(_EXTRA_CARDINALITY), type="string"),
                       _EXTRA_CARDINALITY))
     if with_multi_valued:
-        specs.append((SparseFeature(MULTI_VALUED_FEATURE, 2 * _EXTRA_CARDINALITY,
+        specs.append((SparseFeature(MULTI_VALUED_FEATURE, 2 * ids(_EXTRA_CARDINALITY),
                                     multi_valued=True), _EXTRA_CARDINALITY))
     sparse: list[_SparseTruth] = []
+    ranks_of: list[npt.NDArray[np.int64]] = []
     for feature, cardinality in specs:
-        ranks = np.arange(cardinality)
+        ranks = group_ranks(cardinality, cohort_size(cardinality), days - 1)
         strength = 1.0 / (1.0 + ranks / _RANK_DECAY)
         importance = rng.uniform(0.3, 1.0)
         sparse.append(_SparseTruth(
             feature=feature, cardinality=cardinality, exponent=float(rng.uniform(1.05, 1.3)),
             null_rate=_MULTI_NULL_RATE if feature.multi_valued
             else float(rng.choice([0.0, 0.0, 0.01, 0.03])),
-            raw_ids=_distinct_bucket_ids(rng, feature, cardinality),
-            weights=importance * strength * rng.normal(size=cardinality)))
+            raw_ids=_distinct_bucket_ids(rng, feature, len(strength)),
+            weights=importance * strength * rng.normal(size=len(strength)),
+            prior_std=importance * strength, cohort_size=cohort_size(cardinality)))
+        ranks_of.append(ranks)
     candidates = [i for i, s in enumerate(sparse)
                   if s.cardinality <= _PAIR_MAX_CARDINALITY and not s.feature.multi_valued]
     pairs: list[_PairTruth] = []
     if len(candidates) >= 2:
         for _ in range(min(_MAX_PAIRS, len(candidates) // 2)):
             a, b = (int(v) for v in rng.choice(candidates, size=2, replace=False))
-            latent = [rng.normal(size=(sparse[i].cardinality, _LATENT_DIM))
-                      / (1.0 + np.arange(sparse[i].cardinality)[:, None] / _RANK_DECAY)
+            latent = [rng.normal(size=(len(ranks_of[i]), _LATENT_DIM))
+                      / (1.0 + ranks_of[i][:, None] / _RANK_DECAY)
                       for i in (a, b)]
             pairs.append(_PairTruth(a=a, b=b, latent_a=latent[0], latent_b=latent[1]))
     return _Truth(dense=dense, sparse=sparse, pairs=pairs)
@@ -282,7 +311,7 @@ def _rows(truth: _Truth, rng: np.random.Generator, n: int
             columns[name] = _multi_valued_rows(sparse, rng, n, nulls, terms[1])
             ranks.append(np.zeros(n, dtype=np.int64))
         else:
-            rank = zipf_ranks(rng, n, sparse.cardinality, sparse.exponent)
+            rank = _draw_ids(sparse, rng, n)
             weights = sparse.weights[rank]
             if nulls is not None:
                 np.copyto(weights, 0.0, where=nulls)
@@ -311,7 +340,7 @@ def _multi_valued_rows(spec: _SparseTruth, rng: np.random.Generator, n: int,
     lengths = rng.poisson(_MULTI_MEAN_LENGTH, n)
     if nulls is not None:
         lengths[nulls] = 0
-    ranks = zipf_ranks(rng, int(lengths.sum()), spec.cardinality, spec.exponent)
+    ranks = _draw_ids(spec, rng, int(lengths.sum()))
     rows = np.repeat(np.arange(n), lengths)
     first_order += np.bincount(rows, weights=spec.weights[ranks], minlength=n)
     offsets = np.zeros(n + 1, dtype=np.int32)
@@ -320,9 +349,46 @@ def _multi_valued_rows(spec: _SparseTruth, rng: np.random.Generator, n: int,
                                     mask=None if nulls is None else pa.array(nulls))
 
 
-def _calibrate(truth: _Truth, seed: int) -> None:
-    """Scale the components to their variance shares and set the bias for the target CTR."""
-    rng = np.random.default_rng([seed, _CALIBRATION_STREAM])
+def _draw_ids(spec: _SparseTruth, rng: np.random.Generator, n: int) -> npt.NDArray[np.int64]:
+    """``n`` ids of a feature (indices into its ``raw_ids``): Zipf-like base ranks, a share of
+    them moved to the day's new ids when the feature drifts."""
+    ranks = zipf_ranks(rng, n, spec.cardinality, spec.exponent)
+    if spec.cohorts:
+        mix_new_ids(rng, ranks, spec.cardinality, spec.cohort_size, spec.cohorts, spec.exponent)
+    return ranks
+
+
+def _next_day(previous: _Truth, drift: Drift, seed: int, day: int) -> _Truth:
+    """Day ``day``'s model from day ``day - 1``'s under ``drift`` (:mod:`data.drift`): first-order
+    weights turned (sign-flipped for a share of the features on the shift day), the day's new
+    ids' traffic shares, pairs as before; calibrated anew like day 0's, then the bias moved by the
+    weekly cycle.
+
+    Calibrating each day keeps the oracle's AUC and the base rate where day 0 has them: without
+    it, the logit's mean and spread would wander with the weights (a few popular ids carry much
+    of the traffic, and day 0's draws sit off the prior's mean by chance), hiding the weekly cycle.
+    """
+    rng = np.random.default_rng([seed, _DRIFT_STREAM, day])
+    signs = np.ones(len(previous.dense) + len(previous.sparse))
+    if day == drift.shift_day:
+        signs[rng.choice(len(signs), size=round(drift.shift * len(signs)), replace=False)] = -1.0
+    dense_weights = turn(np.array([d.weight for d in previous.dense]),
+                         rng.normal(size=len(previous.dense)), drift.rotate)
+    dense = [replace(d, weight=float(w * sign))
+             for d, w, sign in zip(previous.dense, dense_weights, signs)]
+    sparse = [replace(s, cohorts=drift.cohort_shares(day),
+                      weights=sign * turn(s.weights, s.prior_std * rng.normal(size=len(s.weights)),
+                                          drift.rotate))
+              for s, sign in zip(previous.sparse, signs[len(dense):])]
+    truth = _Truth(dense=dense, sparse=sparse, pairs=previous.pairs)
+    _calibrate(truth, np.random.default_rng([seed, _CALIBRATION_STREAM, day]))
+    truth.bias += drift.bias_offset(day)
+    return truth
+
+
+def _calibrate(truth: _Truth, rng: np.random.Generator) -> None:
+    """Scale the components to their variance shares and set the bias for the target CTR, on a
+    sample of rows drawn with ``rng``."""
     _, terms = _rows(truth, rng, _CALIBRATION_ROWS)
     stds = terms.std(axis=1)
     shares = np.array(_VARIANCE_SHARES)
@@ -391,13 +457,15 @@ def _split(total: int, parts: int) -> list[int]:
 def generate(out: str, *, rows: int, days: int = 1, seed: int = 0, row_group_rows: int = 65536,
              files_per_day: int = 4, num_dense: int = 13, num_sparse: int = 26,
              with_string: bool = False, with_multi_valued: bool = False,
-             progress: Callable[[int], None] | None = None) -> SynthResult:
+             drift: Drift | None = None, progress: Callable[[int], None] | None = None
+             ) -> SynthResult:
     """Write synthetic data, its schema and its oracle under ``out`` (module docstring).
 
     ``rows`` are split evenly over ``days`` and each day's over ``files_per_day`` files; every
     file gets at least one row. ``with_string``/``with_multi_valued`` add the ``S1``/``M1``
-    features. ``progress`` is called with the number of rows of each row group generated (the
-    background writer is at most two row groups behind).
+    features. ``drift`` makes the model move from day to day (:mod:`data.drift`; its
+    ``shift_day``, when unset, becomes the middle day). ``progress`` is called with the number of
+    rows of each row group generated (the background writer is at most two row groups behind).
     """
     for name, value, least in (("rows", rows, 1), ("days", days, 1),
                                ("row_group_rows", row_group_rows, 1),
@@ -411,9 +479,12 @@ def generate(out: str, *, rows: int, days: int = 1, seed: int = 0, row_group_row
     if num_sparse == 0 and not (with_string or with_multi_valued):
         raise ConfigError("synthetic data: expected at least one sparse feature, found "
                           "num_sparse=0 and no string or multi-valued feature")
-    truth = _build_truth(seed, num_dense, num_sparse, with_string, with_multi_valued)
-    _calibrate(truth, seed)
-    schema = _schema(truth, source=_join(out, "schema.yaml"))
+    if drift is not None:
+        drift = drift.for_days(days)
+    base = _build_truth(seed, num_dense, num_sparse, with_string, with_multi_valued, drift, days)
+    _calibrate(base, np.random.default_rng([seed, _CALIBRATION_STREAM]))
+    truth = base
+    schema = _schema(base, source=_join(out, "schema.yaml"))
     fs, root = url_to_fs(out)
     fs.makedirs(root, exist_ok=True)
     files: list[str] = []
@@ -421,6 +492,8 @@ def generate(out: str, *, rows: int, days: int = 1, seed: int = 0, row_group_row
     with _ParquetSink(fs) as sink:
         for day, day_rows in enumerate(_split(rows, days)):
             date = (START_DATE + dt.timedelta(days=day)).isoformat()
+            if drift is not None and day > 0:
+                truth = _next_day(truth, drift, seed, day)
             oracle = _OracleDay()
             fs.makedirs(posixpath.join(root, f"date={date}"), exist_ok=True)
             for part, file_rows in enumerate(_split(day_rows, files_per_day)):
@@ -436,7 +509,9 @@ def generate(out: str, *, rows: int, days: int = 1, seed: int = 0, row_group_row
             logger.info("synthesised %s: %d rows, oracle AUC %.4f", date, day_rows,
                         per_day[date]["auc"])
     schema.to_yaml(schema.source)
-    oracle_doc = {"per_day": per_day, "seed": seed, "rows": rows}
+    oracle_doc: dict[str, Any] = {"per_day": per_day, "seed": seed, "rows": rows}
+    if drift is not None:
+        oracle_doc["drift"] = drift.as_dict()
     with fs.open(posixpath.join(root, "oracle.json"), "w") as fh:
         json.dump(oracle_doc, fh, indent=2, sort_keys=True)
     return SynthResult(out=out, schema=schema, files=files, rows=rows, oracle=oracle_doc)

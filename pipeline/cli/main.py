@@ -74,21 +74,54 @@ def data() -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--row-group-rows", type=click.IntRange(min=1), default=65536, show_default=True)
 @click.option("--files-per-day", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--drift", is_flag=True,
+              help="Make the click model move from day to day (rotating weights, new ids, a "
+                   "weekly cycle, one abrupt shift); the settings used are printed and saved in "
+                   "oracle.json. The --drift-* options tune it (default: data.drift.Drift's).")
+@click.option("--drift-rotate", type=float, default=None,
+              help="Radians a day the first-order weights turn towards a fresh draw.")
+@click.option("--drift-new-ids", type=float, default=None,
+              help="Share of a feature's traffic the day's new ids take on their first day.")
+@click.option("--drift-id-half-life", type=float, default=None,
+              help="Half-life, in days, of the new ids' share of traffic.")
+@click.option("--drift-weekly", type=float, default=None,
+              help="Amplitude of the weekly cycle of the bias, in logit units.")
+@click.option("--drift-shift-day", type=int, default=None,
+              help="Day of the abrupt shift (default: the middle day).")
+@click.option("--drift-shift", type=float, default=None,
+              help="Share of the features whose weights flip sign on the shift day.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def data_synth(out: str, rows: int, days: int, seed: int, row_group_rows: int,
-               files_per_day: int, as_json: bool) -> None:
+               files_per_day: int, drift: bool, drift_rotate: float | None,
+               drift_new_ids: float | None, drift_id_half_life: float | None,
+               drift_weekly: float | None, drift_shift_day: int | None,
+               drift_shift: float | None, as_json: bool) -> None:
     """Write Criteo-like synthetic data with a hidden true model to OUT (plus schema and oracle)."""
+    from data.drift import Drift
     from data.synth import generate
 
+    tuning = {"rotate": drift_rotate, "new_ids": drift_new_ids,
+              "id_half_life_days": drift_id_half_life, "weekly": drift_weekly,
+              "shift": drift_shift}
+    given = {name: value for name, value in tuning.items() if value is not None}
+    if (given or drift_shift_day is not None) and not drift:
+        raise click.UsageError("the --drift-* options need --drift")
+    settings = Drift(shift_day=drift_shift_day, **given) if drift else None
     with progress_bar("synthesising rows", rows, enabled=not as_json) as bar:
         result = generate(out, rows=rows, days=days, seed=seed, row_group_rows=row_group_rows,
-                          files_per_day=files_per_day, progress=bar.advance)
+                          files_per_day=files_per_day, drift=settings, progress=bar.advance)
     oracle_auc = {d: v["auc"] for d, v in result.oracle["per_day"].items()}
     if as_json:
-        click.echo(json.dumps({"out": out, "rows": result.rows, "files": len(result.files),
-                               "oracle_auc": oracle_auc}, sort_keys=True))
+        summary = {"out": out, "rows": result.rows, "files": len(result.files),
+                   "oracle_auc": oracle_auc}
+        if "drift" in result.oracle:
+            summary["drift"] = result.oracle["drift"]
+        click.echo(json.dumps(summary, sort_keys=True))
     else:
         click.echo(f"wrote {result.rows:,} rows in {len(result.files)} files to {out}")
+        if "drift" in result.oracle:
+            shown = ", ".join(f"{k}={v}" for k, v in result.oracle["drift"].items())
+            click.echo(f"  drifting: {shown}")
         for day, auc in oracle_auc.items():
             click.echo(f"  {day}: oracle AUC {auc:.4f}")
 
