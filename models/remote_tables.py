@@ -343,3 +343,16 @@ class RemoteTableStep:
                              f"{sorted(set(missing) - table_keys)}, unexpected {unexpected}")
         self.dense_optimizer.load_state_dict(_clone(state["dense_optimizer"]))
         self.rows_trained = int(state["rows_trained"])
+
+    def warm_dense(self, state: Mapping[str, Any]) -> None:
+        """:meth:`load_dense` of a warm start (:meth:`models.warm.WarmStart.read`): the dense
+        weights ``state`` holds, the dense optimiser's state where given; the rest keeps its
+        initial values and ``rows_trained`` starts again."""
+        table_keys = set(self._table_keys.values())
+        dense = {k: v for k, v in state["model"].items() if k not in table_keys}
+        _, unexpected = self.model.load_state_dict(dense, strict=False)
+        if unexpected:
+            raise ValueError(f"the start's weights are not this model's: {unexpected}")
+        if "dense_optimizer" in state:
+            self.dense_optimizer.load_state_dict(_clone(state["dense_optimizer"]))
+        self.rows_trained = 0

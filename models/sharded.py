@@ -540,6 +540,38 @@ class ShardedTrainStep:
         self._load_dense(model, state["dense_optimizer"], state["sparse_iter"],
                          state["rows_trained"])
 
+    def warm_start(self, state: Mapping[str, Any]) -> None:
+        """Start from another model (:meth:`models.warm.WarmStart.read`, one piece): each rank
+        copies its slices of the tables ``state["model"]`` holds and, where ``state`` has
+        them, of their optimiser states, and the dense weights it holds; the dense optimiser
+        and the step count where given. The rest keeps this rank's initial values;
+        ``rows_trained`` starts again."""
+        model = state["model"]
+        sparse = state.get("sparse_optimizer", {"state": {}})["state"]
+        with torch.no_grad():
+            for piece, shard in self._local_shards():
+                table = self._tables[piece.table]
+                if table.key not in model:
+                    continue
+                if piece.state < 0:
+                    shard.copy_(_block(model[table.key], piece))
+                elif f"{table.name}.weight" in sparse:
+                    shard.copy_(_block(sparse[f"{table.name}.weight"][table.states[piece.state]],
+                                       piece))
+            weights = self.model.state_dict()
+            tables = {t.key for t in self._tables}
+            for key in self._model_keys:
+                if key not in tables and key in model:
+                    weights[key].copy_(model[key])
+        if "dense_optimizer" in state:
+            self.dense_optimizer.load_state_dict(_clone(state["dense_optimizer"]))
+        if state.get("sparse_iter"):
+            step_count = max(int(it.max()) for it in state["sparse_iter"])
+            for saved, read in self._step_counters():
+                saved.fill_(step_count)
+                read.zero_()
+        self.rows_trained = 0
+
 
 def _gib(size: int) -> str:
     """``size`` bytes as a person reads them (``1.50 GiB``, ``12.3 MiB``)."""

@@ -265,6 +265,14 @@ class TrainStep:
             state["model"].update({keys[feature]: table for feature, table in tables.items()})
         return state
 
+    def optimizer_state(self) -> dict[str, Any]:
+        """Both optimisers' state as :meth:`state_dict` holds it, not copied (to be saved at
+        once, beside the weights of a logged model: a warm start's optimisers)."""
+        modules = fused_embeddings(self.model)._emb_modules
+        return {"dense_optimizer": self.dense_optimizer.state_dict(),
+                "sparse_optimizer": sparse_optimizer(self.model).state_dict(),
+                "sparse_iter": [m._emb_module.iter for m in modules]}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` snapshot in place (the tables' storage does not move).
         ``state`` stays as it was: training on does not write into it."""
@@ -277,3 +285,26 @@ class TrainStep:
             module._emb_module.iter.copy_(it)
             module._emb_module.iter_cpu.zero_()  # re-read from `iter` on the next forward
         self.rows_trained = int(state["rows_trained"])
+
+    def warm_start(self, state: Mapping[str, Any]) -> None:
+        """Start from another model (:meth:`models.warm.WarmStart.read`): the weights
+        ``state["model"]`` holds (all, or those a partial start took) and, where ``state`` has
+        them, both optimisers' states (the sparse one for the tables taken); the rest keeps
+        this step's initial values. ``rows_trained`` starts again."""
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        if unexpected:
+            raise ValueError(f"the start's weights are not this model's: {unexpected}")
+        if "dense_optimizer" in state:
+            self.dense_optimizer.load_state_dict(_clone(state["dense_optimizer"]))
+        if "sparse_optimizer" in state:
+            taken = {f"{f}.weight" for f, key in embedding_keys(self.model).items()
+                     if key not in missing}
+            own = sparse_optimizer(self.model).state_dict()
+            own["state"].update({k: v for k, v in state["sparse_optimizer"]["state"].items()
+                                 if k in taken})
+            sparse_optimizer(self.model).load_state_dict(own)
+        for module, it in zip(fused_embeddings(self.model)._emb_modules,
+                              state.get("sparse_iter", ())):
+            module._emb_module.iter.copy_(it)
+            module._emb_module.iter_cpu.zero_()
+        self.rows_trained = 0

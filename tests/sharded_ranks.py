@@ -19,6 +19,8 @@ from antdt.errors import ConfigError
 from data.schema import Schema
 from models.config import ModelConfig, OptimConfig
 from models.sharded import ShardedTrainStep
+from models.warm import WarmStart
+from pipeline.training.recipes import ShardedRankingTrainer, ShardedTrainerRecipe, started
 from ranks import Group
 from small_model import CPU, SCHEMA, SMALL
 
@@ -217,3 +219,17 @@ def write_failure(group: Group, ranks: int, folder: str) -> str | None:
     except OSError as error:
         return str(error)
     return None
+
+
+def warmed(group: Group, ranks: int, init: WarmStart, model_cfg: ModelConfig,
+           optim_cfg: OptimConfig, schema: Schema = SCHEMA) -> dict[str, Any] | None:
+    """On the first ``ranks`` ranks: a sync job's trainer (seed 1) started from ``init`` as a
+    job's workers start it (:func:`pipeline.training.recipes.started`); its gathered state
+    (rank 0)."""
+    process_group = group.first(ranks)
+    if process_group is None:
+        return None
+    recipe = ShardedTrainerRecipe(schema, model_cfg, optim_cfg, 1)
+    step = ShardedTrainStep(schema, model_cfg, optim_cfg, device=CPU, seed=1,
+                            process_group=process_group)
+    return started(ShardedRankingTrainer(step, recipe), init).sharded.full_state()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import dask.config
 import torch
@@ -29,6 +29,7 @@ from models.sharded import ShardedTrainStep, to_train_step
 from models.shards import read_full_state
 from models.remote_tables import RemoteTableStep
 from models.train_step import TrainStep
+from models.warm import WarmStart
 from pipeline.training.remote import TableRankingTrainer
 
 
@@ -73,25 +74,49 @@ class RankingTrainer:
             state = read_full_state(state.folder, state.files)
         self.train_step.load_state_dict(state)
 
+    def warm_start(self, state: Mapping[str, Any]) -> None:
+        self.train_step.warm_start(state)
+
+
+class _Startable(Protocol):
+    def restore_state(self, state: Any) -> None: ...
+
+    def warm_start(self, state: Mapping[str, Any]) -> None: ...
+
+
+Started = TypeVar("Started", bound=_Startable)
+
+
+def started(trainer: Started, init: WarmStart | None) -> Started:
+    """``trainer`` from the model ``init`` names (as built without one): a model in parts as a
+    resume reads it (each rank or host its own rows), one piece by ``warm_start``."""
+    if init is not None and init.layout == "parts":
+        trainer.restore_state(SavedModel(init.folder, dict(init.files)))
+    elif init is not None:
+        trainer.warm_start(init.read())
+    return trainer
+
 
 @dataclass(frozen=True)
 class TrainerRecipe:
-    """Builds a :class:`RankingTrainer` on a worker; the seed makes every replica start equal."""
+    """Builds a :class:`RankingTrainer` on a worker; the seed makes every replica start equal,
+    and ``init`` (:mod:`models.warm`) starts them all from another model."""
 
     schema: Schema
     model: ModelConfig
     optim: OptimConfig
     seed: int
+    init: WarmStart | None = None
 
     def __call__(self, device: torch.device) -> RankingTrainer:
-        return RankingTrainer(TrainStep(self.schema, self.model, self.optim, device=device,
-                                        seed=self.seed))
+        return started(RankingTrainer(TrainStep(self.schema, self.model, self.optim,
+                                                device=device, seed=self.seed)), self.init)
 
     def remote_tables(self, device: torch.device) -> TableRankingTrainer:
         """The trainer of the async mode with sharded tables: the dense part only."""
-        return TableRankingTrainer(
+        return started(TableRankingTrainer(
             RemoteTableStep(self.schema, self.model, self.optim, device=device, seed=self.seed),
-            self.schema, self.model, self.optim, self.seed)
+            self.schema, self.model, self.optim, self.seed), self.init)
 
 
 class ShardedRankingTrainer:
@@ -143,6 +168,9 @@ class ShardedRankingTrainer:
         else:
             self.sharded.load_full_state(state)
 
+    def warm_start(self, state: Mapping[str, Any]) -> None:
+        self.sharded.warm_start(state)
+
     def final(self, state: Mapping[str, Any]) -> RankingTrainer:
         recipe = self.recipe
         return RankingTrainer(to_train_step(state, recipe.schema, recipe.model, recipe.optim))
@@ -183,17 +211,18 @@ class ShardedTrainerRecipe:
     """Builds a :class:`ShardedRankingTrainer` on a worker that joined its job's process group;
     the planner is told what the worker's memory leaves for the rank's shards
     (:func:`rank_memory`; without a limit, the machine's share). The seed makes the model start
-    as :class:`TrainerRecipe`'s does."""
+    as :class:`TrainerRecipe`'s does, and so does ``init``."""
 
     schema: Schema
     model: ModelConfig
     optim: OptimConfig
     seed: int
+    init: WarmStart | None = None
 
     def __call__(self, device: torch.device) -> ShardedRankingTrainer:
         step = ShardedTrainStep(self.schema, self.model, self.optim, device=device,
                                 seed=self.seed, memory_bytes=rank_memory(get_worker()))
-        return ShardedRankingTrainer(step, self)
+        return started(ShardedRankingTrainer(step, self), self.init)
 
 
 @dataclass(frozen=True)

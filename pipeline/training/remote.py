@@ -137,26 +137,37 @@ class TableRankingTrainer:
         self.remote.load_dense(state)
         self._restored = state
 
+    def warm_start(self, state: Mapping[str, Any]) -> None:
+        """Start from another model (:meth:`models.warm.WarmStart.read`): the dense part here
+        (:meth:`RemoteTableStep.warm_dense`); each host draws its rows from ``state`` where it
+        holds them and from the seed where a partial start left a table (:meth:`initial_rows`)."""
+        self.remote.warm_dense(state)
+        self._restored = state
+
     def _slice(self, state: Mapping[str, Any], start: int, stop: int
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows ``[start, stop)`` end to end of a TrainStep state's tables and sparse state."""
-        keys = self.remote._table_keys
-        sparse = state["sparse_optimizer"]["state"]
-        weights, states = [], []
-        offsets = self.layout.offsets
-        for i, feature in enumerate(self.layout.features):
-            low, high = max(start, offsets[i]), min(stop, offsets[i + 1])
-            if low >= high:
-                continue
-            rows = slice(low - offsets[i], high - offsets[i])
-            weights.append(state["model"][keys[feature]][rows])
-            kept = sparse.get(f"{feature}.weight", {})
-            if kept:
-                (value,) = kept.values()
-                states.append(value.reshape(offsets[i + 1] - offsets[i], -1)[rows])
-        if not states:
-            return torch.cat(weights).clone(), None
-        return torch.cat(weights).clone(), torch.cat(states).float().clone()
+        """Rows ``[start, stop)`` end to end of a TrainStep state's tables and sparse state; a
+        table the state does not hold (a partial warm start) from the seed, and state it does
+        not hold as a fresh optimiser's (None where it holds none at all)."""
+        sparse = state.get("sparse_optimizer", {"state": {}})["state"]
+        weights = torch.empty(stop - start, self.layout.dim)
+        states = torch.zeros(stop - start, self.width) if self.width else None
+        given = False
+        at = 0
+        for table, first, rows in self._pieces(start, stop):
+            source = state["model"].get(table.key)
+            if source is None:
+                low = self.layout.offsets[self.tables.index(table)] + first
+                weights[at:at + rows] = initial_rows(self.layout, self.seed, low, low + rows)
+            else:
+                weights[at:at + rows] = source[first:first + rows]
+                kept = sparse.get(f"{table.name}.weight", {})
+                if kept and states is not None:
+                    (value,) = kept.values()
+                    states[at:at + rows] = value.reshape(table.shape[0], -1)[first:first + rows]
+                    given = True
+            at += rows
+        return weights, states if given else None
 
     def final(self, gather: Callable[[], Tables]) -> GatheredTrainer:
         return GatheredTrainer(self, gather)

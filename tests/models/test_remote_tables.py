@@ -15,7 +15,7 @@ from models.config import OptimConfig
 from models.ranking import dense_parameters, embedding_tables, sparse_optimizer
 from models.remote_tables import RemoteTableStep, TableLayout, initial_rows
 from models.train_step import TrainStep
-from small_model import CPU, SCHEMA, SMALL
+from small_model import CPU, SCHEMA, SMALL, batches
 
 LAYOUT = TableLayout.from_schema(SCHEMA, SMALL)  # C1 50, C2 30, tags 20 rows: 100 global rows
 
@@ -40,24 +40,6 @@ class Host:
     def sparse_state(self) -> dict[str, torch.Tensor]:
         return {f: self.state[a:b] for f, a, b in zip(LAYOUT.features, LAYOUT.offsets,
                                                       LAYOUT.offsets[1:])}
-
-
-def batches(n: int, seed: int = 0, rows: int = 16) -> list[Batch]:
-    """Batches whose ids repeat within and across rows (``C1`` draws from 6 ids) and with empty
-    ``tags`` bags."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        tag_lengths = torch.randint(0, 4, (rows,), generator=g)
-        values = torch.cat([torch.randint(0, 6, (rows,), generator=g),
-                            torch.randint(0, 30, (rows,), generator=g),
-                            torch.randint(0, 20, (int(tag_lengths.sum()),), generator=g)])
-        kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=SCHEMA.sparse_names, values=values,
-            lengths=torch.cat([torch.ones(2 * rows, dtype=torch.int64), tag_lengths]))
-        out.append(Batch(dense_features=torch.rand(rows, 2, generator=g), sparse_features=kjt,
-                         labels=torch.randint(0, 2, (rows,), generator=g).float()))
-    return out
 
 
 def stacked_tables(step: TrainStep) -> torch.Tensor:

@@ -19,8 +19,9 @@ from models.config import ModelConfig, OptimConfig
 from models.sharded import read_train_step, to_train_step
 from models.shards import read_full_state
 from models.train_step import TrainStep, model_bytes
+from models.warm import STATE_FILE, job_shapes, plan, source_shapes
 from ranks import Ranks
-from sharded_ranks import (ADAGRAD, SGD, WIDE, assert_states_close, batch, gather_refusals,
+from sharded_ranks import (ADAGRAD, SGD, WIDE, assert_states_close, batch, gather_refusals, warmed,
                            loaded, make_rows, refusal, train, write_failure, written)
 from small_model import CPU, SCHEMA, SMALL
 
@@ -151,6 +152,39 @@ def test_shards_each_rank_wrote_load_on_any_number_of_ranks(ranks: Ranks, tmp_pa
         assert_states_close(found[0], state, rtol=1e-6)
     served = read_train_step(folder, files, SCHEMA, WIDE, optim)
     assert_states_close(served.state_dict(), state, rtol=1e-6)
+
+
+def test_a_warm_start_gives_every_rank_its_part_of_the_source(ranks: Ranks,
+                                                               tmp_path: Path) -> None:
+    """A sync job starts from a model in one piece (a partial start: a table of other rows
+    left at the seed's draw) and from parts three ranks wrote, on two ranks: the gathered
+    model is the source's (weights and both optimisers' states) before its first step."""
+    folder = str(tmp_path / "parts")
+    files, source = ranks.run(written, 3, folder, [(3, 2, 3), (8, 0, 0)], SMALL, ADAGRAD)[0]
+    assert source is not None
+    init = plan("parts", "parts", folder, files, source_shapes("parts", folder, files),
+                job_shapes(SCHEMA, SMALL, ADAGRAD), partial=False)
+    found = ranks.run(warmed, 2, init, SMALL, ADAGRAD)[0]
+    assert_states_close(found, source, rtol=0.0)
+
+    piece = tmp_path / "piece"
+    piece.mkdir()
+    torch.save(source, piece / STATE_FILE)
+    wider = Schema.from_dict(SCHEMA.to_dict() | {"sparse": [
+        {"name": "C1", "num_embeddings": 70}, *SCHEMA.to_dict()["sparse"][1:]]})
+    init = plan("piece", "state", str(piece), {}, source_shapes("state", str(piece), {}),
+                job_shapes(wider, SMALL, ADAGRAD), partial=True)
+    assert init.left == ("table C1",)
+    found = ranks.run(warmed, 2, init, SMALL, ADAGRAD, wider)[0]
+    fresh = TrainStep(wider, SMALL, ADAGRAD, device=CPU, seed=1).state_dict()
+    assert torch.equal(found["model"][TABLES["C1"]], fresh["model"][TABLES["C1"]])
+    assert not found["sparse_optimizer"]["state"]["C1.weight"]["C1.weight.momentum_1"].any()
+    for key, value in source["model"].items():
+        if key != TABLES["C1"]:
+            assert torch.equal(found["model"][key], value), key
+    assert_states_close(found["sparse_optimizer"]["state"]["C2.weight"],
+                        source["sparse_optimizer"]["state"]["C2.weight"], rtol=0.0)
+    assert found["rows_trained"] == 0
 
 
 def test_shards_missing_a_rank_are_refused_naming_the_files(ranks: Ranks,
