@@ -1,8 +1,10 @@
 """The logged model: an MLflow pyfunc that scores raw rows (a DataFrame of the schema's columns).
 
-What is logged is what a serving system needs and nothing it does not: the model weights (no
-optimizer state), the schema and the model config. Scoring runs the same reader code as training
-(dense transform, hashing, null buckets), so a row scores the same online as in evaluation.
+What is logged is what a serving system needs: the model weights, the schema and the model
+config; and beside them, for a job that starts from this model (``train.init_from``,
+:mod:`models.warm`), both optimisers' state (``train_state.pt``, which scoring never reads).
+Scoring runs the same reader code as training (dense transform, hashing, null buckets), so a
+row scores the same online as in evaluation.
 
 This module's path is part of every model logged: MLflow pickles :class:`RankingModel` by
 reference, so ``pipeline.serving`` stays where it is (at the top of ``pipeline/``, whatever the
@@ -34,6 +36,7 @@ from data.reader import table_batch
 from data.schema import Schema
 from models.config import ModelConfig, OptimConfig
 from models.train_step import TrainStep
+from models.warm import TRAIN_STATE_FILE, WEIGHTS_FILE
 from pipeline.job.config import JobConfig
 
 EXAMPLE_ROWS = 5
@@ -123,13 +126,16 @@ def log_ranking_model(step: TrainStep, schema: Schema, job: JobConfig, example: 
         spec_path.write_text(yaml.safe_dump({"schema": schema.to_dict(),
                                              "model": job.model.to_dict(),
                                              "optim": job.train.optim.to_dict()}))
-        weights_path = Path(tmp) / "weights.pt"
+        weights_path = Path(tmp) / WEIGHTS_FILE
         torch.save({k: v.detach().cpu() for k, v in step.model.state_dict().items()}, weights_path)
+        train_state_path = Path(tmp) / TRAIN_STATE_FILE
+        torch.save(step.optimizer_state(), train_state_path)
         output = MlflowSchema([TensorSpec(np.dtype(np.float32), (-1,))])
         signature = ModelSignature(inputs=input_schema(frame), outputs=output)
         info: ModelInfo = mlflow.pyfunc.log_model(
             name="model", python_model=RankingModel(),
-            artifacts={"spec": str(spec_path), "weights": str(weights_path)},
+            artifacts={"spec": str(spec_path), "weights": str(weights_path),
+                       "train_state": str(train_state_path)},
             signature=signature, input_example=frame,
             pip_requirements=[f"antdt=={__version__}"],
         )

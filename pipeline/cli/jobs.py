@@ -157,6 +157,22 @@ register_option = click.option(
 """``--register`` of ``antdt submit`` and ``antdt train``."""
 
 
+init_from_option = click.option(
+    "--init-from", default=None, metavar="MODEL",
+    help="Start from this model instead of the seed's: models:/NAME@ALIAS, "
+         "models:/NAME/VERSION, runs:/RUN_ID, a checkpoint or a model folder (the job's "
+         "train.init_from); a model of other shapes is refused unless "
+         "train.init_from_partial is true.")
+"""``--init-from`` of ``antdt submit`` and ``antdt train``."""
+
+
+def initialising(job: JobConfig, ref: str | None) -> JobConfig:
+    """``job`` starting from the model ``ref`` names (None: as its job file says)."""
+    if ref is None:
+        return job
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, init_from=ref))
+
+
 def registering(job: JobConfig, name: str | None) -> JobConfig:
     """``job`` registering its model as ``name`` (None: as its job file says, checked when it
     was loaded), the name checked before anything trains."""
@@ -202,11 +218,12 @@ def resume_spec(job: JobConfig, spec: JobSpec, ref: str, job_id: str | None
               "instead of starting another (a retried submit).")
 @click.option("--no-wait", is_flag=True, help="Print the job id and return at once.")
 @resume_option
+@init_from_option
 @register_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary (or the id) as JSON.")
 def submit(job_path: str, cluster: Cluster, mode: str | None, overrides: tuple[str, ...],
            tracking_uri: str | None, job_id: str | None, no_wait: bool, resume: str | None,
-           register: str | None, as_json: bool) -> None:
+           init_from: str | None, register: str | None, as_json: bool) -> None:
     """Run JOB.yaml on the Dask cluster; follow it to its end (exit 0 when it finished)."""
     from pipeline.job.config import load_job
     from pipeline.training.cluster import job_spec
@@ -215,7 +232,7 @@ def submit(job_path: str, cluster: Cluster, mode: str | None, overrides: tuple[s
         overrides = (*overrides, f"mlflow.tracking_uri={tracking_uri}")
     if mode is not None:
         overrides = (*overrides, f"train.mode={mode}")
-    job = registering(load_job(job_path, overrides), register)
+    job = initialising(registering(load_job(job_path, overrides), register), init_from)
     if job.train.mode == "local":
         raise click.UsageError("submit runs a job on a Dask cluster: train.mode must be async "
                                "or sync (antdt train --mode local trains in this process)")

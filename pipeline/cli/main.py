@@ -21,7 +21,8 @@ from pipeline import terminal
 from pipeline.bench import bench
 from pipeline.cli.experiments import EXPERIMENT_COMMANDS
 from pipeline.cli.jobs import (JOB_COMMANDS, Cluster, cluster_options, follow_and_report,
-                               register_option, registering, resume_option, resume_spec)
+                               init_from_option, initialising, register_option, registering,
+                               resume_option, resume_spec)
 from pipeline.terminal import progress_bar, stderr
 
 
@@ -169,11 +170,13 @@ def data_validate(paths: tuple[str, ...], schema_path: str, as_json: bool) -> No
               "else MLflow's default store).")
 @click.option("--job-id", default=None, help="The job's id (async mode).")
 @resume_option
+@init_from_option
 @register_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def train(job_path: str, mode: str | None, local_alias: bool, workers: int | None,
           cluster: Cluster, overrides: tuple[str, ...], tracking_uri: str | None,
-          job_id: str | None, resume: str | None, register: str | None, as_json: bool) -> None:
+          job_id: str | None, resume: str | None, init_from: str | None, register: str | None,
+          as_json: bool) -> None:
     """Train the model of JOB.yaml, evaluate it and track the run in MLflow: on a new
     LocalCluster, or on the Dask cluster at --scheduler (the same as ``antdt submit``). With
     -v, where the command's seconds went follows the summary (``--json``: ``phases``)."""
@@ -192,7 +195,7 @@ def train(job_path: str, mode: str | None, local_alias: bool, workers: int | Non
         overrides = (*overrides, f"mlflow.tracking_uri={tracking_uri}")
     if local_alias or mode is not None:
         overrides = (*overrides, f"train.mode={'local' if local_alias else mode}")
-    job = registering(load_job(job_path, overrides), register)
+    job = initialising(registering(load_job(job_path, overrides), register), init_from)
     chosen = job.train.mode
     if chosen == "local" and (workers is not None or scheduler is not None
                               or resume is not None):

@@ -96,6 +96,13 @@ class TrainConfig:
     checkpoint_every: str = "60s"
     """Rows trained between checkpoints, or a duration such as ``60s``."""
     checkpoint_keep: int = 3
+    init_from: str | None = None
+    """The model the job starts from (:mod:`pipeline.tracking.init_from`): a registry model
+    (``models:/ranking@champion``, ``models:/ranking/7``), a run's (``runs:/<id>``), a
+    checkpoint or a model folder; None: the seed's initial model."""
+    init_from_partial: bool = False
+    """Take the tables and layers of ``init_from`` whose shapes match and leave the rest at
+    their initial values (false: a model that does not fit the job refuses it)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -250,7 +257,7 @@ def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
     own = {"batch_size", "epochs", "seed", "threads", "log_every", "mode", "adaptive_batch",
            "workers",
            "min_batches_per_worker", "sync_period", "shard_rows", "sharding", "checkpoint_dir", "checkpoint_every",
-           "checkpoint_keep"}
+           "checkpoint_keep", "init_from", "init_from_partial"}
     _reject_unknown(raw, own | _OPTIM_KEYS, where)
     defaults = TrainConfig()
     optim = OptimConfig.from_dict({k: v for k, v in raw.items() if k in _OPTIM_KEYS}, where=where)
@@ -269,6 +276,13 @@ def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
     if checkpoint_dir is not None and (not isinstance(checkpoint_dir, str) or not checkpoint_dir):
         raise ConfigError(f"{where}.checkpoint_dir: expected a path or fsspec URL, found "
                           f"{checkpoint_dir!r}")
+    init_from = raw.get("init_from")
+    if init_from is not None and (not isinstance(init_from, str) or not init_from):
+        raise ConfigError(f"{where}.init_from: expected models:/NAME@ALIAS, models:/NAME/VERSION, "
+                          f"runs:/RUN_ID or a folder, found {init_from!r}")
+    partial = raw.get("init_from_partial", defaults.init_from_partial)
+    if not isinstance(partial, bool):
+        raise ConfigError(f"{where}.init_from_partial: expected true or false, found {partial!r}")
     try:
         every = Every.parse(raw.get("checkpoint_every", defaults.checkpoint_every),
                             where=f"{where}.checkpoint_every")
@@ -292,6 +306,8 @@ def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=str(every),
         checkpoint_keep=_positive_int(raw, "checkpoint_keep", defaults.checkpoint_keep, where),
+        init_from=init_from,
+        init_from_partial=partial,
         optim=optim,
     )
 

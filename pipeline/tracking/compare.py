@@ -17,12 +17,14 @@ Which runs (:func:`compare`):
 
 What a run shows (:class:`RunView`): its name and short id, status, mode (tag ``antdt.mode``),
 workers (the ``workers`` metric; 1 for a local run, else the ``train.workers`` param while the
-run has no summary yet), the params whose values differ between the shown runs, the summary
+run has no summary yet), the model it started from where one did (``from``: tags
+``antdt.init_from*``, a registry version as ``ranking v7``), the params whose values differ between the shown runs, the summary
 metrics and the rows. A run's params are its job config flattened (``train.batch_size``,
-``train.sparse_lr``, ``data.train``, ...); three are never shown as params because they are
+``train.sparse_lr``, ``data.train``, ...); four are never shown as params because they are
 noise here: ``mlflow.tracking_uri`` (where the run was written: the store being read, only
-spelled differently by different jobs), ``train.mode`` and ``train.workers`` (the config's,
-which a local run ignores: the mode and workers columns show what ran).
+spelled differently by different jobs), ``train.mode``, ``train.workers`` and
+``train.init_from`` (the config's, which a local run ignores or an alias hides: the mode,
+workers and from columns show what ran).
 
 Highlights (:class:`Comparison`): the best value of AUC, logloss, wall time, samples/s and the
 chosen metric (:func:`higher_is_better` says which way is better), when at least two runs have
@@ -68,7 +70,8 @@ DEFAULT_LAST = 10
 
 SWEEP_TAG = "antdt.sweep"
 PARENT_TAG = "mlflow.parentRunId"
-IGNORED_PARAMS = frozenset({"mlflow.tracking_uri", "train.mode", "train.workers"})
+IGNORED_PARAMS = frozenset({"mlflow.tracking_uri", "train.mode", "train.workers",
+                            "train.init_from"})
 """Params never shown as differing (see the module docstring)."""
 
 RANKED = ("auc", "logloss", "wall_s", "samples_per_s")
@@ -108,6 +111,9 @@ class RunView:
     metrics: Mapping[str, float]
     """The latest value of each of the run's metrics (a summary metric's only value, logged at
     step 0); never NaN."""
+    started_from: str | None = None
+    """The model the run started from (``train.init_from``): a registry model's name and
+    version, a run's short id or a folder; None: from the seed."""
 
     @property
     def label(self) -> str:
@@ -131,7 +137,7 @@ class RunView:
             workers = int(params["train.workers"])
         return cls(run_id=run.info.run_id, name=run.info.run_name or run.info.run_id,
                    experiment=experiment, status=run.info.status, mode=mode, workers=workers,
-                   params=dict(params), metrics=metrics)
+                   params=dict(params), metrics=metrics, started_from=_started_from(tags))
 
 
 @dataclass(frozen=True)
@@ -173,7 +179,7 @@ class Comparison:
         return [{
             "run_id": run.run_id, "name": run.name, "experiment": run.experiment,
             "status": run.status, "mode": run.mode, "workers": run.workers,
-            "params": {key: run.params.get(key) for key in self.differing},
+            "started_from": run.started_from, "params": {key: run.params.get(key) for key in self.differing},
             "metrics": {key: run.value(key) for key in dict.fromkeys((*METRICS, self.metric))},
             "rows": {key.removeprefix("rows_"): _integer(run.value(key)) for key in ROWS},
             "best": [key for key in ranked_metrics(self.metric)
@@ -337,6 +343,18 @@ def _differing(runs: Sequence[RunView]) -> tuple[str, ...]:
     return tuple(key for key in keys if len({run.params.get(key) for run in with_params}) > 1)
 
 
+def _started_from(tags: Mapping[str, str]) -> str | None:
+    """What a run's ``antdt.init_from`` tags say it started from, short."""
+    ref = tags.get("antdt.init_from")
+    if ref is None:
+        return None
+    if "antdt.init_from.version" in tags:
+        return f"{tags['antdt.init_from.model']} v{tags['antdt.init_from.version']}"
+    if "antdt.init_from.run_id" in tags:
+        return f"run {tags['antdt.init_from.run_id'][:8]}"
+    return ref
+
+
 def _integer(value: float | None) -> int | None:
     return None if value is None else int(value)
 
@@ -359,7 +377,8 @@ def table(comparison: Comparison) -> Table:
         f"best {metric} first ({'higher' if higher_is_better(metric) else 'lower'} is better)"
     count = len(comparison.runs)
     out = Table(title=f"{comparison.title}: {count} run{'s' * (count != 1)}, {order}")
-    for header in ("run", "id", "status", "mode", "workers"):
+    lineage = any(run.started_from for run in comparison.runs)
+    for header in ("run", "id", "status", "mode", "workers", *["from"] * lineage):
         out.add_column(header, no_wrap=header in ("id", "status"))
     for key in comparison.differing:
         out.add_column(key)
@@ -374,6 +393,7 @@ def table(comparison: Comparison) -> Table:
             Text(run.name, style="bold yellow" if issues else ""), run.run_id[:8],
             Text(run.status, style=_STATUS_STYLE.get(run.status, "")), run.mode or "-",
             "-" if run.workers is None else str(run.workers),
+            *[run.started_from or "-"] * lineage,
             *(run.params.get(key, "-") for key in comparison.differing)]
         for key in metrics:
             best = run.run_id in comparison.best.get(key, ())

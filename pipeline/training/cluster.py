@@ -38,6 +38,7 @@ from models.config import ModelConfig, OptimConfig
 from models.train_step import model_bytes
 from pipeline.job.config import JobConfig
 from pipeline.job.report import JobSummary, ProgressSink
+from pipeline.tracking.init_from import warm_start
 from pipeline.tracking.tracking import experiment, resolved_uri
 from pipeline.tracking.uris import redact, store_modules
 from pipeline.training.following import follow, outcome
@@ -164,16 +165,18 @@ def job_spec(job: JobConfig, data: PreparedData | None = None, *,
     """What AntDT's master runs for ``job`` (validated here first unless ``data`` is given).
     ``deadline_s``: stop the job if training takes longer (benchmarks' baselines that never
     finish); ``workers``: train on that many of the cluster's workers, the least busy (default:
-    every worker); ``run_tags``, ``run_name``: what its MLflow run starts with."""
+    every worker); ``run_tags``, ``run_name``: what its MLflow run starts with (besides what
+    ``train.init_from`` records, :mod:`pipeline.tracking.init_from`)."""
     data = data if data is not None else prepare_data(job)
     plan = ledger_plan(job, data)
     train = job.train
     uri = resolved_uri(job)
+    init, init_tags = warm_start(job, data.schema, uri)
     hooks = RankingHooks(job, data.schema, data.validation,
                          example=(data.validation or data.train)[0], tracking_uri=uri,
                          experiment_id=experiment(uri, job.mlflow.experiment),
                          quarantine=[(p, g, r) for p, g, r in plan.quarantine],
-                         run_tags=dict(run_tags or {}), run_name=run_name)
+                         run_tags={**init_tags, **(run_tags or {})}, run_name=run_name)
     faults = {f.worker: {"slowdown": f.slowdown, "hang_after_rows": f.hang_after_rows,
                          "crash_after_rows": f.crash_after_rows,
                          "slow_for_rows": f.slow_for_rows, "pause_until": f.pause_until,
@@ -196,7 +199,7 @@ def job_spec(job: JobConfig, data: PreparedData | None = None, *,
                     data.schema, job.model, train.optim),
                 tables=None if train.mode == "sync" else tables_plan(job, data.schema)),
         JobCode.of((ShardedTrainerRecipe if train.mode == "sync" else TrainerRecipe)(
-                       data.schema, job.model, train.optim, train.seed),
+                       data.schema, job.model, train.optim, train.seed, init),
                    ReaderRecipe(data.schema, train.threads), hooks))
 
 

@@ -24,6 +24,7 @@ from data.reader import ShardReader
 from data.schema import Schema
 from data.validate import validate
 from models.evaluate import evaluate
+from models.shards import read_full_state
 from models.train_step import TrainStep
 from pipeline.job.config import JobConfig
 from pipeline.job.phases import Phases
@@ -143,6 +144,21 @@ class OpeningRun:
             self._opening.result().__exit__(exc_type, exc, tb)
 
 
+def _warm_start(job: JobConfig, schema: Schema, step: TrainStep) -> dict[str, str]:
+    """Start ``step`` from ``train.init_from`` (MLflow imported only then: a local job opens
+    its run while it trains); the tags its run records."""
+    if job.train.init_from is None:
+        return {}
+    from pipeline.tracking.init_from import warm_start
+    from pipeline.tracking.tracking import resolved_uri
+
+    init, tags = warm_start(job, schema, resolved_uri(job))
+    if init is not None:
+        step.warm_start(read_full_state(init.folder, init.files) if init.layout == "parts"
+                        else init.read())
+    return tags
+
+
 def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
                 tags: Mapping[str, str] | None = None, run_name: str | None = None,
                 phases: Phases | None = None) -> JobSummary:
@@ -162,8 +178,9 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
     if progress is not None:
         progress.total(total_rows)
     step = TrainStep(data.schema, job.model, job.train.optim, seed=job.train.seed)
+    init_tags = _warm_start(job, data.schema, step)
     reader = ShardReader(data.schema)
-    with OpeningRun(job, data.schema, tags or {}, run_name) as run:
+    with OpeningRun(job, data.schema, {**init_tags, **(tags or {})}, run_name) as run:
         phases.mark("prepare")
         rows, steps, train_s = 0, 0, 0.0
         window_loss, window_start = 0.0, time.perf_counter()

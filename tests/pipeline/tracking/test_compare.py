@@ -188,3 +188,22 @@ def test_compare_against_a_live_mlflow_server(mlflow_server: str, store: Store) 
     assert all(run["rows"]["trained"] == served[0].rows_trained for run in shown)
     result = antdt("compare", "--tracking-uri", mlflow_server, "--runs", "f" * 32)
     assert result.exit_code == 2 and "f" * 32 in result.output
+
+
+def test_a_run_started_from_another_shows_where_it_started(tiny_data: SynthResult,
+                                                          tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.format(out=tiny_data.out, uri=uri))
+    base = train_local(load_job(job), run_name="base")
+    following = train_local(load_job(job, [f"train.init_from=runs:/{base.run_id}"]),
+                            run_name="next")
+    result = antdt("compare", "--tracking-uri", uri, "--json", "--runs",
+                   f"{base.run_id},{following.run_id}")
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)
+    assert [run["started_from"] for run in shown] == [None, f"run {base.run_id[:8]}"]
+    table = antdt("compare", "--tracking-uri", uri, "--runs", f"{base.run_id},{following.run_id}")
+    lines = table.stdout.splitlines()
+    header = "".join(lines[:next(i for i, line in enumerate(lines) if "┡" in line)])
+    assert "from" in header and f"run {base.run_id[:8]}" in table.stdout
