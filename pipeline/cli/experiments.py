@@ -86,20 +86,41 @@ def _paths(values: tuple[str, ...]) -> list[str] | None:
                    "validation paths, from its antdt.data.validation tag).")
 @click.option("--min-gain", type=float, default=0.0, show_default=True,
               help="How much better the candidate must score to replace the champion.")
+@click.option("--no-worse", "no_worse", multiple=True, metavar="METRIC",
+              help="A metric the candidate must also be no worse at (e.g. logloss; "
+                   "repeatable).")
+@click.option("--calibration", type=click.FloatRange(min=0), default=None,
+              help="Promote only if the candidate's mean prediction is within this share of "
+                   "the observed click rate (0.05: within 5%).")
+@click.option("--rollback", is_flag=True,
+              help="Make the previous champion (alias champion_prev) the champion again; "
+                   "nothing is scored.")
 @click.option("--tracking-uri", default=None,
               help="MLflow tracking URI (default: MLflow's default store as it resolves here).")
 @click.option("--json", "as_json", is_flag=True, help="Print the decision as JSON.")
 def promote(name: str, version: int | None, metric: str, on: tuple[str, ...], min_gain: float,
+            no_worse: tuple[str, ...], calibration: float | None, rollback: bool,
             tracking_uri: str | None, as_json: bool) -> None:
     """Score a version of the registered model NAME and its champion (the version the
     champion alias names) on the same validation data, both loaded from the registry as a
     server would; move the alias to the candidate only if it scores better by at least
-    --min-gain (with no champion yet, it becomes the champion). The decision and both scores
-    are recorded on the candidate version and its run."""
+    --min-gain and passes the guards asked for (with no champion yet, it becomes the
+    champion). The champion it replaces keeps the alias champion_prev. The decision and both
+    scores are recorded on the candidate version and its run."""
     from pipeline.tracking.registry import promote as promoting
+    from pipeline.tracking.registry import rollback as rolling_back
 
+    if rollback:
+        if version is not None or on or no_worse or calibration is not None:
+            raise click.UsageError("--rollback scores nothing: give it alone")
+        was, now = rolling_back(name, tracking_uri)
+        click.echo(json.dumps({"model": name, "from": was, "champion": now}) if as_json else
+                   f"{name}: the champion is version {now} again (was {was}; "
+                   f"antdt promote {name} --rollback undoes it)")
+        return
     decision = promoting(name, version=version, metric=metric, on=_paths(on),
-                         min_gain=min_gain, tracking_uri=tracking_uri)
+                         min_gain=min_gain, tracking_uri=tracking_uri, no_worse=no_worse,
+                         calibration=calibration)
     if as_json:
         click.echo(json.dumps(decision.to_dict(), sort_keys=True))
     else:

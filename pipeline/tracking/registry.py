@@ -23,7 +23,10 @@ already has a version.
 
 Promotion (:func:`promote`, ``antdt promote``) loads the candidate and the champion from the
 registry as a serving system would (``models:/NAME/VERSION``), scores raw Parquet rows with
-both, and moves the alias only when the candidate is better by at least ``min_gain``. The
+both, and moves the alias only when the candidate is better by at least ``min_gain`` and passes
+the guards asked for (no worse on another metric, calibration within a tolerance; the daily
+DAG asks for both). The champion it replaces keeps the alias ``champion_prev``, so a rollback
+is one command (:func:`rollback`, ``antdt promote NAME --rollback``). The
 decision is recorded as tags of the candidate version and of its run (the latest decision
 wins)::
 
@@ -33,6 +36,8 @@ wins)::
     antdt.promotion.champion_version            the champion it was compared with
     antdt.promotion.validation                  the paths scored (JSON list)
     antdt.promotion.validation_rows, antdt.promotion.validation_fingerprint
+    antdt.promotion.guards, antdt.promotion.held_back   the guards' figures (JSON), and the
+                                                ones that kept a better candidate out
 
 and as the run's metrics ``promotion.candidate.<metric>``, ``promotion.champion.<metric>`` and
 ``promotion.gain.<metric>`` (their history keeps every decision).
@@ -79,6 +84,9 @@ from pipeline.tracking.uris import redact
 logger = logging.getLogger(__name__)
 
 CHAMPION = "champion"
+PREVIOUS = "champion_prev"
+"""The alias of the champion a promotion replaced: :func:`rollback` makes it the champion
+again."""
 """The alias of the version a serving system loads (``models:/NAME@champion``)."""
 
 FOOTER_TAIL = 64 * 1024
@@ -329,6 +337,12 @@ class Decision:
     """Validation rows each model scored."""
     fingerprint: str | None = None
     """The :func:`fingerprint` of the files scored."""
+    guards: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    """The other checks the promotion asked for, by name, each ``{"candidate", "champion",
+    "ok"}``: a metric the candidate must be no worse at (``logloss``), and ``calibration``
+    (predicted over observed click rate, within the tolerance of 1)."""
+    held_back: str | None = None
+    """Why a candidate better on :attr:`metric` stays out: the guards that failed."""
 
     @property
     def promoted(self) -> bool:
@@ -361,9 +375,14 @@ class Decision:
         if self.champion_score is not None and self.gain is not None:
             lines += [f"  champion   {self.champion_score:.4f}",
                       f"  gain       {self.gain:+.4f} (at least {self.min_gain:.4f} needed)"]
+        for guard, found in self.guards.items():
+            champion = "" if found["champion"] is None else f", champion {found['champion']:.4f}"
+            lines.append(f"  {guard:<10} candidate {found['candidate']:.4f}{champion}: "
+                         f"{'ok' if found['ok'] else 'failed'}")
         verdict = {Outcome.FIRST: f"promoted: no {CHAMPION} yet, version {self.candidate} is it",
                    Outcome.PROMOTED: f"promoted: version {self.candidate} is the {CHAMPION}",
-                   Outcome.KEPT: f"kept: version {self.champion} stays the {CHAMPION}"}
+                   Outcome.KEPT: f"kept: version {self.champion} stays the {CHAMPION}"
+                   + (f" (held back: {self.held_back})" if self.held_back else "")}
         return [*lines, f"  decision   {verdict[self.outcome]}"]
 
     def tags(self) -> dict[str, str]:
@@ -375,6 +394,10 @@ class Decision:
                 "antdt.promotion.validation_rows": str(self.rows),
                 "antdt.promotion.validation_fingerprint": str(self.fingerprint),
                 **paths_tag("antdt.promotion.validation", self.validation)}
+        if self.guards:
+            tags["antdt.promotion.guards"] = json.dumps(self.guards, sort_keys=True)
+        if self.held_back:
+            tags["antdt.promotion.held_back"] = self.held_back
         if self.champion is not None:
             tags.update({"antdt.promotion.champion_version": self.champion,
                          "antdt.promotion.champion_score": str(self.champion_score),
@@ -402,7 +425,8 @@ class Decision:
                    float(tags["antdt.promotion.min_gain"]),
                    tuple(json.loads(tags.get("antdt.promotion.validation", "[]"))),
                    int(tags.get("antdt.promotion.validation_rows", "0")),
-                   value("validation_fingerprint"))
+                   value("validation_fingerprint"),
+                   json.loads(tags.get("antdt.promotion.guards", "{}")), value("held_back"))
 
     def metrics(self) -> dict[str, float]:
         """Both scores and the gain as the run's ``promotion.*`` metrics."""
@@ -414,15 +438,19 @@ class Decision:
 
 def promote(name: str, *, version: int | None = None, metric: str = "auc",
             on: str | Sequence[str] | None = None, min_gain: float = 0.0,
-            tracking_uri: str | None = None) -> Decision:
+            tracking_uri: str | None = None, no_worse: Sequence[str] = (),
+            calibration: float | None = None) -> Decision:
     """Score version ``version`` of ``name`` (default: the newest) and the ``champion`` on the
     same validation data, ``on`` (Parquet files, folders or globs; default: the candidate's
     ``antdt.data.validation`` tag); make the candidate the champion when there is none, or when
     it is better on ``metric`` (``auc``: higher, ``logloss``: lower) by at least ``min_gain``
-    (a tie keeps the champion). The decision is recorded (module docstring) unless the
-    candidate already is the champion, which is a no-op."""
-    if metric not in METRICS:
-        raise RegistryError(f"metric {metric!r}: expected one of {', '.join(METRICS)}")
+    (a tie keeps the champion), no worse on each of ``no_worse`` and, with ``calibration``, its
+    mean prediction within that share of the observed click rate. The replaced champion keeps
+    the alias ``champion_prev`` (:func:`rollback`). The decision is recorded (module docstring)
+    unless the candidate already is the champion, which is a no-op."""
+    for asked in (metric, *no_worse):
+        if asked not in METRICS:
+            raise RegistryError(f"metric {asked!r}: expected one of {', '.join(METRICS)}")
     if not math.isfinite(min_gain) or min_gain < 0:
         raise RegistryError(f"min_gain {min_gain}: expected a finite number >= 0")
     uri = tracking_uri or mlflow.get_tracking_uri()
@@ -440,20 +468,62 @@ def promote(name: str, *, version: int | None = None, metric: str = "auc",
     labels, scores = score_versions(name, versions, files, uri)
     values = [_metric(metric, labels, s, name, v, paths) for v, s in zip(versions, scores)]
     candidate_score, champion_score = values[0], (values[1] if champion is not None else None)
-    outcome = Outcome.FIRST
+    checks = _guards(labels, scores, no_worse, calibration, name, versions, paths)
+    outcome, held_back = Outcome.FIRST, None
     if champion_score is not None:
         better = gain(metric, candidate_score, champion_score)
-        outcome = Outcome.PROMOTED if better > 0 and better >= min_gain else Outcome.KEPT
+        failed = [guard for guard, found in checks.items() if not found["ok"]]
+        outcome = Outcome.PROMOTED if better > 0 and better >= min_gain and not failed \
+            else Outcome.KEPT
+        held_back = ", ".join(failed) if failed and better > 0 and better >= min_gain else None
     decision = Decision(name, str(candidate.version), champion, outcome, metric,
                         candidate_score, champion_score, min_gain, paths, len(labels),
-                        fingerprint({"validation": files}))
+                        fingerprint({"validation": files}), checks, held_back)
     if decision.promoted:
         client.set_registered_model_alias(name, CHAMPION, str(candidate.version))
+        if champion is not None:
+            client.set_registered_model_alias(name, PREVIOUS, champion)
     _record(client, candidate, decision)
     logger.info("promotion of %s version %s against %s: %s (%s %s vs %s on %d rows)", name,
                 candidate.version, champion, outcome.value, metric, candidate_score,
                 champion_score, len(labels))
     return decision
+
+
+def _guards(labels: np.ndarray, scores: Sequence[np.ndarray], no_worse: Sequence[str],
+            calibration: float | None, name: str, versions: Sequence[str],
+            paths: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """:attr:`Decision.guards` of the candidate (``scores[0]``) against the champion (the
+    other, if any)."""
+    checks: dict[str, dict[str, Any]] = {}
+    for guard in no_worse:
+        found = [_metric(guard, labels, s, name, v, paths) for v, s in zip(versions, scores)]
+        champion = found[1] if len(found) > 1 else None
+        checks[guard] = {"candidate": found[0], "champion": champion,
+                         "ok": champion is None or gain(guard, found[0], champion) >= 0}
+    if calibration is not None:
+        ratios = [float(s.mean() / max(labels.mean(), 1e-12)) for s in scores]
+        checks["calibration"] = {"candidate": ratios[0],
+                                 "champion": ratios[1] if len(ratios) > 1 else None,
+                                 "ok": abs(ratios[0] - 1) <= calibration}
+    return checks
+
+
+def rollback(name: str, tracking_uri: str | None = None) -> tuple[str, str]:
+    """Make the version ``champion_prev`` names the champion again, and the champion it
+    replaces ``champion_prev`` (a second rollback undoes the first); ``(from, to)``."""
+    uri = tracking_uri or mlflow.get_tracking_uri()
+    client = MlflowClient(uri)
+    aliases = _registered(client, name, uri).aliases
+    if CHAMPION not in aliases or PREVIOUS not in aliases:
+        raise RegistryError(f"{name} has no {PREVIOUS} to roll back to (a promotion that "
+                            f"replaces a {CHAMPION} keeps it); aliases: {dict(aliases)}")
+    current, previous = str(aliases[CHAMPION]), str(aliases[PREVIOUS])
+    client.set_registered_model_alias(name, CHAMPION, previous)
+    client.set_registered_model_alias(name, PREVIOUS, current)
+    client.set_model_version_tag(name, current, "antdt.promotion.rolled_back_to", previous)
+    logger.info("rolled %s back from version %s to version %s", name, current, previous)
+    return current, previous
 
 
 def recorded_decision(name: str, version: str, tracking_uri: str) -> Decision | None:

@@ -25,8 +25,8 @@ from models.evaluate import auc
 from pipeline.cli.main import cli
 from pipeline.job.config import JobConfig, load_job
 from pipeline.job.report import JobSummary
-from pipeline.tracking.registry import (CHAMPION, Decision, Outcome, RegistryError,
-                                        data_window, fingerprint, promote)
+from pipeline.tracking.registry import (CHAMPION, PREVIOUS, Decision, Outcome, RegistryError,
+                                        data_window, fingerprint, promote, rollback)
 from pipeline.training.local import train_local
 
 MODEL = "ranker"
@@ -192,6 +192,40 @@ def test_the_champion_moves_only_for_a_better_model(versions: Versions) -> None:
     assert by_logloss.candidate_score > by_logloss.champion_score
 
 
+def test_guards_hold_a_better_model_back_and_a_rollback_is_one_call(versions: Versions
+                                                                     ) -> None:
+    """After the test above: version 3 is the champion, version 1 was. A rollback swaps them
+    (twice: back again); version 3, better on AUC, stays out while its calibration is off by
+    more than the tolerance asked for, and takes the champion once it is within it."""
+    client = MlflowClient(versions.uri)
+
+    def alias(name: str) -> int:
+        return int(client.get_model_version_by_alias(MODEL, name).version)
+
+    assert (alias(CHAMPION), alias(PREVIOUS)) == (3, 1)
+    assert rollback(MODEL, versions.uri) == ("3", "1")
+    assert (alias(CHAMPION), alias(PREVIOUS)) == (1, 3)
+    held = promote(MODEL, version=3, no_worse=["logloss"], calibration=1e-9,
+                   tracking_uri=versions.uri)
+    assert held.outcome is Outcome.KEPT and held.gain is not None and held.gain > 0
+    assert held.held_back == "calibration" and held.guards["logloss"]["ok"]
+    ratio = held.guards["calibration"]["candidate"]
+    assert not held.guards["calibration"]["ok"] and ratio != 1.0
+    assert "(held back: calibration)" in held.lines()[-1]
+    assert client.get_model_version(MODEL, "3").tags["antdt.promotion.held_back"] == \
+        "calibration"
+    assert alias(CHAMPION) == 1
+    taken = promote(MODEL, version=3, no_worse=["logloss"], calibration=abs(ratio - 1) + 0.01,
+                    tracking_uri=versions.uri)
+    assert taken.outcome is Outcome.PROMOTED and taken.held_back is None
+    assert (alias(CHAMPION), alias(PREVIOUS)) == (3, 1)
+    result = CliRunner().invoke(cli, ["promote", MODEL, "--rollback", "--tracking-uri",
+                                      versions.uri])
+    assert result.exit_code == 0, result.output
+    assert "the champion is version 1 again (was 3" in result.output
+    assert rollback(MODEL, versions.uri) == ("1", "3")
+
+
 def test_the_champion_loaded_by_alias_scores_raw_rows(rich_job: Path) -> None:
     job = load_job(rich_job, ["mlflow.registered_model=serving"])
     summary = train_local(job)
@@ -273,6 +307,9 @@ def test_bad_input_is_refused_in_one_line(versions: Versions, tmp_path: Path,
     Decision("ranking", "2", "1", Outcome.KEPT, "auc", 0.61, 0.64, 0.001,
              ("/d/date=2026-11-03/part-0.parquet",), 12_000, "ab" * 32),
     Decision("ranking", "1", None, Outcome.FIRST, "logloss", 0.52, None, 0.0, ("/d",), 10, "cd"),
+    Decision("ranking", "4", "3", Outcome.KEPT, "auc", 0.66, 0.64, 0.0, ("/d",), 10, "ef",
+             {"calibration": {"candidate": 1.2, "champion": 1.01, "ok": False}},
+             "calibration"),
 ])
 def test_a_decision_reads_back_from_its_tags(decision: Decision) -> None:
     """What a re-run reports of a day judged before (pipeline.workflows.retrain) is the decision
