@@ -1,8 +1,10 @@
 """Daily retraining of the antdt ranking model (Airflow 3, ``airflow.sdk`` TaskFlow).
 
-Every day, once the day's Parquet partition has arrived: validate it, train the model on the
-days before it on a Dask cluster, let the new version take the registry alias ``champion`` only
-when it beats the champion on that day's rows, and report the outcome in the task log and as an
+Every day, once the day's Parquet partition has arrived: validate it, train the model on a
+Dask cluster (by default incrementally: yesterday's champion continued over the day it has not
+seen; the whole window from scratch on the first day and every ``refresh_every`` days), let the
+new version take the registry alias ``champion`` only when it beats the champion on that day's
+rows without a worse logloss or calibration, and report the outcome in the task log and as an
 event of the asset ``antdt_ranking_model`` (a serving deploy can be scheduled on it)::
 
     wait_for_partition ─► validate_partition ─► train ─► promote ─► report
@@ -74,6 +76,17 @@ PARAMS = {
                                      "aside and count its rows."),
     "min_gain": Param(0.0, type="number", minimum=0,
                       description="The AUC gain over the champion needed to take its place."),
+    "retrain": Param("incremental", enum=["incremental", "window"],
+                     description="incremental: continue the champion over the days since its "
+                                 "data (normally one); window: train the train_days window "
+                                 "from scratch every day."),
+    "refresh_every": Param(7, type="integer", minimum=1,
+                           description="An incremental chain trains the window from scratch, "
+                                       "with fresh optimiser state, every this many days."),
+    "calibration": Param(0.05, type="number", minimum=0,
+                         description="A new version takes the champion only with its mean "
+                                     "prediction within this share of the validation day's "
+                                     "click rate (and a logloss no worse than the champion's)."),
     "mode": Param("", enum=["", "async", "sync"],
                   description="The training mode: async (a replica per worker, for shared "
                               "clusters), sync (tables sharded across the workers, for "

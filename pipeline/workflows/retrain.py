@@ -6,12 +6,19 @@ step runs, and is tested, without Airflow::
     partition_files      the sensor: the logical date's partition has its Parquet files
       ─► check_window    every partition of the window is there; the new one validated
                          (a bad file fails the run by name, or is quarantined)
-      ─► train           the job on the Dask cluster through JobClient, as a job id derived
-                         from the DAG run: a retried task attaches to the job its first try
-                         started; a day already trained with the same job and data trains
-                         nothing and gives the version it registered
+      ─► train           incremental (the default: the champion continued over the days
+                         since its data, normally one) or the window from scratch
+                         (:mod:`pipeline.workflows.incremental` chooses: first day, no
+                         champion, every ``refresh_every`` days, a schema change or a day
+                         that fails its check train the window); the job on the Dask cluster
+                         through JobClient, as a job id derived from the DAG run: a retried
+                         task attaches to the job its first try started; a day already
+                         trained with the same job and data trains nothing and gives the
+                         version it registered
       ─► promote         registry.promote on the validation day: the new version takes
-                         ``champion`` only when it beats the champion there
+                         ``champion`` only when it beats the champion there, with no worse a
+                         logloss and its calibration within ``calibration`` (the replaced
+                         champion keeps ``champion_prev``)
       ─► report          the decision, both AUCs, the rows, the MLflow run, for the task log
                          and the asset event downstream DAGs read
 
@@ -38,6 +45,7 @@ from typing import Any
 
 from antdt.errors import AntdtError, ConfigError, DataError
 from pipeline.job.config import JobConfig, OnBadData, check_model_name, load_job
+from pipeline.workflows.incremental import WAYS, Chain, Choice, Way, chain_of, check_day, choose
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +91,14 @@ class Settings:
     overrides: tuple[str, ...] = ()
     mode: str = ""
     """``async`` or ``sync`` (the training mode), or empty: the job file's."""
+    retrain: Way = "incremental"
+    """How a day trains (:mod:`pipeline.workflows.incremental`): ``incremental`` continues the
+    champion over the days since its data, ``window`` trains the window from scratch."""
+    refresh_every: int = 7
+    """An incremental chain trains the window from scratch again after this many days."""
+    calibration: float = 0.05
+    """A new version takes the champion only with its mean prediction within this share of the
+    validation day's click rate (and no worse a logloss)."""
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], day: str, base: str) -> Settings:
@@ -124,6 +140,9 @@ class Settings:
         if mode not in ("", "async", "sync"):
             raise RetrainError(f"param 'mode': expected 'async', 'sync' or nothing (the job "
                                f"file's), found {mode!r}")
+        way = text("retrain") if "retrain" in params else "incremental"
+        if way not in WAYS:
+            raise RetrainError(f"param 'retrain': expected one of {list(WAYS)}, found {way!r}")
         validation = text("validation_day") or day
         for key, value in (("logical date", day), ("validation_day", validation)):
             _date(value, key)
@@ -144,7 +163,11 @@ class Settings:
                    tracking_uri=_local_store(tracking, base), experiment=text("experiment"),
                    model=model, on_bad_data=on_bad,  # type: ignore[arg-type]  # checked
                    min_gain=number("min_gain", float, 0.0), overrides=tuple(overrides),
-                   mode=mode)
+                   mode=mode, retrain=way,  # type: ignore[arg-type]  # checked
+                   refresh_every=number("refresh_every", int, 1) if "refresh_every" in params
+                   else 7,
+                   calibration=number("calibration", float, 0.0) if "calibration" in params
+                   else 0.05)
 
     def partition_path(self, day: str) -> str:
         """The folder of ``day``'s partition."""
@@ -284,11 +307,11 @@ def check_window(settings: Settings) -> dict[str, Any]:
             "rows": report.good_rows, "quarantined_rows": report.bad_rows, "quarantined": bad}
 
 
-def retrain_job(settings: Settings, days: Window) -> JobConfig:
+def retrain_job(settings: Settings, days: Window, start: str | None = None) -> JobConfig:
     """The job file with the run's window, schema (the job file's, relative to the project
     folder, unless the settings name one), bad-data rule, tracking store, experiment and
     registered model, in the settings' mode (if they name one), after the ``overrides``
-    (``--set`` style)."""
+    (``--set`` style); starting from version ``start`` of the registered model if given."""
     modes = (f"train.mode={settings.mode}",) if settings.mode else ()
     job = load_job(settings.job_file, (*settings.overrides, *modes))
     schema = settings.schema or _absolute(job.data.schema, settings.base)
@@ -298,19 +321,37 @@ def retrain_job(settings: Settings, days: Window) -> JobConfig:
     tracking = dataclasses.replace(job.mlflow, tracking_uri=settings.tracking_uri,
                                    experiment=settings.experiment or job.mlflow.experiment,
                                    registered_model=settings.model)
-    return dataclasses.replace(job, data=data, mlflow=tracking)
+    train = job.train if start is None else dataclasses.replace(
+        job.train, init_from=f"models:/{settings.model}/{start}")
+    return dataclasses.replace(job, data=data, mlflow=tracking, train=train)
 
 
 def window_key(job: JobConfig) -> str:
     """What makes two runs the same: the fingerprint of the job's data files and the job's
-    settings other than where it is tracked. A run with the key of a registered version
-    trains nothing."""
+    settings other than where it is tracked and the model it starts from (a day's chain is
+    pinned by its days). A run with the key of a registered version trains nothing."""
     from pipeline.tracking.registry import data_window
 
     settings = {k: v for k, v in job.to_dict().items() if k != "mlflow"}
+    settings["train"] = {k: v for k, v in settings["train"].items()
+                         if k not in ("init_from", "init_from_partial")}
     text = json.dumps({"data": data_window(job.data).fingerprint, "job": settings},
                       sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def schema_digest(job: JobConfig) -> str:
+    """A digest of the job's schema: a chain trains on while it stays the same."""
+    from data.schema import Schema
+
+    text = json.dumps(Schema.from_yaml(job.data.schema).to_dict(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def days_window(settings: Settings, days: Window, train_days: Sequence[str]) -> Window:
+    """``days`` training on ``train_days`` instead."""
+    return dataclasses.replace(days, train_days=tuple(train_days),
+                               train=tuple(settings.partition_path(d) for d in train_days))
 
 
 # ---- training ---------------------------------------------------------------------------------
@@ -318,8 +359,9 @@ def window_key(job: JobConfig) -> str:
 
 def train(settings: Settings, job_id: str, run_tags: Mapping[str, str] | None = None
           ) -> dict[str, Any]:
-    """Train the run's window as a new version of the registered model, or find the version
-    a run of the same job on the same data registered (nothing is trained then).
+    """Train the run's day as a new version of the registered model (the way
+    :func:`plan` chooses), or find the version a run of the same day, job and data registered
+    (nothing is trained then).
 
     The job goes to the Dask scheduler at ``settings.scheduler`` (none: a LocalCluster of the
     job's ``train.workers`` for this call) as ``job_id``. When a job of that id is running or
@@ -333,17 +375,18 @@ def train(settings: Settings, job_id: str, run_tags: Mapping[str, str] | None = 
     from pipeline.training.local import prepare_data
 
     days = window(settings)
-    job = retrain_job(settings, days)
-    key = window_key(job)  # the files' footers only: a re-run decodes no data page
-    found = registered_version(settings.tracking_uri, settings.model, key)
+    found = registered_for_day(settings, days)  # footers only: a re-run decodes no data page
     if found is not None:
-        logger.info("%s and validation day %s were trained by the same job already: %s version "
-                    "%s (run %s); nothing to train", list(days.train_days),
-                    days.validation_day, settings.model, found["version"], found["run_id"])
+        logger.info("day %s was trained by the same job on the same data already: %s version "
+                    "%s (run %s); nothing to train", settings.day, settings.model,
+                    found["version"], found["run_id"])
         return {**found, "reused": True, "attached": False}
-    data = prepare_data(job)  # the whole window, as every job: an older day may have changed
-    tags = {"antdt.retrain.key": key, "antdt.retrain.day": settings.day, **(run_tags or {})}
-    spec = job_spec(job, data, run_tags=tags, run_name=f"retrain {settings.day}")
+    choice, chain = plan(settings, days)
+    job = retrain_job(settings, days_window(settings, days, choice.days), choice.start)
+    data = prepare_data(job)  # every day trained, as every job: an older day may have changed
+    tags = {"antdt.retrain.key": window_key(job), "antdt.retrain.day": settings.day,
+            "antdt.retrain.reason": choice.reason, **chain.tags(), **(run_tags or {})}
+    spec = job_spec(job, data, run_tags=tags, run_name=run_name(settings.day, choice))
     workers = job.train.workers if settings.scheduler is None else None
     with connect(workers, settings.scheduler) as client, JobClient(client) as jobs:
         known = {record["job_id"]: record["state"] for record in jobs.status()}
@@ -363,6 +406,77 @@ def train(settings: Settings, job_id: str, run_tags: Mapping[str, str] | None = 
                            f"{settings.model}")
     result = trained(settings.tracking_uri, settings.model, summary.registered_version)
     return {**result, "job_id": chosen, "reused": False, "attached": bool(submitted["attached"])}
+
+
+def plan(settings: Settings, days: Window) -> tuple[Choice, Chain]:
+    """How the run's day trains (:func:`pipeline.workflows.incremental.choose`, against the
+    champion's chain and the day check of the days it would add) and the chain its version
+    will end."""
+    from data.schema import Schema
+
+    job = retrain_job(settings, days)
+    schema = schema_digest(job)
+    champion = champion_chain(settings)
+    check = None
+    if settings.retrain == "incremental" and champion is not None:
+        label = Schema.from_yaml(job.data.schema).label
+        check = day_check(settings, [d for d in days.train_days if d > max(champion.days)],
+                          champion.days[-3:], label)
+    choice = choose(settings.retrain, settings.day, days.train_days, champion,
+                    settings.refresh_every, schema, check)
+    logger.info("day %s trains %s %s: %s", settings.day, choice.way, list(choice.days),
+                choice.reason)
+    return choice, chain_of(choice, "", settings.day, champion, schema)
+
+
+def champion_chain(settings: Settings) -> Chain | None:
+    """The chain the registered model's champion ends (None: no champion, or one that
+    records no chain, e.g. promoted by hand from another job)."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        version = MlflowClient(settings.tracking_uri).get_model_version_by_alias(
+            settings.model, "champion")
+    except MlflowException:
+        return None
+    chain = Chain.from_tags(str(version.version), version.tags)
+    if chain is None:
+        logger.info("the champion, %s version %s, records no chain: the window trains",
+                    settings.model, version.version)
+    return chain
+
+
+def day_check(settings: Settings, new: Sequence[str], recent: Sequence[str], label: str
+              ) -> str | None:
+    """Why one of the ``new`` days looks unlike the days before it (the ``recent`` days the
+    champion trained, then the new days checked already); None when none does."""
+    from pipeline.workflows.incremental import day_stats
+
+    seen = [day_stats([settings.partition_path(d)], label) for d in recent
+            if partition_files(settings.partition_path(d))]
+    for day in new:
+        stats = day_stats([settings.partition_path(day)], label)
+        problem = check_day(stats, seen)
+        if problem is not None:
+            return f"day {day}: {problem}"
+        seen.append(stats)
+    return None
+
+
+def run_name(day: str, choice: Choice) -> str:
+    """A version's run name: the version it started from and the days it added, or the
+    window it trained from scratch.
+
+    >>> run_name("2026-11-08", Choice("incremental", ("2026-11-07",), "6", "..."))
+    'retrain 2026-11-08: version 6 + 2026-11-07'
+    >>> run_name("2026-11-08", Choice("window", ("2026-11-01", "2026-11-07"), None, "..."))
+    'retrain 2026-11-08: window 2026-11-01..2026-11-07 from scratch'
+    """
+    if choice.start is not None:
+        return f"retrain {day}: version {choice.start} + {', '.join(choice.days)}"
+    span = choice.days[0] if len(choice.days) == 1 else f"{choice.days[0]}..{choice.days[-1]}"
+    return f"retrain {day}: window {span} from scratch"
 
 
 class _ProgressLog:
@@ -385,18 +499,22 @@ class _ProgressLog:
                         record["state"])
 
 
-def registered_version(tracking_uri: str, model: str, key: str) -> dict[str, Any] | None:
-    """:func:`trained` of the version of ``model`` that a run with ``key`` registered; None
-    when there is none (or no such model yet)."""
+def registered_for_day(settings: Settings, days: Window) -> dict[str, Any] | None:
+    """:func:`trained` of the version a run of the settings' day registered with the same job
+    on the same data (its days' files as they are now); None when there is none (or no such
+    model yet)."""
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri)
+    client = MlflowClient(settings.tracking_uri)
     versions = client.search_model_versions(
-        f"name = '{model}' and tags.`antdt.retrain.key` = '{key}'")
-    if not versions:
-        return None
-    first = min(versions, key=lambda v: int(v.version))
-    return trained(tracking_uri, model, str(first.version))
+        f"name = '{settings.model}' and tags.`antdt.retrain.day` = '{settings.day}'")
+    for version in sorted(versions, key=lambda v: int(v.version)):
+        recorded = version.tags.get("antdt.retrain.days")
+        trained_days = recorded.split(",") if recorded else days.train_days
+        job = retrain_job(settings, days_window(settings, days, trained_days))
+        if window_key(job) == version.tags.get("antdt.retrain.key"):
+            return trained(settings.tracking_uri, settings.model, str(version.version))
+    return None
 
 
 FIGURES = ("auc", "logloss", "oracle_auc", "rows_trained", "rows_lost", "rows_retrained",
@@ -420,8 +538,12 @@ def trained(tracking_uri: str, model: str, version: str) -> dict[str, Any]:
                            "an antdt job registered")
     run = client.get_run(found.run_id)
     figures = {name: _number(found.tags.get(f"antdt.{name}")) for name in FIGURES}
+    days = found.tags.get("antdt.retrain.days")
     return {"model": model, "version": str(found.version), "run_id": found.run_id,
-            "job_id": run.data.tags.get("antdt.job_id"),
+            "job_id": run.data.tags.get("antdt.job_id"), "run_name": run.info.run_name,
+            "way": found.tags.get("antdt.retrain.way"),
+            "days_trained": days.split(",") if days else None,
+            "started_from": run.data.tags.get("antdt.init_from.version"),
             "experiment_id": run.info.experiment_id, **figures,
             "tracking_uri": redact(tracking_uri),
             "run_page": run_page(redact(tracking_uri), run.info.experiment_id, found.run_id)}
@@ -461,7 +583,8 @@ def promote(settings: Settings, result: Mapping[str, Any],
                            f"{days.validation} to score the models on")
     decision = promote_version(settings.model, version=int(result["version"]), metric="auc",
                                on=files, min_gain=settings.min_gain,
-                               tracking_uri=settings.tracking_uri)
+                               tracking_uri=settings.tracking_uri, no_worse=("logloss",),
+                               calibration=settings.calibration)
     for line in decision.lines():
         logger.info("%s", line)
     return {**decision.to_dict(), "recorded": False}
@@ -483,6 +606,8 @@ def report(settings: Settings, result: Mapping[str, Any], decision: Mapping[str,
         "rows_lost": result["rows_lost"], "rows_quarantined": result["rows_quarantined"],
         "run_id": result["run_id"], "run_page": result["run_page"],
         "job_id": result.get("job_id"), "trained": not result["reused"],
+        "way": result.get("way"), "days_trained": result.get("days_trained"),
+        "started_from": result.get("started_from"),
     }
 
     def score(value: float | None) -> str:
@@ -496,6 +621,7 @@ def report(settings: Settings, result: Mapping[str, Any], decision: Mapping[str,
         f"{score(decision['champion_score'])}"
         + (f", gain {decision['gain']:+.4f}" if decision["gain"] is not None else "")
         + (f" on {decision['rows']:,} validation rows" if decision["rows"] else ""),
+        f"  trained    {result.get('run_name') or result.get('way') or 'n/a'}",
         f"  rows       trained {_count(result['rows_trained'])}, lost "
         f"{_count(result['rows_lost'])}, quarantined {_count(result['rows_quarantined'])}",
         f"  run        {result['run_page']}",

@@ -194,8 +194,8 @@ def test_days_register_versions_and_only_a_better_one_takes_the_champion(
     assert json.loads(tags["antdt.data.validation"]) == [str(days / "data" / "date=2026-11-02")]
     assert "decision   first: the champion is version 1" in output(first)
 
-    second = dags_test(airflow_env, "2026-11-03",
-                       conf(days, overrides=WORSE, scheduler=cluster), days)
+    second = dags_test(airflow_env, "2026-11-03",  # from scratch: it must not be version 1
+                       conf(days, overrides=WORSE, scheduler=cluster, retrain="window"), days)
     assert second.returncode == 0, output(second)
     assert set(versions(days)) == {"1", "2"} and champion(days) == "1"
     assert versions(days)["2"]["antdt.promotion.decision"] == "kept"
@@ -215,6 +215,36 @@ def test_days_register_versions_and_only_a_better_one_takes_the_champion(
     assert kept["candidate_auc"] < kept["champion_auc"], kept
     assert kept["rows_trained"] == 12_000 and kept["rows_lost"] == 0
     assert kept["validation_rows"] == 12_000
+
+
+@pytest.mark.slow
+def test_the_second_day_continues_the_first_days_champion_over_its_new_day(
+        airflow_env: dict[str, str], days: Path, cluster: str) -> None:
+    """Two days in a row with the default retrain=incremental and two days of window: the
+    first trains its window from scratch (no champion yet), the second continues that
+    champion over the one day it has not seen, its run named for both, and is judged as any
+    version; re-running either day trains nothing."""
+    first = dags_test(airflow_env, "2026-11-03", conf(days, train_days=2, scheduler=cluster),
+                      days)
+    assert first.returncode == 0, output(first)
+    assert "retrain 2026-11-03: window 2026-11-01..2026-11-02 from scratch" in output(first)
+    second = dags_test(airflow_env, "2026-11-04", conf(days, train_days=2, scheduler=cluster),
+                       days)
+    assert second.returncode == 0, output(second)
+    assert "retrain 2026-11-04: version 1 + 2026-11-03" in output(second)
+    tags = versions(days)["2"]
+    assert (tags["antdt.retrain.way"], tags["antdt.retrain.days"]) == (
+        "incremental", "2026-11-03")
+    assert tags["antdt.rows_trained"] == "12000"  # one day, not the window's two
+    assert tags["antdt.promotion.champion_version"] == "1"
+    assert set(json.loads(tags["antdt.promotion.guards"])) == {"logloss", "calibration"}
+    events = asset_events(airflow_env)
+    assert events[-1]["way"] == "incremental" and events[-1]["started_from"] == "1"
+    for day in ("2026-11-03", "2026-11-04"):
+        again = dags_test(airflow_env, day, conf(days, train_days=2, scheduler=cluster), days)
+        assert again.returncode == 0, output(again)
+        assert "found (the same job and data, trained before)" in output(again)
+    assert set(versions(days)) == {"1", "2"}
 
 
 def test_an_empty_tracking_uri_tracks_to_the_workers_mlflow_tracking_uri(

@@ -144,3 +144,38 @@ def test_a_retry_after_a_cancelled_job_starts_the_next_and_a_rerun_trains_nothin
         assert {j["job_id"] for j in jobs.status()} == known
     client = MlflowClient(settings.tracking_uri)
     assert [str(v.version) for v in client.search_model_versions("name = 'ranking'")] == ["1"]
+
+
+def test_the_next_day_continues_the_champion_over_its_new_day_only(
+        days: Path, cluster_job: Path, local_cluster: str) -> None:
+    """Day 2026-11-02 has no champion: it trains its window from scratch, version 1, the
+    champion. Day 2026-11-03 (a window of two days) continues version 1 over the one day it
+    has not seen: 8,000 rows, its run named for both. Re-running either day trains nothing."""
+    def settings(day: str, train_days: int) -> Settings:
+        return Settings.from_params(params(
+            job_file=str(cluster_job), data_root=str(days), train_days=train_days,
+            scheduler=local_cluster, tracking_uri=f"sqlite:///{days.parent}/m.db"), day, "/")
+
+    first = settings("2026-11-02", 1)
+    result = bounded.call(retrain.train, first, "incremental-test-1")
+    assert (result["version"], result["way"], result["days_trained"]) == (
+        "1", "window", ["2026-11-01"])
+    assert retrain.promote(first, result)["outcome"] == "first"
+
+    second = settings("2026-11-03", 2)
+    following = bounded.call(retrain.train, second, "incremental-test-2")
+    assert (following["version"], following["way"], following["days_trained"]) == (
+        "2", "incremental", ["2026-11-02"])
+    assert following["rows_trained"] == 8_000 and following["rows_lost"] == 0
+    assert following["started_from"] == "1"
+    assert following["run_name"] == "retrain 2026-11-03: version 1 + 2026-11-02"
+    decision = retrain.promote(second, following)
+    assert decision["champion"] == "1" and decision["outcome"] in ("promoted", "kept")
+    assert set(decision["guards"]) == {"logloss", "calibration"}
+    run = MlflowClient(second.tracking_uri).get_run(following["run_id"]).data.tags
+    assert run["antdt.retrain.refreshed"] == "2026-11-02"  # the chain's last full refresh
+    assert run["antdt.init_from"] == "models:/ranking/1"
+
+    for day, version in ((second, "2"), (first, "1")):
+        again = bounded.call(retrain.train, day, "incremental-test-again")
+        assert (again["version"], again["reused"]) == (version, True)
