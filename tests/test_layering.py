@@ -168,7 +168,7 @@ INSIDE_PIPELINE: dict[str, set[str]] = {
     "pipeline.training": {"pipeline.job", "pipeline.serving", "pipeline.tracking"},
     "pipeline.workflows": {"pipeline.job", "pipeline.serving", "pipeline.tracking",
                            "pipeline.training", "pipeline.terminal"},
-    "pipeline.bench": {"pipeline.job", "pipeline.training"},
+    "pipeline.bench": {"pipeline.job", "pipeline.training", "pipeline.workflows"},
     "pipeline.cli": {"pipeline.job", "pipeline.serving", "pipeline.tracking", "pipeline.training",
                      "pipeline.workflows", "pipeline.bench", "pipeline.terminal"},
 }
