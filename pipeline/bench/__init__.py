@@ -20,6 +20,7 @@ COMMANDS = {
     "hybrid": "pipeline.bench.hybrid",
     "overhead": "pipeline.bench.overhead",
     "quality": "pipeline.bench.quality",
+    "retrain": "pipeline.bench.retrain",
     "scaling": "pipeline.bench.scaling",
     "sharding": "pipeline.bench.sharding",
     "stragglers": "pipeline.bench.stragglers",
