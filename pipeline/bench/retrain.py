@@ -64,7 +64,7 @@ from pipeline.bench import emit
 from pipeline.bench.jobs import SET_HELP, echo
 from pipeline.job.config import JobConfig, apply_override, job_from_dict
 from pipeline.job.report import JobSummary
-from pipeline.training.local import _warm_start, iterate_batches, train_local
+from pipeline.training.local import iterate_batches, start_from_init, train_local
 from pipeline.workflows.incremental import Chain, Choice, chain_of, choose
 
 Way = Literal["frozen", "window", "incremental"]
@@ -251,7 +251,7 @@ class Runs:
             return self._loaded[run_id]
         job = day_job(self.base, self.data, (day,), day, run_id)
         step = TrainStep(self.schema, job.model, job.train.optim, seed=job.train.seed)
-        _warm_start(job, self.schema, step)  # what train_local does with train.init_from
+        start_from_init(job, self.schema, step)  # what train_local does with train.init_from
         if len(self._loaded) == 3:  # a day scores three models, the frozen one every day
             del self._loaded[next(iter(self._loaded))]
         self._loaded[run_id] = step

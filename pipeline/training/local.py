@@ -144,7 +144,7 @@ class OpeningRun:
             self._opening.result().__exit__(exc_type, exc, tb)
 
 
-def _warm_start(job: JobConfig, schema: Schema, step: TrainStep) -> dict[str, str]:
+def start_from_init(job: JobConfig, schema: Schema, step: TrainStep) -> dict[str, str]:
     """Start ``step`` from ``train.init_from`` (MLflow imported only then: a local job opens
     its run while it trains); the tags its run records."""
     if job.train.init_from is None:
@@ -178,7 +178,7 @@ def train_local(job: JobConfig, progress: ProgressSink | None = None, *,
     if progress is not None:
         progress.total(total_rows)
     step = TrainStep(data.schema, job.model, job.train.optim, seed=job.train.seed)
-    init_tags = _warm_start(job, data.schema, step)
+    init_tags = start_from_init(job, data.schema, step)
     reader = ShardReader(data.schema)
     with OpeningRun(job, data.schema, {**init_tags, **(tags or {})}, run_name) as run:
         phases.mark("prepare")
