@@ -128,6 +128,7 @@ class BackgroundSync:
         self._stop = threading.Event()
         self._hurry = threading.Event()
         self._batches = 0  # batches trained since the last round began (a period in batches)
+        self.batches_trained = 0  # by the training thread; the scheduler tells idle asks by it
         self._every = period.batches_for(1)  # ...and how many start the next one
         self.staleness.follow(self._every)
         self._batches_lock = threading.Lock()
@@ -370,6 +371,7 @@ class BackgroundSync:
         (:meth:`ReplicaSync.cut`): it is between two steps, so the round need not wait for
         the replica lock through the next one."""
         self.staleness.trained()
+        self.batches_trained += 1  # only the training thread writes it
         every = self._every
         if every is None:
             return
@@ -456,7 +458,8 @@ class BackgroundSync:
             msg: GroupMsg = self._ask("antdt_sync_group", job=self.job,
                                        worker=self.worker.address,
                                        progress=self.replica.rows_offset, final=final,
-                                       members_version=self._members_version)
+                                       members_version=self._members_version,
+                                       batches=self.batches_trained)
         except (OSError, TimeoutError) as exc:
             logger.warning("sync job %s: scheduler unreachable, retrying: %r", self.job, exc)
             return None

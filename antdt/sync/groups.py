@@ -98,6 +98,7 @@ class _Member:
     joined_version: int | None = None  # members_version its mid-job join created; None: listed
     bootstrapping: bool = False  # joined mid-job, not training yet (see SyncScheduler.started)
     progress: int | None = None  # its progress at its newest ask (None: it never asked)
+    batches: int | None = None  # the batches it had trained at its newest ask (None: not told)
     idle: bool = False  # while READY: it trained nothing since its previous ask
 
 
@@ -130,6 +131,13 @@ class SyncScheduler:
     with :meth:`gathered`; each other member then adopts the leader's rows and says so with
     :meth:`adopted`; :meth:`final_step` tells each member what to do next, and
     :meth:`final_done` turns True once every one adopted the current leader's rows.
+
+    Whether a caller is idle is judged by the batches it says it trained (``batches``, a count
+    that only grows) when it says them, else by its progress: a worker whose progress does not
+    follow its training (the hybrid mode's replica holds only the dense part and counts no rows)
+    would otherwise look idle at every ask, and every group would wait for the slowest member
+    (``antdt bench hybrid --big``, one of 4 workers 4x slower: the fast ones waited 45% of
+    their training for it and trained 1.5x its batches; judged by batches, 5% and 4.6x).
 
     A worker that joins a running job calls :meth:`join_running`; it may take a snapshot once
     :meth:`settled`, i.e. once every other member reported (:meth:`acknowledge`) that it applied
@@ -379,8 +387,10 @@ class SyncScheduler:
         return max(0.0, left)
 
     # -- the one call workers make ---------------------------------------------------------
-    def ready(self, worker: str, progress: int, now: float, final: bool = False) -> Answer:
-        """``worker`` (at ``progress`` rows) asks whom to sync with; see the class docstring."""
+    def ready(self, worker: str, progress: int, now: float, final: bool = False,
+              batches: int | None = None) -> Answer:
+        """``worker`` (at ``progress`` rows, having trained ``batches`` batches when given) asks
+        whom to sync with; see the class docstring."""
         member = self._member(worker)
         if member.bootstrapping:  # a joiner that asks to sync trains
             self._trains(member)
@@ -398,8 +408,9 @@ class SyncScheduler:
             self._pool_remove(member)
         else:
             self._busy(member, now)
-            member.idle = progress == member.progress
-            member.progress = progress
+            member.idle = progress == member.progress if batches is None \
+                else batches == member.batches
+            member.progress, member.batches = progress, batches
             member.state = MemberState.READY
             member.ready_since = now
             member.queued = next(self._tickets)

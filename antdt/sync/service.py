@@ -53,8 +53,9 @@ class SyncService(SchedulerPlugin):
     Handlers (all arguments by keyword; None means the ``antdt.sync`` dask-config default):
 
     - ``antdt_sync_start(job, workers, group_size=None, max_wait_s=None, max_progress_gap=None)``
-    - ``antdt_sync_group(job, worker, progress, final=False, members_version=None)
-      -> GroupMsg``: records that the worker applied the member list of ``members_version``,
+    - ``antdt_sync_group(job, worker, progress, final=False, members_version=None,
+      batches=None) -> GroupMsg``: records that the worker applied the member list of
+      ``members_version`` (``batches``: the batches it trained, which tell whether it is idle),
       then waits (on the scheduler's loop, not a thread) until the worker is grouped, told to go
       on alone, or ``poll_s`` passed (then ``kind == "wait"``: ask again)
     - ``antdt_sync_members(job) -> MembersMsg``: the members, and the departed ones with the
@@ -142,7 +143,7 @@ class SyncService(SchedulerPlugin):
                 "departed": scheduler.departed()}
 
     async def group(self, job: str, worker: str, progress: int, final: bool = False,
-                    members_version: int | None = None) -> GroupMsg:
+                    members_version: int | None = None, batches: int | None = None) -> GroupMsg:
         """See the class docstring."""
         if members_version is not None and self._job(job).acknowledge(worker, members_version):
             self._notify(job)
@@ -151,7 +152,8 @@ class SyncService(SchedulerPlugin):
             scheduler = self._job(job)
             event = self._event(job, worker)
             event.clear()
-            answer = scheduler.ready(worker, progress, time(), final=bool(final))
+            answer = scheduler.ready(worker, progress, time(), final=bool(final),
+                                     batches=batches)
             if answer.group is not None:
                 self._wake(job, answer.group.members)
                 if answer.group.final:  # a joiner it dropped learns so now
@@ -248,12 +250,14 @@ class SyncService(SchedulerPlugin):
 
     @rpc.handler
     async def group_handler(self, job: object, worker: object, progress: object,
-                            final: object = False, members_version: object = None) -> Reply:
+                            final: object = False, members_version: object = None,
+                            batches: object = None) -> Reply:
         msg = await self.group(_name("job", job), _name("worker", worker),
                                rpc.integer("progress", progress, error=SyncError),
                                _flag("antdt_sync_group", "final", final),
                                rpc.integer("members_version", members_version, optional=True,
-                                           error=SyncError))
+                                           error=SyncError),
+                               rpc.integer("batches", batches, optional=True, error=SyncError))
         return {"status": "OK", **msg}
 
     @rpc.handler

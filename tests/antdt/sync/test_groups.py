@@ -122,6 +122,31 @@ def test_an_idle_member_waits_for_a_late_one() -> None:
     assert answer.group is not None and answer.group.members == ("fast", "slow")
 
 
+def test_a_caller_is_idle_by_the_batches_it_trained_when_it_says_them() -> None:
+    """The hybrid mode's replica counts no rows: its progress stays 0. Judged by progress, the
+    fast member looked idle at every ask and waited for the 2x slow one every time; judged by
+    the batches it says it trained, it is idle only when it trained none since its previous
+    ask."""
+    for says_batches in (False, True):
+        s = joined(["fast", "slow"], group_size=4, max_wait_s=100.0, away_spans=3.0)
+
+        def ask(worker: str, batches: int, now: float) -> str:
+            return s.ready(worker, 0, now, batches=batches if says_batches else None).kind
+
+        ask("fast", 0, now=0.0)
+        assert ask("slow", 0, now=0.0) == "group"
+        ask("fast", 0, now=0.0)
+        ask("fast", 1, now=1.0)
+        assert ask("slow", 1, now=2.0) == "group"
+        ask("fast", 1, now=2.0)  # both trained from 2.0: fast at 1 s a span, slow at 2 s
+        # slow is due at 4.0: late for fast, which trained a batch; progress alone says idle
+        assert ask("fast", 2, now=3.0) == ("alone" if says_batches else "wait")
+        if says_batches:
+            assert ask("fast", 2, now=3.1) == "wait"  # no batch since: idle, waits for slow
+        answer = s.ready("slow", 0, now=4.0, batches=2 if says_batches else None)
+        assert answer.group is not None and answer.group.members == ("fast", "slow")
+
+
 def test_nobody_is_away_before_a_span_is_measured_or_with_away_spans_0() -> None:
     for away_spans in (3.0, 0.0):
         s = joined(["a", "b"], group_size=2, max_wait_s=100.0, away_spans=away_spans)

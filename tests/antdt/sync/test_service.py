@@ -66,6 +66,8 @@ async def test_handlers_validate_their_arguments(c: Client, s: Scheduler, a: Wor
             "progress must be")
     refused(await sched.antdt_sync_group(job="j", worker=a.address, progress=0,
                                          members_version="2"), "members_version must be")
+    refused(await sched.antdt_sync_group(job="j", worker=a.address, progress=0, batches=-1),
+            "batches must be")
     refused(await sched.antdt_sync_group(job="j", worker=["w"], progress=0),
             "worker must be a str")
     refused(await sched.antdt_sync_group(job="j", worker=a.address, progress=0, final=1),
