@@ -1,15 +1,25 @@
-"""The synchronous mode's side on the scheduler: the rendezvous every job's ranks meet in
-(:class:`Rendezvous`, one TCP store for the cluster) and the job master's part
-(:class:`SyncMaster`: it forms a job's group, and forms it again after a loss)."""
+"""The synchronous mode's side on the scheduler: the rendezvous a job's ranks meet in
+(:class:`Rendezvous`, one TCP store per job) and the job master's part
+(:class:`SyncMaster`: it forms a job's group, and forms it again after a loss).
+
+The store speaks plain TCP and has no authentication (torch's ``TCPStore``; Dask's TLS does not
+cover it). So it listens only on the interface the scheduler's Dask comms listen on, one store
+per job, and a group's keys live under a random prefix made for each forming: a process that
+reaches the port, another job's ranks or a rank of an older forming, cannot guess where the
+group's keys are. torch's store binds every interface whatever host it is given, so the socket
+is bound here and handed to it."""
 
 from __future__ import annotations
 
+import secrets
+import socket
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
+from distributed.comm import Comm, get_address_host
 
 from antdt import rpc
 from antdt.errors import SyncError
@@ -24,29 +34,54 @@ class Group:
     workers: list[str]
     generation: int
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    secret: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    """The group's key prefix in its job's store: random, told only to the group's ranks (the
+    token names a folder on disk, so it is not the secret)."""
 
     @property
     def prefix(self) -> str:
-        return f"g{self.generation}"
+        return f"antdt/g{self.generation}/{self.secret}"
+
+
+def listen_on(host: str) -> dist.TCPStore:
+    """A store's server listening on ``host`` only, on a free port."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    # the store's server owns the socket from here and closes it when the store goes
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                         master_listen_fd=sock.detach())
 
 
 @dataclass
 class Rendezvous:
-    """On the scheduler: the TCP store every synchronous job's ranks meet in (made on first
-    use, on a free port of the scheduler's host) and each job's current :class:`Group`.
+    """On the scheduler: each synchronous job's current :class:`Group` and the TCP store its
+    ranks meet in (made when the first rank asks, on a free port of the interface that rank
+    reached the scheduler on: the address Dask listens on; closed when the job is forgotten).
 
     Handler ``antdt_sync_rank(job, worker)``: the worker's rank, the world size, the workers in
-    rank order, the store's port, the group's key prefix and its token."""
+    rank order, the store's host and port, the group's key prefix and its token."""
 
     groups: dict[str, Group] = field(default_factory=dict)
-    _store: dist.TCPStore | None = None
+    stores: dict[str, dist.TCPStore] = field(default_factory=dict)
     _generations: dict[str, int] = field(default_factory=dict)
 
-    @property
-    def port(self) -> int:
-        if self._store is None:
-            self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
-        return int(self._store.port)
+    def store(self, job: str, comm: Comm) -> dist.TCPStore:
+        """``job``'s store, made on the host of the scheduler's end of ``comm``."""
+        if job not in self.stores:
+            host = get_address_host(comm.local_address)
+            try:
+                self.stores[job] = listen_on(host)
+            except OSError as exc:
+                raise SyncError(f"job {job!r}: no rendezvous store could listen on the "
+                                f"scheduler's address {host}: {exc}") from exc
+        return self.stores[job]
 
     def form(self, job: str, workers: Collection[str]) -> Group:
         generation = self._generations.get(job, 0) + 1
@@ -57,9 +92,10 @@ class Rendezvous:
     def forget(self, job: str) -> None:
         self.groups.pop(job, None)
         self._generations.pop(job, None)
+        self.stores.pop(job, None)  # its server stops, its port closes
 
     @rpc.handler
-    async def rank(self, job: str, worker: str) -> Reply:
+    async def rank(self, comm: Comm, job: str, worker: str) -> Reply:
         job = rpc.name("job", job, SyncError)
         worker = rpc.name("worker", worker, SyncError)
         group = self.groups.get(job)
@@ -68,9 +104,10 @@ class Rendezvous:
         if worker not in group.workers:
             raise SyncError(f"worker {worker} is not in job {job!r}'s group (generation "
                             f"{group.generation}: {group.workers})")
+        store = self.store(job, comm)
         return {"status": "OK", "rank": group.workers.index(worker),
-                "workers": list(group.workers), "port": self.port,
-                "prefix": f"antdt/{job}/{group.prefix}", "token": group.token}
+                "workers": list(group.workers), "host": store.host, "port": int(store.port),
+                "prefix": group.prefix, "token": group.token}
 
 
 class SyncMaster:

@@ -3,9 +3,9 @@ sharded across the job's workers, trained in synchronous steps by one ``torch.di
 per Dask worker, each rank's local batch sized by its speed.
 
 Rendezvous. The job's master forms the group (:class:`~antdt.agent.modes.sync_master.SyncMaster`:
-ranks in worker-address order, a generation per forming) and the scheduler hosts the TCP store
-every rank meets in (:class:`~antdt.agent.modes.sync_master.Rendezvous`, handler
-``antdt_sync_rank``). A rank joins with gloo on CPU and nccl on a GPU; the ranks build their
+ranks in worker-address order, a generation per forming) and the scheduler hosts the job's TCP
+store its ranks meet in, on the scheduler's own address, under a key prefix random to each forming
+(:class:`~antdt.agent.modes.sync_master.Rendezvous`, handler ``antdt_sync_rank``). A rank joins with gloo on CPU and nccl on a GPU; the ranks build their
 shards of the model within ``antdt.sync-steps.form-timeout``, then every collective has a
 timeout (``antdt.sync-steps.collective-timeout``): a rank that hangs breaks its peers' next
 collective instead of holding the job forever. The step's parts are in
@@ -80,7 +80,6 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 import fsspec
 import torch
@@ -266,10 +265,9 @@ class SyncMode(EverySynced, OwnTables):
                             job=self.spec.job, worker=self.worker.address), error=SyncError)
         self.rank, self.workers = int(reply["rank"]), list(reply["workers"])
         self.token = str(reply["token"])
-        host = urlsplit(self.worker.scheduler.address).hostname or "127.0.0.1"
         forming = datetime.timedelta(seconds=config.seconds("antdt.sync-steps.form-timeout"))
-        store = dist.PrefixStore(reply["prefix"], dist.TCPStore(
-            host, int(reply["port"]), is_master=False, timeout=forming))
+        store = dist.PrefixStore(reply["prefix"], dist.TCPStore(  # the job's own store
+            str(reply["host"]), int(reply["port"]), is_master=False, timeout=forming))
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         # A group formed again in this process: the last one's model can still be held by the
         # reference cycles of its broken collective's traceback (frames that held the trainer),

@@ -6,15 +6,19 @@ tests/pipeline/training/test_sync_mode.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
+import psutil
 import pytest
 import torch
+import torch.distributed as dist
+from distributed import Scheduler, Worker
+from distributed.comm import get_address_host
+from distributed.utils_test import gen_cluster
 
 from antdt.agent.modes.sync_master import Rendezvous, SyncMaster
 from antdt.agent.modes.sync_steps import (Header, ReadAhead, Span, StepRows, own_seconds,
@@ -122,22 +126,69 @@ def test_a_step_trains_the_global_batch_while_the_ranks_offer_it(
     assert all(0 <= r <= o for r, o in zip(rows, offered))
 
 
-def test_the_rendezvous_ranks_workers_by_address_and_forms_generations() -> None:
+def _listening(port: int) -> set[str]:
+    """The addresses this process listens on at ``port``."""
+    return {c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+@gen_cluster(nthreads=[("127.0.0.1", 1)] * 2, timeout=120)
+async def test_the_rendezvous_ranks_workers_by_address_and_forms_generations(
+        s: Scheduler, a: Worker, b: Worker) -> None:
+    """Asked through the workers' own comms to the scheduler, as a rank asks."""
     rendezvous = Rendezvous()
+    s.handlers["antdt_sync_rank"] = rendezvous.rank
     master = SyncMaster(rendezvous)
-    master.start("j", ["tcp://b:1", "tcp://a:1"])
-    first = asyncio.run(rendezvous.rank(job="j", worker="tcp://b:1"))
+    first_worker, second_worker = sorted([a.address, b.address])
+    master.start("j", [second_worker, first_worker])
+    first = await a.scheduler.antdt_sync_rank(job="j", worker=second_worker)
     assert first["status"] == "OK" and first["rank"] == 1
-    assert first["workers"] == ["tcp://a:1", "tcp://b:1"] and first["port"] > 0
-    master.restart("j", ["tcp://b:1", "tcp://c:1"])
-    again = asyncio.run(rendezvous.rank(job="j", worker="tcp://b:1"))
-    assert again["rank"] == 0 and again["prefix"] != first["prefix"]  # a new group's keys
-    gone = asyncio.run(rendezvous.rank(job="j", worker="tcp://a:1"))
-    assert gone["status"] == "error" and "tcp://a:1 is not in job 'j'" in gone["message"]
+    assert list(first["workers"]) == [first_worker, second_worker] and first["port"] > 0
+    master.restart("j", [second_worker, "tcp://127.0.0.1:1"])
+    again = await a.scheduler.antdt_sync_rank(job="j", worker=second_worker)
+    assert again["rank"] == 1 and again["prefix"] != first["prefix"]  # a new group's keys
+    assert again["port"] == first["port"]  # the job's one store
+    gone = await a.scheduler.antdt_sync_rank(job="j", worker=first_worker)
+    assert gone["status"] == "error" and f"{first_worker} is not in job 'j'" in gone["message"]
     rendezvous.forget("j")
-    unknown = asyncio.run(rendezvous.rank(job="j", worker="tcp://b:1"))
+    unknown = await a.scheduler.antdt_sync_rank(job="j", worker=second_worker)
     assert unknown["status"] == "error" and "no synchronous group" in unknown["message"]
     assert not master.accepts_joiners("j") and master.regroups
+
+
+@gen_cluster(nthreads=[("127.0.0.1", 1)] * 2, timeout=120)
+async def test_a_jobs_store_listens_on_the_schedulers_address_under_a_random_prefix(
+        s: Scheduler, a: Worker, b: Worker) -> None:
+    """The store is not Dask's comm (no TLS, no authentication): it listens on the interface
+    the scheduler listens on, not on every one, one store per job, closed with the job, and a
+    group's keys are under a prefix nobody can derive from the job's id or the group's token."""
+    rendezvous = Rendezvous()
+    s.handlers["antdt_sync_rank"] = rendezvous.rank
+    master = SyncMaster(rendezvous)
+    master.start("job-1", [a.address])
+    master.start("job-2", [b.address])
+    one = await a.scheduler.antdt_sync_rank(job="job-1", worker=a.address)
+    two = await b.scheduler.antdt_sync_rank(job="job-2", worker=b.address)
+    assert one["host"] == two["host"] == get_address_host(s.address) == "127.0.0.1"
+    assert _listening(one["port"]) == {"127.0.0.1"}  # not 0.0.0.0 nor ::
+    assert _listening(two["port"]) == {"127.0.0.1"} and one["port"] != two["port"]
+    for reply, job in ((one, "job-1"), (two, "job-2")):
+        assert job not in reply["prefix"] and reply["token"] not in reply["prefix"]
+        assert len(reply["prefix"].rsplit("/", 1)[1]) == 32  # 128 random bits
+    assert one["prefix"].rsplit("/", 1)[1] != two["prefix"].rsplit("/", 1)[1]
+
+    # a rank meets its group in the store the reply names, under the prefix it names
+    rank = dist.PrefixStore(one["prefix"], dist.TCPStore(one["host"], one["port"]))
+    rank.set("rank0", "here")
+    server = rendezvous.stores["job-1"]
+    assert server.get(f"{one['prefix']}/rank0") == b"here"
+    assert rendezvous.stores["job-2"].num_keys() < server.num_keys()  # job-2's store holds none
+    del rank, server  # the test lets go of the store too
+
+    rendezvous.forget("job-1")
+    assert _listening(one["port"]) == set()  # the job's store closed with it
+    assert _listening(two["port"]) == {"127.0.0.1"}
+    rendezvous.forget("job-2")
 
 
 def _lease(lease_id: int, stop: int) -> Lease:
