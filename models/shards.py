@@ -26,6 +26,14 @@ FBGEMM keeps it per column shard (the mean of that shard's squared gradients), a
 each row the column-weighted mean of those, which is the unsharded state exactly (as
 :meth:`~models.sharded.ShardedTrainStep.full_state` does).
 
+Loading checks what it reads. Given the files' sizes and sha256 (a checkpoint's manifest, a
+saved model's ``files``), :class:`ShardFiles` compares every size at once and each file's sha256,
+streamed a chunk at a time, before its first bytes are used (a rank hashes only the files it reads
+from). A header is bounded (:data:`MAX_HEADER_BYTES`, and the file's size) and every field is
+checked: the blocks must lie inside their tables and inside the file, and no two blocks of a table
+may overlap, so a rank's file mixed in from another group or a corrupt one is refused, in one
+:class:`ValueError` naming the file and what is wrong, instead of leaving rows unset.
+
 Reading copies rows chunk by chunk (:data:`READ_CHUNK_BYTES`) from the file straight into the
 target tensor, and writing streams the tensors out with their checksum computed on the way: a
 rank holds one chunk more than its shards. No file is mapped or read whole: the Dask nanny
@@ -37,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import posixpath
 import re
 import secrets
@@ -54,6 +63,8 @@ DENSE = "model-dense.pt"
 """The file of everything but the tables (written by rank 0)."""
 READ_CHUNK_BYTES = 16 << 20
 """At most this many bytes of a block are read (or written) at once."""
+MAX_HEADER_BYTES = 64 << 20
+"""A rank file's header is refused above this (thousands of tables take a few MiB)."""
 
 _RANK_FILE = re.compile(r"^model-(\d{5})-of-(\d{5})\.bin$")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -194,12 +205,17 @@ class _Stored(NamedTuple):
 
 class ShardFiles:
     """The files one group of ranks wrote into ``folder`` (``names``: the rank files and the
-    dense file, e.g. a checkpoint manifest's): their headers are read here, their blocks when
-    :meth:`fill` asks for them. Raises :class:`ValueError` naming what is missing or does not
-    match (a rank's file, a table)."""
+    dense file; as a mapping to each file's ``bytes`` and ``sha256``, e.g. a checkpoint
+    manifest's, they are verified, see the module docstring): their headers are read here, their
+    blocks when :meth:`fill` asks for them. Raises :class:`ValueError` naming what is missing,
+    corrupt or does not match (a rank's file, a table)."""
 
-    def __init__(self, folder: str, names: Iterable[str]) -> None:
+    def __init__(self, folder: str,
+                 names: Iterable[str] | Mapping[str, Mapping[str, Any]]) -> None:
         self.folder = folder
+        self._expected: dict[str, Mapping[str, Any]] = \
+            {name: dict(names[name] or {}) for name in names} if isinstance(names, Mapping) \
+            else {}
         names = sorted(set(names))
         ranks = {int(m[1]): int(m[2]) for m in map(_RANK_FILE.match, names) if m}
         worlds = set(ranks.values())
@@ -210,36 +226,82 @@ class ShardFiles:
         self.world_size = next(iter(worlds))
         self.tables: list[Table] = []
         self._stored: dict[tuple[str, str | None], list[_Stored]] = {}
+        self._verified: set[str] = set()
+        sizes = {name: self._size(name) for name in
+                 [DENSE, *(rank_file(r, self.world_size) for r in range(self.world_size))]}
         for rank in range(self.world_size):
-            self._read_header(_join(folder, rank_file(rank, self.world_size)))
+            name = rank_file(rank, self.world_size)
+            self._read_header(_join(folder, name), rank, sizes[name])
+        for stored in self._stored.values():
+            _refuse_overlaps(stored)
 
-    def _read_header(self, path: str) -> None:
+    def _size(self, name: str) -> int:
+        """``name``'s size, checked against the size it should have where that is given."""
+        path = _join(self.folder, name)
+        fs, local = fsspec.core.url_to_fs(path)
+        try:
+            size = int(fs.size(local))
+        except FileNotFoundError:
+            raise ValueError(f"{path}: missing (a part of the model in {self.folder})") from None
+        expected = self._expected.get(name, {}).get("bytes")
+        if expected is not None and size != expected:
+            raise ValueError(f"{path}: {size} bytes, expected {expected} (its manifest's): the "
+                             "part is truncated, corrupt or from another model")
+        return size
+
+    def _verify(self, path: str) -> None:
+        """Check ``path``'s sha256 against its manifest's, once, streamed a chunk at a time."""
+        name = posixpath.basename(path)
+        expected = self._expected.get(name, {}).get("sha256")
+        if expected is None or path in self._verified:
+            return
+        digest = hashlib.sha256()
         with fsspec.open(path, "rb") as f:
-            start = f.read(len(MAGIC) + 8)
-            if len(start) < len(MAGIC) + 8 or start[:len(MAGIC)] != MAGIC:
+            while chunk := f.read(READ_CHUNK_BYTES):
+                digest.update(chunk)
+        if digest.hexdigest() != expected:
+            raise ValueError(f"{path}: sha256 {digest.hexdigest()}, expected {expected} (its "
+                             "manifest's): the part is corrupt or from another model")
+        self._verified.add(path)
+
+    def _read_header(self, path: str, rank: int, size: int) -> None:
+        start_bytes = len(MAGIC) + 8
+        with fsspec.open(path, "rb") as f:
+            start = f.read(start_bytes)
+            if len(start) < start_bytes or start[:len(MAGIC)] != MAGIC:
                 raise ValueError(f"{path}: not a model shard file (expected it to start with "
                                  f"{MAGIC!r}, found {start[:len(MAGIC)]!r})")
             (length,) = struct.unpack("<Q", start[len(MAGIC):])
-            header = json.loads(f.read(length))
-        if header.get("format") != FORMAT:
-            raise ValueError(f"{path}: shard format {header.get('format')!r}; expected {FORMAT}")
-        tables = [Table(t["name"], t["key"], (t["shape"][0], t["shape"][1]), list(t["states"]))
-                  for t in header["tables"]]
+            if length > min(MAX_HEADER_BYTES, size - start_bytes):
+                raise ValueError(f"{path}: corrupt header: it says it has {length} bytes, the "
+                                 f"file has {size} (at most {MAX_HEADER_BYTES} are read)")
+            raw = f.read(length)
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: corrupt header: not JSON ({exc})") from None
+        data = start_bytes + length
+        tables, blocks = _Header(path, data, size).parse(header, rank, self.world_size)
         if self.tables and tables != self.tables:
             raise ValueError(f"{path}: its tables differ from the other ranks' files")
         self.tables = tables
-        data = len(MAGIC) + 8 + length
-        for entry in header["blocks"]:
-            block = Block(entry["table"], entry["state"], (entry["rows"][0], entry["rows"][1]),
-                          (entry["cols"][0], entry["cols"][1]))
-            self._stored.setdefault((block.table, block.state), []).append(_Stored(
-                path, data + entry["offset"], block, tuple(entry["shape"]),
-                _DTYPES[entry["dtype"]]))
+        for stored in blocks:
+            self._stored.setdefault((stored.block.table, stored.block.state), []).append(stored)
 
     def dense(self) -> dict[str, Any]:
         """The model's part that is not tables (as :func:`write_dense` was given it)."""
-        with fsspec.open(_join(self.folder, DENSE), "rb") as f:
-            dense: dict[str, Any] = torch.load(f, map_location="cpu", weights_only=True)
+        path = _join(self.folder, DENSE)
+        self._verify(path)
+        try:
+            with fsspec.open(path, "rb") as f:
+                dense = torch.load(f, map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as exc:
+            raise ValueError(f"{path}: not a readable dense part: "
+                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                             ) from None
+        if not isinstance(dense, dict) or "model" not in dense:
+            raise ValueError(f"{path}: not a dense part (expected a dict with 'model', found "
+                             f"{type(dense).__name__})")
         return dense
 
     def state_dims(self, table: Table, state: str) -> int:
@@ -293,6 +355,7 @@ class ShardFiles:
         high = min(first + count, item.block.rows[0] + item.block.rows[1])
         if low >= high:
             return
+        self._verify(item.path)
         row_shape = item.shape[1:]
         row_bytes = max(1, int(torch.Size(row_shape).numel()) * item.dtype.itemsize)
         step = max(1, READ_CHUNK_BYTES // row_bytes)
@@ -307,7 +370,106 @@ class ShardFiles:
                 yield start, part
 
 
-def read_full_state(folder: str, names: Iterable[str]) -> dict[str, Any]:
+def _refuse_overlaps(stored: Sequence[_Stored]) -> None:
+    """Refuse blocks of one table's weight (or state) that overlap: with two files of different
+    groups mixed, the coverage counted would pass with rows left unset."""
+    ordered = sorted(stored, key=lambda item: item.block.rows[0])
+    open_: list[_Stored] = []
+    for item in ordered:
+        (top, _), (left, width) = item.block.rows, item.block.cols
+        open_ = [o for o in open_ if o.block.rows[0] + o.block.rows[1] > top]
+        for other in open_:
+            o_left, o_width = other.block.cols
+            if left < o_left + o_width and o_left < left + width and item.block.rows[1] and \
+                    other.block.rows[1]:
+                raise ValueError(
+                    f"{item.path}: its block rows {item.block.rows}, columns {item.block.cols} "
+                    f"of {item.block.table} ({item.block.state or 'weight'}) overlaps "
+                    f"{other.path}'s rows {other.block.rows}, columns {other.block.cols}: the "
+                    "files are not of one group")
+        open_.append(item)
+
+
+class _Header:
+    """The checks of one rank file's header (``data``: where its blocks' bytes begin,
+    ``size``: the file's), each failure a :class:`ValueError` naming the file and the field."""
+
+    def __init__(self, path: str, data: int, size: int) -> None:
+        self.path, self.data, self.size = path, data, size
+
+    def fail(self, what: str) -> ValueError:
+        return ValueError(f"{self.path}: corrupt header: {what}")
+
+    def field(self, where: Mapping[str, Any], key: str, kind: type, what: str) -> Any:
+        value = where.get(key) if isinstance(where, Mapping) else None
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise self.fail(f"{what}{key!r} must be a {kind.__name__}, found {value!r:.80}")
+        return value
+
+    def span(self, entry: Mapping[str, Any], key: str, what: str, bound: int) -> tuple[int, int]:
+        value = self.field(entry, key, list, what)
+        if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool)
+                                      for v in value) \
+                or value[0] < 0 or value[1] < 0 or value[0] + value[1] > bound:
+            raise self.fail(f"{what}{key!r} must be [first, count] inside 0..{bound}, found "
+                            f"{value!r:.80}")
+        return value[0], value[1]
+
+    def parse(self, header: Any, rank: int, world_size: int
+              ) -> tuple[list[Table], list[_Stored]]:
+        if not isinstance(header, dict):
+            raise self.fail(f"expected an object, found {type(header).__name__}")
+        if header.get("format") != FORMAT:
+            raise ValueError(f"{self.path}: shard format {header.get('format')!r}; expected "
+                             f"{FORMAT}")
+        if header.get("rank") != rank or header.get("world_size") != world_size:
+            raise self.fail(f"it says rank {header.get('rank')!r} of "
+                            f"{header.get('world_size')!r}, its name rank {rank} of {world_size}")
+        tables = []
+        for i, t in enumerate(self.field(header, "tables", list, "")):
+            what = f"table {i}: "
+            shape = self.field(t, "shape", list, what)
+            if len(shape) != 2 or not all(isinstance(v, int) and v >= 0 for v in shape):
+                raise self.fail(f"{what}'shape' must be two sizes, found {shape!r:.80}")
+            states = self.field(t, "states", list, what)
+            if not all(isinstance(state, str) for state in states):
+                raise self.fail(f"{what}'states' must be names, found {states!r:.80}")
+            tables.append(Table(self.field(t, "name", str, what), self.field(t, "key", str, what),
+                                (shape[0], shape[1]), list(states)))
+        by_key = {t.key: t for t in tables}
+        blocks = []
+        for i, entry in enumerate(self.field(header, "blocks", list, "")):
+            what = f"block {i}: "
+            table = by_key.get(self.field(entry, "table", str, what))
+            if table is None:
+                raise self.fail(f"{what}table {entry['table']!r:.80} is not one of its tables")
+            state = entry.get("state")
+            if state is not None and state not in table.states:
+                raise self.fail(f"{what}state {state!r:.80} is not one of {table.key}'s "
+                                f"{table.states}")
+            rows = self.span(entry, "rows", what, table.shape[0])
+            cols = self.span(entry, "cols", what, table.shape[1])
+            shape = tuple(self.field(entry, "shape", list, what))
+            if shape not in ((rows[1], cols[1]), (rows[1],)) or (state is None and
+                                                                  len(shape) != 2):
+                raise self.fail(f"{what}shape {list(shape)!r:.80} does not fit rows {rows}, "
+                                f"columns {cols}")
+            dtype = _DTYPES.get(self.field(entry, "dtype", str, what))
+            if dtype is None:
+                raise self.fail(f"{what}dtype {entry['dtype']!r:.80} is not one of "
+                                f"{sorted(_DTYPES)}")
+            offset = self.field(entry, "offset", int, what)
+            end = self.data + offset + int(torch.Size(shape).numel()) * dtype.itemsize
+            if offset < 0 or end > self.size:
+                raise self.fail(f"{what}its bytes end at {end}, past the file's {self.size}: "
+                                "truncated or corrupt")
+            blocks.append(_Stored(self.path, self.data + offset,
+                                  Block(table.key, state, rows, cols), shape, dtype))
+        return tables, blocks
+
+
+def read_full_state(folder: str, names: Iterable[str] | Mapping[str, Mapping[str, Any]]
+                    ) -> dict[str, Any]:
     """The whole model written in ``folder`` as one state in
     :meth:`models.train_step.TrainStep.state_dict`'s format (where it fits: a plain
     :class:`~models.train_step.TrainStep` or an async job resuming a sync job's checkpoint)."""
