@@ -62,8 +62,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -294,8 +295,8 @@ class Monitor:
                 track.gap = elapsed if gap is None else \
                     GAP_WEIGHT * elapsed + (1 - GAP_WEIGHT) * gap
             if stats:
-                busy = float(stats.get(BUSY, elapsed))
-                batches = float(stats.get(BATCHES, rows / self.batch_rows))
+                busy = _measured(stats, BUSY, elapsed, elapsed + 3600.0)
+                batches = _measured(stats, BATCHES, rows / self.batch_rows, rows)
             else:  # the common case, without a lookup per stat
                 busy, batches = elapsed, rows / self.batch_rows
             if track.warm_up > 0:
@@ -469,3 +470,14 @@ class Monitor:
                              track.verdict.value, verdict.value, bpt, median, window)
                 track.verdict = verdict
                 self._flag(worker, track)
+
+
+def _measured(stats: Mapping[str, float], key: str, derived: float, most: float) -> float:
+    """A commit's own measurement ``key``, or ``derived`` when it has none or an impossible
+    one (negative, not finite: a negative ``batches`` would keep the worker in warm-up for
+    ever); at most ``most`` (a batch has a row, a commit's busy time fits its wall time)."""
+    value = stats.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        return derived
+    return min(float(value), most)

@@ -23,6 +23,7 @@ credentials when it has any).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import re
@@ -39,6 +40,7 @@ from antdt.agent.modes import AsyncMaster, HybridMaster, MasterMode, Rendezvous,
 from antdt.controller import ControllerService
 from antdt.controller import PLUGIN_NAME as CONTROLLER
 from antdt.errors import JobError, SyncError
+from antdt.jobs.checkpoints import job_folder
 from antdt.jobs.runner import JobContext, JobRunner
 from antdt.jobs.spec import PLUGIN_NAME, JobCode, JobPlan, JobSpec
 from antdt.rpc import Reply
@@ -140,13 +142,18 @@ class JobService(SchedulerPlugin):
         """Start a job from ``plan`` (:meth:`JobPlan.to_dict`) and ``code``
         (:meth:`JobCode.to_dict`); with an existing ``job_id``, attach to that job instead
         (unless it ended and the plan resumes it from a checkpoint: that starts it again)."""
-        spec = JobSpec(JobPlan.from_dict(plan), JobCode.from_dict(code))
+        # a million row groups take a second or two to check: not on the event loop
+        checked = await asyncio.to_thread(JobPlan.from_dict, plan)
+        spec = JobSpec(checked, JobCode.from_dict(code))
         if job_id is not None:
             job_id = _job_id(job_id)
             runner = self.runners.get(job_id)
             if runner is not None and not (spec.plan.resume and runner.state.final):
                 return {"status": "OK", "attached": True, "job": runner.record()}
         self._plugins()
+        assert self.scheduler is not None
+        spec.plan.check_cluster({worker: state.memory_limit
+                                 for worker, state in self.scheduler.workers.items()})
         if job_id is None:
             job_id = f"{spec.plan.name}-{uuid.uuid4().hex[:8]}"
             if not JOB_ID.fullmatch(job_id):
@@ -154,6 +161,8 @@ class JobService(SchedulerPlugin):
         runner = JobRunner(job_id, spec, self._context(job_id, spec.plan,
                                                         await self._own_client()))
         self.runners[job_id] = runner
+        if spec.plan.checkpoint_dir is not None:
+            self.sharding.folders[job_id] = job_folder(spec.plan.checkpoint_dir, job_id)
         self._trim_history()
         runner.start()
         logger.info("job %s submitted: %s, %d row groups", job_id, spec.plan.name,
@@ -255,6 +264,7 @@ class JobService(SchedulerPlugin):
         ended = [job for job, runner in self.runners.items() if runner.state.final]
         for job in ended[:max(0, len(self.runners) - keep)]:
             del self.runners[job]
+            self.sharding.folders.pop(job, None)
 
 
 def _job_id(value: object) -> str:
@@ -267,5 +277,5 @@ def _job_id(value: object) -> str:
 def _tables_spec(raw: dict[str, Any]) -> TablesSpec:
     try:
         return TablesSpec(**raw)
-    except (TypeError, SyncError) as exc:
+    except (TypeError, ValueError, SyncError) as exc:
         raise JobError(f"job plan tables: {exc}") from exc

@@ -28,6 +28,7 @@ from dask.utils import format_bytes
 
 from antdt.errors import CheckpointError, JobError
 from antdt.jobs.checkpoints import Every
+from antdt.sharding.dealing import MAX_EPOCHS, MAX_ROW_GROUPS, MAX_ROWS, MAX_SHARDS
 from antdt.sync.period import DEFAULT_PERIOD
 
 PLUGIN_NAME = "antdt-jobs"
@@ -46,8 +47,11 @@ FAULT_KEYS = frozenset({"slowdown", "hang_after_rows", "crash_after_rows", "slow
                         "pause_until", "pause_after_rows"})
 """The fields of :class:`antdt.agent.Faults`."""
 
-MAX_ROW_GROUPS = 10_000_000
 MAX_CODE_BYTES = 64 * 2**20
+READER_MEMORY_SHARE = 0.25
+"""The share of a worker's memory limit a reader may take for one row group (it holds the
+row group's columns while it cuts batches from them; the model and the optimiser hold the
+rest)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,10 @@ class JobPlan:
     resume: str | None = None
     replica_bytes: int | None = None
     tables: dict[str, Any] | None = None
+    row_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        self.check_sizes()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the wire (msgpack): lists, and the fault keys as strings."""
@@ -127,14 +135,15 @@ class JobPlan:
         naming the key and what was expected."""
         if not isinstance(raw, Mapping):
             raise JobError(f"job plan: expected a mapping, found {type(raw).__name__}")
-        unknown = sorted(set(raw) - {f for f in cls.__dataclass_fields__})
+        unknown = sorted(map(repr, set(raw) - {f for f in cls.__dataclass_fields__}))
         if unknown:
             raise JobError(f"job plan: unknown key(s) {unknown}")
         name = _text(raw, "name")
         groups = raw.get("row_groups")
         if not isinstance(groups, (list, tuple)) or len(groups) > MAX_ROW_GROUPS:
             raise JobError(f"job plan row_groups: expected a list of at most {MAX_ROW_GROUPS} "
-                           f"(path, row_group, num_rows), found {type(groups).__name__}")
+                           f"(path, row_group, num_rows), found {type(groups).__name__}"
+                           f"{_length(groups)}")
         row_groups = []
         for i, group in enumerate(groups):
             if not (isinstance(group, (list, tuple)) and len(group) == 3
@@ -143,7 +152,7 @@ class JobPlan:
                                f" found {str(group)[:120]}")
             row_groups.append((group[0], int(group[1]), int(group[2])))
         quarantine = []
-        for i, item in enumerate(_list(raw, "quarantine")):
+        for i, item in enumerate(_list(raw, "quarantine", MAX_ROW_GROUPS)):
             if not (isinstance(item, (list, tuple)) and len(item) == 3
                     and isinstance(item[0], str) and (item[1] is None or _is_int(item[1]))
                     and isinstance(item[2], str)):
@@ -168,26 +177,28 @@ class JobPlan:
             raise JobError(f"job plan deadline_s: expected seconds > 0 or None, found "
                            f"{deadline!r}")
         return cls(
-            name=name, row_groups=row_groups, batch_rows=_int(raw, "batch_rows", 1),
-            shard_rows=_int(raw, "shard_rows", 1), mode=mode, adaptive_batch=adaptive,
-            epochs=_int(raw, "epochs", 1, default=1),
-            seed=_int(raw, "seed", 0, default=0),
+            name=name, row_groups=row_groups, batch_rows=_int(raw, "batch_rows", 1, high=MAX_ROWS),
+            shard_rows=_int(raw, "shard_rows", 1, high=MAX_ROWS), mode=mode,
+            adaptive_batch=adaptive,
+            epochs=_int(raw, "epochs", 1, default=1, high=MAX_EPOCHS),
+            seed=_int(raw, "seed", 0, default=0, high=2**63 - 1),
             sync_period=_text(raw, "sync_period", default=str(DEFAULT_PERIOD)), sharding=sharding,
-            threads=_int(raw, "threads", 1, default=1), quarantine=quarantine,
+            threads=_int(raw, "threads", 1, default=1, high=1024), quarantine=quarantine,
             faults=_faults(raw.get("faults", {})),
             deadline_s=None if deadline is None else float(deadline),
-            workers=None if raw.get("workers") is None else _int(raw, "workers", 1),
+            workers=None if raw.get("workers") is None else _int(raw, "workers", 1, high=100_000),
             min_batches_per_worker=_int(raw, "min_batches_per_worker", 0, default=0),
             preload=[_module(i, name) for i, name in enumerate(_list(raw, "preload"))],
             tags=_tags(raw.get("tags", {})),
             checkpoint_dir=_optional_text(raw, "checkpoint_dir", 4096),
             checkpoint_every=_every(raw.get("checkpoint_every", "60s")),
-            checkpoint_keep=_int(raw, "checkpoint_keep", 1, default=3),
+            checkpoint_keep=_int(raw, "checkpoint_keep", 1, default=3, high=10_000),
             fingerprint=_tags(raw.get("fingerprint", {}), "fingerprint"),
             resume=_optional_text(raw, "resume", 4096),
             replica_bytes=None if raw.get("replica_bytes") is None
             else _int(raw, "replica_bytes", 1),
-            tables=_tables(raw.get("tables")))
+            tables=_tables(raw.get("tables")),
+            row_bytes=None if raw.get("row_bytes") is None else _int(raw, "row_bytes", 1))
 
     @property
     def rows(self) -> int:
@@ -313,6 +324,76 @@ memory
                            "give them more memory, or train it with --mode sync")
 
 
+    def check_sizes(self) -> None:
+        """Refuse (:class:`JobError`, one line) sizes the job could never run with, where it is
+        built and again where it is submitted, before any worker does anything for it: more
+        epochs than :data:`~antdt.sharding.dealing.MAX_EPOCHS`, more shards an epoch than
+        :data:`~antdt.sharding.dealing.MAX_SHARDS`, a batch larger than the data.
+
+        >>> JobPlan("j", [("a.parquet", 0, 10**9)], batch_rows=512, shard_rows=1)
+        Traceback (most recent call last):
+        ...
+        antdt.errors.JobError: job plan shard_rows: shards of 1 row cut the 1,000,000,000 rows into 1,000,000,000 shards, more than the 2,000,000 a job may have; use shard_rows >= 500
+        """
+        if not 1 <= self.epochs <= MAX_EPOCHS:
+            raise JobError(f"job plan epochs: expected 1 to {MAX_EPOCHS:,} epochs, found "
+                           f"{self.epochs:,}")
+        for key, rows in (("batch_rows", self.batch_rows), ("shard_rows", self.shard_rows)):
+            if not 1 <= rows <= MAX_ROWS:
+                raise JobError(f"job plan {key}: expected 1 to {MAX_ROWS:,} rows, found "
+                               f"{rows:,}")
+        if len(self.row_groups) > MAX_ROW_GROUPS:
+            raise JobError(f"job plan row_groups: expected at most {MAX_ROW_GROUPS:,} row "
+                           f"groups, found {len(self.row_groups):,}; write larger ones")
+        shard = self.shard_rows
+        shards = sum(-(-rows // shard) for _, _, rows in self.row_groups)
+        if shards > MAX_SHARDS:
+            least = -(-max(shards * shard, 1) // MAX_SHARDS)
+            raise JobError(f"job plan shard_rows: shards of {shard:,} row{'s' * (shard > 1)} "
+                           f"cut the {self.rows:,} rows into {shards:,} shards, more than the "
+                           f"{MAX_SHARDS:,} a job may have; use shard_rows >= {least:,}")
+        if self.row_groups and self.batch_rows > self.rows:
+            raise JobError(f"job plan batch_rows: a batch of {self.batch_rows:,} rows is larger "
+                           f"than the data ({self.rows:,} rows an epoch)")
+
+    def check_cluster(self, limits: Mapping[str, int | None]) -> None:
+        """Refuse (:class:`JobError`, one line) a job the cluster's workers (``limits``: their
+        Dask memory limits, 0 or None: none) could never hold, before any of them starts on
+        it: sharded tables (with a backup of each bucket) larger than their memory together, a
+        full replica larger than any one worker's, a row group whose rows (``row_bytes`` each,
+        in the reader's memory) exceed :data:`READER_MEMORY_SHARE` of the smallest limit.
+
+        >>> plan = JobPlan("j", [("a.parquet", 3, 10**6)], batch_rows=512, shard_rows=4096,
+        ...                row_bytes=1000)
+        >>> plan.check_cluster({"a": 2**30})
+        Traceback (most recent call last):
+        ...
+        antdt.errors.JobError: row group 3 of a.parquet holds 1,000,000 rows, 0.93 GiB in the reader (1,000 bytes a row), more than a worker's budget for it (256.00 MiB: 0.25 of the smallest memory limit, 1.00 GiB); write smaller row groups or give the workers more memory
+        """
+        known = [limit for limit in limits.values() if limit]
+        if not known:
+            return
+        size = int((self.tables or {}).get("bytes") or 0)
+        if size and self.sharded_tables(limits) is not None and 2 * size > sum(known):
+            raise JobError(f"the sharded tables need {format_bytes(2 * size)} with a backup of "
+                           f"each bucket, more than the {len(known)} workers' memory together "
+                           f"({format_bytes(sum(known))}); add workers or give them more memory")
+        if self.mode == "async" and self.sharded_tables(limits) is None \
+                and all(limits.values()) and (self.replica_bytes or 0) > max(known):
+            self.check_memory(limits)  # no worker could hold a replica
+        if self.row_bytes and self.row_groups:
+            path, group, rows = max(self.row_groups, key=lambda item: item[2])
+            budget = int(READER_MEMORY_SHARE * min(known))
+            need = rows * self.row_bytes
+            if need > budget:
+                raise JobError(
+                    f"row group {group} of {path} holds {rows:,} rows, {format_bytes(need)} in "
+                    f"the reader ({self.row_bytes:,} bytes a row), more than a worker's budget "
+                    f"for it ({format_bytes(budget)}: {READER_MEMORY_SHARE:g} of the smallest "
+                    f"memory limit, {format_bytes(min(known))}); write smaller row groups or "
+                    "give the workers more memory")
+
+
 class JobHooks(Protocol):
     """The application's side of a job, run in tasks on workers (so a worker's loss costs a
     retry, not the job). ``run`` is what :meth:`start` returned: the tracking run's identity,
@@ -401,11 +482,18 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _int(raw: Mapping[str, Any], key: str, low: int, default: int | None = None) -> int:
+def _int(raw: Mapping[str, Any], key: str, low: int, default: int | None = None,
+         high: int = 2**62) -> int:
     value = raw.get(key, default)
-    if not _is_int(value) or value < low:
-        raise JobError(f"job plan {key}: expected an int >= {low}, found {value!r}")
+    if not _is_int(value) or not low <= value <= high:
+        most = f" and <= {high:,}" if high < 2**62 else ""
+        raise JobError(f"job plan {key}: expected an int >= {low}{most}, found "
+                       f"{repr(value)[:80]}")
     return int(value)
+
+
+def _length(value: object) -> str:
+    return f" of {len(value)}" if isinstance(value, (list, tuple)) else ""
 
 
 def _text(raw: Mapping[str, Any], key: str, default: str | None = None) -> str:
@@ -416,10 +504,11 @@ def _text(raw: Mapping[str, Any], key: str, default: str | None = None) -> str:
     return value
 
 
-def _list(raw: Mapping[str, Any], key: str) -> list[Any]:
+def _list(raw: Mapping[str, Any], key: str, longest: int = 1000) -> list[Any]:
     value = raw.get(key, [])
-    if not isinstance(value, (list, tuple)):
-        raise JobError(f"job plan {key}: expected a list, found {type(value).__name__}")
+    if not isinstance(value, (list, tuple)) or len(value) > longest:
+        raise JobError(f"job plan {key}: expected a list of at most {longest}, found "
+                       f"{type(value).__name__}")
     return list(value)
 
 
@@ -471,7 +560,9 @@ def _every(value: object) -> str:
 def _tables(value: object) -> dict[str, Any] | None:
     if value is None:
         return None
-    if not isinstance(value, Mapping) or value.get("placement") not in ("auto", "sharded"):
+    if not isinstance(value, Mapping) or value.get("placement") not in ("auto", "sharded") \
+            or not all(isinstance(key, str) for key in value) \
+            or not _is_int(value.get("bytes", 0)):
         raise JobError(f"job plan tables: expected a mapping with placement 'auto' or "
-                       f"'sharded', found {str(value)[:120]}")
+                       f"'sharded' (and bytes, an int >= 0), found {str(value)[:120]}")
     return dict(value)

@@ -19,7 +19,9 @@ import json
 import os
 import secrets
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import fsspec
 import numpy as np
@@ -27,8 +29,11 @@ import numpy as np
 from antdt.errors import LedgerError
 from antdt.sharding.leases import QuarantineRecord
 
+T = TypeVar("T")
 FORMAT_VERSION = 2
 MAGIC = b"ANTDTLG\x00"
+MAX_BYTES = 256 * 2**20
+"""Largest ledger checkpoint read (a million row groups write about 35 MB)."""
 
 
 RENAMED = {"rows_duplicated": "rows_retrained"}
@@ -88,10 +93,29 @@ def encode(state: LedgerState) -> bytes:
 
 
 def decode(data: bytes) -> LedgerState:
-    """The :class:`LedgerState` that :func:`encode` wrote."""
+    """The :class:`LedgerState` that :func:`encode` wrote; a :class:`LedgerError` for anything
+    else (its message names what is wrong, never the file's bytes: the path may be any file)."""
     if data[:8] != MAGIC:
-        raise LedgerError(f"not an antdt ledger checkpoint: expected magic {MAGIC!r}, found "
-                          f"{bytes(data[:8])!r}")
+        raise LedgerError(f"not an antdt ledger checkpoint (it does not start with {MAGIC!r})")
+    try:
+        return _decode(data)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError, struct.error) as e:
+        raise LedgerError(f"a damaged antdt ledger checkpoint ({type(e).__name__} while "
+                          "decoding it)") from e
+
+
+def restored(data: bytes, build: Callable[[LedgerState], T]) -> T:
+    """``build`` (a ledger from its state) applied to :func:`decode`'s state of ``data``; a
+    :class:`LedgerError` naming no bytes of ``data`` for a state it cannot build from."""
+    state = decode(data)
+    try:
+        return build(state)
+    except (ValueError, IndexError, TypeError, KeyError, AttributeError) as e:
+        raise LedgerError(f"a damaged antdt ledger checkpoint ({type(e).__name__} while "
+                          "restoring it)") from e
+
+
+def _decode(data: bytes) -> LedgerState:
     (length,) = struct.unpack("<I", data[8:12])
     header = json.loads(data[12:12 + length])
     if header.get("version") != FORMAT_VERSION:
@@ -115,10 +139,13 @@ def decode(data: bytes) -> LedgerState:
         front=arrays["front"])
 
 
-def read(path: str) -> bytes:
-    """The bytes at an fsspec ``path`` (``FileNotFoundError`` when there are none)."""
+def read(path: str, limit: int = MAX_BYTES) -> bytes:
+    """The bytes at an fsspec ``path`` (``FileNotFoundError`` when there are none), at most
+    ``limit`` of them (:class:`LedgerError` for a larger file)."""
     with fsspec.open(path, "rb") as f:
-        data: bytes = f.read()
+        data: bytes = f.read(limit + 1)
+    if len(data) > limit:
+        raise LedgerError(f"{path} is larger than a ledger checkpoint may be ({limit:,} bytes)")
     return data
 
 

@@ -42,6 +42,17 @@ from antdt.sharding.leases import Piece, QuarantineRecord, QuarantineSpec, RowGr
 
 logger = logging.getLogger(__name__)
 
+MAX_SHARDS = 2_000_000
+"""Most shards of one epoch a ledger takes: its tables cost 12 bytes a shard, and each epoch's
+permutation is drawn on the scheduler's event loop (about 30 ms at this size)."""
+MAX_EPOCHS = 1000
+"""Most epochs of a job: the ledger keeps and reports its rows done per epoch."""
+MAX_ROWS = 2**31 - 1
+"""Most rows of a row group, a shard or a batch: the ledger's offsets are int32."""
+MAX_ROW_GROUPS = 1_000_000
+"""Most row groups of a job: registering them is a Python loop (about a second at this size,
+run off the event loop)."""
+
 
 def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
     """``value`` as an int in ``[low, high]``; bools and floats are refused."""
@@ -86,8 +97,8 @@ class ShardTable:
             if not isinstance(path, str) or not path:
                 raise LedgerError(f"job {job!r}: row_groups[{i}] path must be a non-empty str, "
                                   f"found {path!r}")
-            number = check_int(f"row_groups[{i}] ({path}) row_group", raw_group, 0, 2**31 - 1)
-            num_rows = check_int(f"row_groups[{i}] ({path}) num_rows", raw_rows, 0, 2**31 - 1)
+            number = check_int(f"row_groups[{i}] ({path}) row_group", raw_group, 0, MAX_ROWS)
+            num_rows = check_int(f"row_groups[{i}] ({path}) num_rows", raw_rows, 0, MAX_ROWS)
             if (path, number) in seen:
                 raise LedgerError(f"job {job!r}: row group {number} of {path} is listed twice")
             seen.add((path, number))
@@ -136,6 +147,10 @@ class ShardTable:
         """Rows of one epoch that are dealt (the registration quarantine left out)."""
 
         counts = np.where(quarantined, 0, -(-self.rg_rows // shard_rows))
+        if int(counts.sum()) > MAX_SHARDS:
+            raise LedgerError(f"job {job!r}: shard_rows {shard_rows:,} cuts the row groups into "
+                              f"{int(counts.sum()):,} shards, more than the {MAX_SHARDS:,} a job "
+                              "may have; use larger shards")
         self._shard_rg = np.repeat(np.arange(len(groups), dtype=np.int32), counts)
         first = np.repeat(np.cumsum(counts) - counts, counts)
         self._shard_start = ((np.arange(len(self._shard_rg)) - first)

@@ -24,9 +24,8 @@ Every row of every epoch is in exactly one place::
                  each with a :class:`QuarantineRecord` naming file, row group and reason
 
 Leasing pops the queue front (a deque) or advances the epoch cursor: O(1) (near the job's end
-it also counts the leasing workers among those paced to no rows). Nothing scans all shards or
-all workers: a commit, revoke or split touches one lease; removing a worker touches its
-own leases (a dict per worker). Starting an epoch draws its permutation, O(shards) once per epoch.
+it also counts the leasing workers paced to no rows). A commit, revoke or split touches one
+lease; removing a worker its own leases. Starting an epoch draws its permutation, O(shards).
 Per-shard state is two int32 numpy arrays plus the current epoch's int32 permutation (12 bytes a
 shard); paths are interned (row groups store a file index). The shards and the queue are kept by
 :mod:`antdt.sharding.dealing`.
@@ -64,13 +63,11 @@ lease whole pieces to the end.
 
 Paced workers
 -------------
-The controller may **pace** a worker it knows to be slow (:meth:`ShardLedger.pace`): its leases
-and claims are at most ``rows`` rows (a new lease takes the front of a piece, the rest stays at
-the queue front for the others), and with ``rows == 0`` it gets no new lease ("wait") and a
-commit of one of its leases revokes the unclaimed rows. So, as the job's rows run out, a slow
-worker takes only what it finishes before the others do, and the last rows of the job are never
-in a straggler's claim. The controller may also set a worker's **batch size**
-(:meth:`ShardLedger.set_batch_rows`): its leases carry it and its agent trains in batches of it.
+The controller may **pace** a slow worker (:meth:`ShardLedger.pace`): its leases and claims
+are at most ``rows`` rows (a new lease takes the front of a piece, the rest stays queued), and
+with ``rows == 0`` it gets no new lease ("wait") and its next commit revokes the unclaimed rows:
+the last rows of the job are never in a straggler's claim. The controller may also set a
+worker's **batch size** (:meth:`ShardLedger.set_batch_rows`): its leases carry it.
 Paces and batch sizes are the controller's to set and lift; a checkpoint does not keep them.
 
 Exactly-once
@@ -118,13 +115,13 @@ from typing import Any
 import numpy as np
 
 from antdt.errors import LedgerError
-from antdt.sharding import checkpoint
+from antdt.sharding import checkpoint, dealing
 from antdt.sharding.checkpoint import LedgerState
 from antdt.sharding.dealing import Dealer, QueueDealer, ShardTable, StaticDealer, check_int
 from antdt.sharding.leases import (Claim, Clock, CommitEvent, CommitReply, Finished, JobState,
                                    Lease, LeaseReply, LeaseStatus, LiveLease, Piece,
-                                   QuarantineRecord,
-                                   QuarantineSpec, Revoked, RowGroup, RowState, Stop, Wait)
+                                   QuarantineRecord, QuarantineSpec, Revoked, RowGroup,
+                                   RowState, Stop, Wait)
 
 logger = logging.getLogger(__name__)
 
@@ -159,9 +156,9 @@ class ShardLedger:
         """Shrink the last leases so the workers finish together (module docstring)."""
         self.static = None if static is None else check_int("static", static, 1, 1_000_000)
         """Slots of the static baseline, or None: dynamic leasing (module docstring)."""
-        self.shard_rows = check_int("shard_rows", shard_rows, 1, 2**31 - 1)
-        self.batch_rows = check_int("batch_rows", batch_rows, 1, 2**31 - 1)
-        self.epochs = check_int("epochs", epochs, 1, 1_000_000)
+        self.shard_rows = check_int("shard_rows", shard_rows, 1, dealing.MAX_ROWS)
+        self.batch_rows = check_int("batch_rows", batch_rows, 1, dealing.MAX_ROWS)
+        self.epochs = check_int("epochs", epochs, 1, dealing.MAX_EPOCHS)
         self.seed = check_int("seed", seed, 0, 2**63 - 1)
         if max_claim_rows is None:
             max_claim_rows = max(self.shard_rows, self.batch_rows)
@@ -187,6 +184,7 @@ class ShardLedger:
         self._leasing: dict[str, None] = {}  # workers that leased and were not removed
         self._paced_out: set[str] = set()  # workers paced to no rows
         self._synced_rows: dict[str, int] = {}  # worker -> its stream's rows counted synced
+        self._done_by: dict[str, int] = {}  # worker -> rows its commits counted synced
 
         self.rows_expected = self.total_rows * self.epochs
         self.rows_quarantined = sum(r.rows for r in self._records)
@@ -341,6 +339,7 @@ class ShardLedger:
         self.rows_unsynced += trained - newly_synced
         self.rows_done += newly_synced
         self._done_by_epoch[lease.epoch] += newly_synced
+        self._done_by[lease.worker] = self._done_by.get(lease.worker, 0) + newly_synced
         self.rows_leased -= newly_synced
         if trained or stats:
             now = self._clock()
@@ -466,12 +465,18 @@ class ShardLedger:
         synced: the rows its commits counted done. The model sync takes the entries of a worker
         that leaves past its last such report out of every replica (the ledger trains those
         rows again), and a checkpoint's tables hold each worker's rows up to it
-        (:mod:`antdt.sync.embeddings`). Never decreases."""
+        (:mod:`antdt.sync.embeddings`). Never decreases; never exceeds the rows ``worker``'s
+        commits counted synced (a report carries no token: an inflated one would keep unsynced
+        entries in checkpoints and in the model), unless the job stopped."""
         rows = check_int(f"synced rows of {worker}", rows, 0)
         previous = self._synced_rows.get(worker, 0)
         if rows < previous:
             raise LedgerError(f"job {self.job!r}: synced rows of {worker} go backwards ({rows} "
                               f"after {previous})")
+        done = self._done_by.get(worker, 0)
+        if rows > done and self._stopped is None:
+            raise LedgerError(f"job {self.job!r}: synced rows of {worker} ({rows}) exceed the "
+                              f"rows its commits counted synced ({done})")
         self._synced_rows[worker] = rows
 
     def synced_rows(self, worker: str) -> int:
@@ -564,8 +569,8 @@ class ShardLedger:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, clock: Clock) -> ShardLedger:
-        """Rebuild a ledger written by :meth:`to_bytes` (see :meth:`from_state`)."""
-        return cls.from_state(checkpoint.decode(data), clock=clock)
+        """Rebuild a ledger written by :meth:`to_bytes` (:meth:`from_state`), else LedgerError."""
+        return checkpoint.restored(data, lambda state: cls.from_state(state, clock=clock))
 
     def save(self, path: str) -> int:
         """Write :meth:`to_bytes` to an fsspec ``path`` atomically; returns the bytes written."""
@@ -577,10 +582,9 @@ class ShardLedger:
     def load(cls, path: str, *, clock: Clock) -> ShardLedger:
         """Read a checkpoint written by :meth:`save` from an fsspec ``path``."""
         try:
-            data = checkpoint.read(path)
+            return cls.from_bytes(checkpoint.read(path), clock=clock)
         except FileNotFoundError as e:
             raise LedgerError(f"ledger checkpoint {path} does not exist") from e
-        return cls.from_bytes(data, clock=clock)
 
     # ---- internals ----------------------------------------------------------------------------
 

@@ -37,9 +37,12 @@ import contextlib
 import functools
 import logging
 import math
+import os
+import posixpath
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import dask.config
 from distributed import Client, Scheduler
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.metrics import time
@@ -47,7 +50,8 @@ from distributed.metrics import time
 from antdt import config, rpc
 from antdt.errors import LedgerError
 from antdt.rpc import MAX_NAME, Reply
-from antdt.sharding.checkpoint import read, write_atomic
+from antdt.sharding.checkpoint import MAX_BYTES, read, write_atomic
+from antdt.sharding.dealing import MAX_ROW_GROUPS
 from antdt.sharding.leases import (Claim, CommitEvent, CommitReply, Finished, Lease, LeaseReply,
                                    QuarantineSpec, Revoked, RowGroup, Stop, Wait)
 from antdt.sharding.ledger import ShardLedger
@@ -57,13 +61,17 @@ logger = logging.getLogger(__name__)
 PLUGIN_NAME = "antdt-sharding"
 """``scheduler.plugins[PLUGIN_NAME]``."""
 
-MAX_ROW_GROUPS = 10_000_000
 MAX_COMMITS = 1024
 MAX_STATS = 32
 MAX_REASON = 2000
+CHECKPOINT_ROOT = "antdt.sharding.checkpoint-root"
+"""Dask config: the folder under which ``antdt_checkpoint`` and ``antdt_restore`` may reach job
+``j``'s ledger, ``<root>/j/`` (unset: only the folders of the jobs AntDT's master runs)."""
 
 
 def _stats(value: object) -> dict[str, float] | None:
+    """A commit's measurements (seconds, batches: never negative; a negative ``batches`` would
+    keep a worker in the monitor's warm-up and out of its straggler detection)."""
     if value is None:
         return None
     if not isinstance(value, Mapping) or len(value) > MAX_STATS:
@@ -71,10 +79,17 @@ def _stats(value: object) -> dict[str, float] | None:
                           f"{str(value)[:80]!r}")
     for key, number in value.items():
         if not isinstance(key, str) or len(key) > MAX_NAME or isinstance(number, bool) \
-                or not isinstance(number, (int, float)) or not math.isfinite(number):
-            raise LedgerError(f"stats entries must be str -> finite number, found "
-                              f"{key!r}: {number!r}")
+                or not isinstance(number, (int, float)) or not math.isfinite(number) \
+                or number < 0:
+            raise LedgerError(f"stats entries must be str -> finite number >= 0, found "
+                              f"{str(key)[:80]!r}: {str(number)[:80]}")
     return dict(value)
+
+
+def _inside(folder: str, path: str) -> bool:
+    """Whether ``path`` names a file inside ``folder`` (both normalised: no way out by ``..``)."""
+    root = posixpath.normpath(folder.replace(os.sep, "/"))
+    return posixpath.normpath(path.replace(os.sep, "/")).startswith(root.rstrip("/") + "/")
 
 
 def lease_msg(reply: LeaseReply) -> Reply:
@@ -121,6 +136,8 @@ class ShardingService(SchedulerPlugin):
         """Per job, the workers whose lease request waits for rows now."""
         self._listeners: list[Callable[[str, CommitEvent], None]] = []
         self.scheduler: Scheduler | None = None
+        self.folders: dict[str, str] = {}
+        """Per job, its checkpoint folder (set by AntDT's master; see :meth:`folder`)."""
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -164,10 +181,14 @@ class ShardingService(SchedulerPlugin):
         if quarantine is not None and not isinstance(quarantine, (list, tuple)):
             raise LedgerError(f"job {job!r}: quarantine must be a list of (path, row_group | None,"
                               f" reason), found {type(quarantine).__name__}")
-        ledger = ShardLedger(row_groups, shard_rows=shard_rows, batch_rows=batch_rows,
-                             clock=time, epochs=epochs, seed=seed, quarantine=quarantine or (),
-                             max_claim_rows=max_claim_rows, job=job, static=static,
-                             guided_end=config.flag("antdt.sharding.guided-end"))
+        # a million row groups take seconds to check and cut: not on the event loop
+        ledger = await asyncio.to_thread(
+            ShardLedger, row_groups, shard_rows=shard_rows, batch_rows=batch_rows, clock=time,
+            epochs=epochs, seed=seed, quarantine=quarantine or (),
+            max_claim_rows=max_claim_rows, job=job, static=static,
+            guided_end=config.flag("antdt.sharding.guided-end"))
+        if job in self.jobs:
+            raise LedgerError(f"job {job!r} is already registered; forget it first")
         self._add(job, ledger)
         logger.info("job %s registered: %d shards, %d rows x %d epochs, %d quarantined", job,
                     ledger.num_shards, ledger.total_rows, ledger.epochs, ledger.rows_quarantined)
@@ -186,9 +207,11 @@ class ShardingService(SchedulerPlugin):
 
     @rpc.handler
     async def checkpoint(self, job: str, path: str) -> Reply:
-        """Save ``job``'s ledger to the fsspec ``path`` (atomic on local disks)."""
-        data = self._ledger(job).to_bytes()
-        path = rpc.name("path", path)
+        """Save ``job``'s ledger to the fsspec ``path`` (atomic on local disks), a file in the
+        job's checkpoint folder (:meth:`folder`)."""
+        ledger = self._ledger(job)
+        path = self._checkpoint_path(ledger.job, path)
+        data = await asyncio.to_thread(ledger.to_bytes)
         try:
             await asyncio.to_thread(write_atomic, path, data)
         except OSError as e:
@@ -207,19 +230,23 @@ class ShardingService(SchedulerPlugin):
 
     @rpc.handler
     async def restore(self, job: str, path: str) -> Reply:
-        """Create ``job`` from a checkpoint; leases live at the checkpoint are queued again."""
+        """Create ``job`` from a checkpoint in its checkpoint folder (:meth:`folder`), of at
+        most :data:`~antdt.sharding.checkpoint.MAX_BYTES`; leases live at the checkpoint are
+        queued again."""
         job = rpc.name("job", job)
-        path = rpc.name("path", path)
+        path = self._checkpoint_path(job, path)
         if job in self.jobs:
             raise LedgerError(f"job {job!r} is already registered; forget it before restoring")
         try:
-            data = await asyncio.to_thread(read, path)
+            data = await asyncio.to_thread(read, path, MAX_BYTES)
         except FileNotFoundError as e:
             raise LedgerError(f"job {job!r}: checkpoint {path} does not exist") from e
         except OSError as e:
-            raise LedgerError(f"job {job!r}: cannot read the checkpoint {path}: {e}") from e
+            raise LedgerError(f"job {job!r}: cannot read the checkpoint {path}: "
+                              f"{type(e).__name__}") from e
         try:
-            ledger = self.restore_bytes(job, data)
+            restored = await asyncio.to_thread(ShardLedger.from_bytes, data, clock=time)
+            ledger = self.restore_ledger(job, restored)
         except LedgerError as e:
             raise LedgerError(f"job {job!r}: checkpoint {path}: {e}") from e
         logger.info("job %s restored from %s: %s", job, path, ledger.summary())
@@ -229,7 +256,12 @@ class ShardingService(SchedulerPlugin):
         """Create ``job`` from a ledger checkpoint's bytes (AntDT's master resuming a job)."""
         if job in self.jobs:
             raise LedgerError(f"job {job!r} is already registered; forget it before restoring")
-        ledger = ShardLedger.from_bytes(data, clock=time)
+        return self.restore_ledger(job, ShardLedger.from_bytes(data, clock=time))
+
+    def restore_ledger(self, job: str, ledger: ShardLedger) -> ShardLedger:
+        """Register ``ledger`` (read from a checkpoint) as ``job``'s."""
+        if job in self.jobs:
+            raise LedgerError(f"job {job!r} is already registered; forget it before restoring")
         ledger.job = job
         ledger.guided_end = config.flag("antdt.sharding.guided-end")
         self._add(job, ledger)
@@ -373,6 +405,27 @@ class ShardingService(SchedulerPlugin):
             self.notify(job)
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def folder(self, job: str) -> str | None:
+        """Where ``antdt_checkpoint`` and ``antdt_restore`` may reach ``job``'s ledger: the
+        checkpoint folder of the job AntDT's master runs (:attr:`folders`), else
+        ``<antdt.sharding.checkpoint-root>/<job>`` (None: nowhere)."""
+        folder = self.folders.get(job)
+        if folder is not None:
+            return folder
+        root = dask.config.get(CHECKPOINT_ROOT, default=None)
+        return None if not isinstance(root, str) or not root else posixpath.join(root, job)
+
+    def _checkpoint_path(self, job: str, path: object) -> str:
+        path = rpc.name("path", path)
+        folder = self.folder(job)
+        if folder is None:
+            raise LedgerError(f"job {job!r}: no checkpoint folder (set train.checkpoint_dir, or "
+                              f"the dask config {CHECKPOINT_ROOT}); refusing {path!r}")
+        if not _inside(folder, path):
+            raise LedgerError(f"job {job!r}: checkpoint {path!r} is outside the job's "
+                              f"checkpoint folder {folder!r}")
+        return path
 
     def _report_synced(self, ledger: ShardLedger, worker: str | None,
                        synced_rows: int | None) -> None:

@@ -272,6 +272,13 @@ def _train(raw: Mapping[str, Any], where: str) -> TrainConfig:
         raise ConfigError(f"{where}.sharding: expected one of {list(SHARDINGS)}, found "
                           f"{sharding!r}")
     batch_size = _positive_int(raw, "batch_size", defaults.batch_size, where)
+    from antdt.sharding.dealing import MAX_EPOCHS, MAX_ROWS  # the ledger's bounds
+    for key, most in (("batch_size", MAX_ROWS), ("shard_rows", MAX_ROWS),
+                      ("epochs", MAX_EPOCHS), ("threads", 1024), ("workers", 100_000),
+                      ("checkpoint_keep", 10_000)):
+        value = raw.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > most:
+            raise ConfigError(f"{where}.{key}: expected an integer <= {most:,}, found {value:,}")
     checkpoint_dir = raw.get("checkpoint_dir")
     if checkpoint_dir is not None and (not isinstance(checkpoint_dir, str) or not checkpoint_dir):
         raise ConfigError(f"{where}.checkpoint_dir: expected a path or fsspec URL, found "

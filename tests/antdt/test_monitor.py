@@ -304,3 +304,26 @@ def test_settings_come_from_dask_config() -> None:
     with dask.config.set({"antdt.monitor.warm-up-batches": 2.5}):
         with pytest.raises(ConfigError, match="antdt.monitor.warm-up-batches.*2.5"):
             MonitorSettings.from_config()
+
+
+def test_impossible_stats_do_not_keep_a_worker_in_warm_up_or_hide_it() -> None:
+    """A commit whose ``batches`` is negative (or not a number) counts the batches its rows
+    make, so a worker reporting them still leaves its warm-up and is judged: here a slow
+    worker, reporting ``batches: -1000`` with every commit, is a persistent straggler."""
+    holders = ["a", "b", "liar"]
+    clock = Clock()
+    monitor = Monitor(clock, batch_rows=10, settings=MonitorSettings(
+        window_s=1.0, persistent_windows=2, hang_floor_s=100.0, warm_up_batches=8))
+    monitor.update(holders)
+    for second in range(1, 8):
+        clock.now = float(second)
+        for worker in ("a", "b"):
+            monitor.observe(CommitEvent(worker, 0, 0, 100, {"busy_s": 1.0, "batches": 10},
+                                        clock.now))
+        monitor.observe(CommitEvent("liar", 0, 0, 30, {"busy_s": 1.0, "batches": -1000},
+                                    clock.now))
+        monitor.observe(CommitEvent("liar", 0, 0, 0, {"busy_s": float("nan")}, clock.now))
+        monitor.update(holders)
+    liar = monitor.health("liar")
+    assert liar is not None and liar.state is WorkerState.PERSISTENT
+    assert liar.bpt == pytest.approx(1 / 3) and [h.worker for h in monitor.flagged()] == ["liar"]

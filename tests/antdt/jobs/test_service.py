@@ -163,11 +163,11 @@ def test_a_replica_bigger_than_a_worker_s_memory_limit_is_refused_before_anythin
         jobs: JobClient) -> None:
     limits = jobs.client.run(lambda dask_worker: dask_worker.memory_manager.memory_limit)
     worker, limit = min(limits.items(), key=lambda item: (item[1], item[0]))
-    job_id = jobs.submit(spec(replica_bytes=2 * limit))["job"]["job_id"]
-    record = bounded.call(jobs.follow, job_id)
-    assert record["state"] == "failed"
-    assert record["workers"] == [] and record["agents"] == [] and record["run"] is None
-    assert record["error"] == (
+    before = {job["job_id"] for job in jobs.status()}
+    with pytest.raises(JobError) as refused:  # where it is submitted: no job, no worker work
+        jobs.submit(spec(replica_bytes=2 * limit))
+    assert {job["job_id"] for job in jobs.status()} == before
+    assert str(refused.value) == (
         f"the model needs {format_bytes(2 * limit)} per worker in async mode (every worker "
         f"holds a full replica), but worker {worker}'s memory limit is {format_bytes(limit)} "
         f"(2 of the job's 2 workers have less than it needs); shard its tables over the workers "
@@ -198,7 +198,7 @@ def test_jobs_that_ask_for_fewer_workers_train_side_by_side(jobs: JobClient) -> 
 @pytest.mark.parametrize("call, message", [
     (dict(handler="antdt_job_submit", plan={"name": "x"}, code={}), "row_groups"),
     (dict(handler="antdt_job_submit", plan=spec().plan.to_dict() | {"epochs": 0},
-          code=spec().code.to_dict()), "epochs: expected an int >= 1, found 0"),
+          code=spec().code.to_dict()), "epochs: expected an int >= 1 and <= 1,000, found 0"),
     (dict(handler="antdt_job_submit", plan=spec().plan.to_dict(),
           code={"trainer": b"not a pickle", "reader": b"", "hooks": b""}), "job code"),
     (dict(handler="antdt_job_submit", plan=spec().plan.to_dict() | {"sharding": "magic"},
@@ -315,13 +315,27 @@ def test_every_handler_refuses_malformed_calls_while_a_job_runs(jobs: JobClient,
         for name in required[handler]:
             refused(handler, {n: v for n, v in arguments.items() if n != name},
                     f"missing a required argument: '{name}'")
-    refused("antdt_restore", {"job": f"{job_id}-restored", "path": str(tmp_path / "none.json")},
-            "does not exist")
-    (tmp_path / "a-file").write_text("not a ledger checkpoint")
-    refused("antdt_checkpoint", {"job": job_id, "path": str(tmp_path / "a-file" / "x.json")},
-            "a-file/x.json")
-    refused("antdt_restore", {"job": f"{job_id}-restored", "path": str(tmp_path / "a-file")},
-            "a-file")
+    restored = tmp_path / f"{job_id}-restored"
+    refused("antdt_restore", {"job": restored.name, "path": str(restored / "none.json")},
+            "no checkpoint folder")  # nothing names a folder for this job
+    with dask.config.set({"antdt.sharding.checkpoint-root": str(tmp_path)}):
+        refused("antdt_restore", {"job": restored.name, "path": str(restored / "none.json")},
+                "does not exist")
+        refused("antdt_restore", {"job": restored.name, "path": "/etc/hostname"},
+                "outside the job's checkpoint folder")
+        refused("antdt_restore", {"job": restored.name, "path": f"{restored}/../x/y"},
+                "outside the job's checkpoint folder")
+        restored.mkdir()
+        (restored / "a-file").write_text("SECRET: not a ledger checkpoint")
+        (tmp_path / job_id).write_text("a file where the job's folder would be")
+        refused("antdt_checkpoint", {"job": job_id, "path": str(tmp_path / job_id / "x")},
+                f"{job_id}/x")  # the job's own folder, but it cannot be written
+        refused("antdt_checkpoint", {"job": job_id, "path": str(restored / "a-file" / "x")},
+                "outside the job's checkpoint folder")
+        reply = jobs.client.sync(scheduler.antdt_restore, job=restored.name,
+                                 path=str(restored / "a-file"))
+        assert reply["status"] == "error" and "a-file" in reply["message"], reply
+        assert "SECRET" not in reply["message"]  # no bytes of the file in the error
     # a commit for a lease this caller does not hold (it cannot know the holder's token)
     live = jobs.client.sync(scheduler.antdt_job_state, job=job_id, leases=True)["live"]
     commit = jobs.client.sync(scheduler.antdt_commit, job=job_id, commits=[

@@ -7,6 +7,7 @@ import os
 from collections import Counter
 from typing import Any
 
+import dask.config
 from distributed import Client, Scheduler, Worker, get_worker
 from distributed.utils import sync
 from distributed.utils_test import gen_cluster
@@ -153,7 +154,16 @@ async def test_restore_into_a_new_scheduler(c: Client, s: Scheduler, a: Worker,
     assert (await c.scheduler.antdt_commit(job="j", commits=[done]))["status"] == "OK"
     rows.update((first["epoch"], first["path"], first["row_group"], r)
                 for r in range(first["start"], first["claim_stop"]))
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ledger-{os.getpid()}-{id(s)}.bin")
+    root = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ledgers-{os.getpid()}-{id(s)}")
+    path = os.path.join(root, "j", "ledger.bin")  # job j's folder under the checkpoint root
+    unset = await c.scheduler.antdt_checkpoint(job="j", path=path)
+    assert unset["status"] == "error" and "no checkpoint folder" in unset["message"]
+    with dask.config.set({"antdt.sharding.checkpoint-root": root}):
+        await restore_elsewhere(c, path, first, rows)
+
+
+async def restore_elsewhere(c: Client, path: str, first: dict[str, Any], rows: Counter) -> None:
+    """Checkpoint job j to ``path``, restore it on a new scheduler, train it there to its end."""
     saved = await c.scheduler.antdt_checkpoint(job="j", path=path)
     assert saved["status"] == "OK" and 0 < saved["bytes"] == os.path.getsize(path)
     try:
@@ -171,8 +181,12 @@ async def test_restore_into_a_new_scheduler(c: Client, s: Scheduler, a: Worker,
             assert state["rows_trained"] == sum(rows.values())
     finally:
         os.remove(path)
-    missing = await c.scheduler.antdt_restore(job="k", path=path)
+    other = os.path.join(os.path.dirname(os.path.dirname(path)), "k", "ledger.bin")
+    missing = await c.scheduler.antdt_restore(job="k", path=other)
     assert missing["status"] == "error" and "does not exist" in missing["message"]
+    foreign = await c.scheduler.antdt_restore(job="k", path=path)  # job j's folder, not k's
+    assert foreign["status"] == "error" and "outside the job's checkpoint folder" in \
+        foreign["message"]
 
 
 @gen_cluster(client=True)

@@ -50,6 +50,9 @@ def test_round_trip_through_to_dict(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("override", "message"), [
     ("train.bach_size=10", "unknown key(s) ['bach_size']"),
     ("train.epochs=0", "train.epochs: expected an integer >= 1, found 0"),
+    ("train.epochs=1000000", "train.epochs: expected an integer <= 1,000, found 1,000,000"),
+    ("train.batch_size=4294967296", "train.batch_size: expected an integer <= 2,147,483,647"),
+    ("train.shard_rows=4294967296", "train.shard_rows: expected an integer <= 2,147,483,647"),
     ("data.on_bad_data=skip", "on_bad_data: expected 'fail' or 'quarantine', found 'skip'"),
     ("model.arch=bert", "bert"),
     ("mlflow.experiment=", "mlflow.experiment: expected a non-empty string"),
