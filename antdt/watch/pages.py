@@ -33,6 +33,7 @@ application, so each way checks the pages are not there already):
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import urllib.parse
@@ -46,7 +47,7 @@ from tornado import template, web
 
 from antdt.jobs.spec import PLUGIN_NAME
 from antdt.watch.timeline import timeline_svg
-from antdt.watch.urls import JOBS_PATH, job_path
+from antdt.watch.urls import JOBS_PATH, job_path, redact_all
 from antdt.watch.view import job_row, job_view
 
 if TYPE_CHECKING:
@@ -111,36 +112,55 @@ class _Handler(RequestHandler):
         self.set_header("Cache-Control", "no-store")
         self.finish(json.dumps(body, default=str))
 
+    async def json_off_loop(self, body: Any) -> None:
+        """Answer 200 with ``body`` as JSON, encoded in a thread: a job's view is bounded, but
+        encoding it need not hold the scheduler's event loop."""
+        text = await asyncio.to_thread(lambda: json.dumps(redact_all(body), default=str))
+        self.set_header("Content-Type", "application/json; charset=UTF-8")
+        self.set_header("Cache-Control", "no-store")
+        self.finish(text)
+
     def page(self, status: int, name: str, final: bool = True, **values: Any) -> None:
         """Render template ``name``; a page that is not ``final`` reloads its content every
         :data:`REFRESH_S`."""
         self.set_status(status)
         self.set_header("Cache-Control", "no-store")
-        self.finish(PAGES.load(name).generate(root=self.root, final=final,
-                                              refresh_ms=int(REFRESH_S * 1000),
-                                              **FORMATS, **values))
+        self.finish(self.render_page(name, final, **values))
+
+    def render_page(self, name: str, final: bool = True, **values: Any) -> bytes:
+        return PAGES.load(name).generate(root=self.root, final=final,
+                                         refresh_ms=int(REFRESH_S * 1000), **FORMATS, **values)
 
 
 class JobsPage(_Handler):
     def get(self) -> None:
         now = time()
         self.page(200, "jobs.html", title="antdt jobs", final=False,
-                  jobs=[job_row(r, now) for r in reversed(list(self.runners.values()))])
+                  jobs=redact_all([job_row(r, now) for r in reversed(list(self.runners.values()))]))
 
 
 class JobPage(_Handler):
     root = "../../"
 
-    def get(self, job_id: str) -> None:
+    async def get(self, job_id: str) -> None:
+        """The job's view is read on the event loop (a bounded amount: :func:`job_view`); its
+        timeline and page are drawn in a thread."""
         runner = self.runner(job_id)
         if runner is None:
             return
         view = job_view(runner, time())
+        self.set_header("Cache-Control", "no-store")
+        self.finish(await asyncio.to_thread(self.draw, job_id, view))
+
+    def draw(self, job_id: str, view: dict[str, Any]) -> bytes:
+        """The page of job ``job_id``'s ``view``, its timeline as SVG (the password of every
+        URL in it shown as ``***``)."""
+        view = redact_all(view)
         timeline = view["timeline"]
-        self.page(200, "job.html", title=f"job {job_id}", job=view, final=view["final"],
-                  run_link=run_link(view["run"]),
-                  timeline_svg=timeline_svg(timeline["lanes"], timeline["spans"],
-                                            timeline["marks"], timeline["now"]))
+        return self.render_page("job.html", view["final"], title=f"job {job_id}", job=view,
+                                run_link=run_link(view["run"]),
+                                timeline_svg=timeline_svg(timeline["lanes"], timeline["spans"],
+                                                          timeline["marks"], timeline["now"]))
 
 
 class JobsApi(_Handler):
@@ -148,16 +168,16 @@ class JobsApi(_Handler):
 
     def get(self) -> None:
         now = time()
-        self.json(200, {"jobs": [job_row(r, now) for r in self.runners.values()]})
+        self.json(200, redact_all({"jobs": [job_row(r, now) for r in self.runners.values()]}))
 
 
 class JobApi(_Handler):
     api = True
 
-    def get(self, job_id: str) -> None:
+    async def get(self, job_id: str) -> None:
         runner = self.runner(job_id)
         if runner is not None:
-            self.json(200, {"job": job_view(runner, time())})
+            await self.json_off_loop({"job": job_view(runner, time())})
 
 
 NO_SERVICE = ("This scheduler has no antdt job service: no antdt job was submitted since it "
@@ -366,9 +386,10 @@ primary and a backup; map epoch {{ tables['epoch'] }}, {{ tables['moves'] }} buc
 <td class="n">{% if 'waited_s' in seen %}{{ seconds(seen['waited_s']) }}{% else %}-{% end %}
 </td></tr>{% end %}</table>{% end %}
 <h2>Lease timeline</h2>
-{% if job['timeline']['spans_total'] > len(job['timeline']['spans']) %}<p class="muted">The
-newest {{ len(job['timeline']['spans']) }} of {{ job['timeline']['spans_total'] }} leases.</p>
-{% end %}
+{% if job['timeline']['spans_total'] > len(job['timeline']['spans']) %}<p class="muted"
+id="merged">{{ number(job['timeline']['spans_total']) }} leases in
+{{ number(len(job['timeline']['spans'])) }} bars: a worker's neighbouring leases with the same
+outcome are drawn as one.</p>{% end %}
 {% raw timeline_svg %}
 <h2>Controller actions</h2>
 <p class="muted">{{ job['actions_total'] }} in all{% if job['actions'] %}, the last

@@ -8,10 +8,12 @@ job lives in:
   or ``persistent``, beside it), its backlog (rows leased to it and not trained yet), how often
   an agent of the job restarted on it and how long ago it last reported (its last commit);
 * the lease timeline so far: the journal's closed lease spans (as in the tracking run's
-  ``timeline.png``) and the leases still open, which end "now".
+  ``timeline.png``; the whole job in a bounded number of bars, neighbouring leases merged)
+  and the leases still open, which end "now".
 
 The dicts are plain (JSON-able). They are built on the scheduler's event loop, where the
-services live, so nothing is copied across threads or locked; a finished job's ledger and
+services live, so nothing is copied across threads or locked; their cost is bounded however
+long the job ran (the pages render them off the loop); a finished job's ledger and
 monitor are gone (the services forgot it) and its view is its record and journal alone.
 """
 
@@ -20,12 +22,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from antdt.jobs.journal import PAGE_SPANS
+
 if TYPE_CHECKING:
     from antdt.jobs.placement import Slot
     from antdt.jobs.runner import JobRunner
 
-MAX_SPANS = 2000
-"""Lease spans a job's view carries at most (the newest): a long job's page stays small."""
+MAX_SPANS = PAGE_SPANS
+"""Controller actions a job's timeline marks at most (the newest); its lease spans are the
+journal's page history (:meth:`~antdt.jobs.journal.Journal.page_spans`): the whole job in at
+most about as many bars, neighbouring leases merged, plus the leases still open."""
 
 CLASSIFICATION = {"ok": "ok", "transient": "straggler", "persistent": "straggler", "hung": "hung"}
 """The monitor's verdict (:class:`~antdt.monitor.WorkerState`) as the pages classify it."""
@@ -59,8 +65,8 @@ def job_view(runner: JobRunner, now: float) -> dict[str, Any]:
     health: Mapping[str, Mapping[str, Any]] = {} if control is None \
         else control.monitor.summary()["workers"]
     leases = [] if ledger is None else ledger.leases()
-    report = runner.journal.report(runner.placement.slots)
-    spans = list(report["spans"])
+    journal = runner.journal
+    spans = journal.page_spans(runner.placement.slots)
     if t0 is not None:
         spans.extend({"worker": labels.get(lease.worker, lease.worker),
                       "lease_id": lease.lease_id, "start": lease.leased_at - t0,
@@ -74,8 +80,8 @@ def job_view(runner: JobRunner, now: float) -> dict[str, Any]:
             "workers": _workers(runner.placement.slots, health, backlog),
             "timeline": {"now": 0.0 if t0 is None else (runner.ended_at or now) - t0,
                          "lanes": list(labels.values()),
-                         "spans": spans[-MAX_SPANS:], "spans_total": len(spans),
-                         "marks": report["marks"][-MAX_SPANS:]},
+                         "spans": spans, "spans_total": journal.leases_total + len(leases),
+                         "marks": journal.marks(runner.placement.slots, MAX_SPANS)},
             "actions": record["actions"], "actions_total": record["actions_total"],
             "tables_seen": {w["worker"]: w["tables"] for w in record["workers"]
                             if w.get("tables")}}

@@ -12,6 +12,14 @@ trip per operation. Measured twice, on two clusters: alone, and while a thread s
 scheduler's ``/metrics`` (Dask's series and the ``dask_antdt_*`` ones) at once and then every
 second, as Prometheus would: the ratio is what watching costs the scheduler's RPC.
 
+Job pages: what a view of a job's page costs the scheduler's event loop when the job had
+``--view-leases`` leases (a long synchronous job has a million): a job's journal is fed that
+many leases on ``--view-workers`` workers (a start and an end event each, read every 10,000
+events as the master's ticks read them), then the part of a view that grows with the job's
+history (:meth:`~antdt.jobs.journal.Journal.page_spans` sorted with the open leases, the
+timeline's marks, the journal's record) is timed on its own, and the timeline's SVG (drawn off
+the event loop) beside it.
+
 Sync groups: the scheduler's other per-batch call, a sync group ask
 (:meth:`~antdt.sync.SyncScheduler.ready`), by the same ``--workers`` in groups of 4, each ask
 from a random worker 1 ms after the one before; every 16th ask is timed on its own.
@@ -30,10 +38,13 @@ import click
 import numpy as np
 from distributed import Client, LocalCluster
 
+from antdt.jobs.journal import Journal
+from antdt.jobs.placement import Slot
 from antdt.jobs.service import JobService
 from antdt.sharding import Claim, Lease, RowGroup, ShardLedger
 from antdt.sharding.service import ShardingService, register_job
 from antdt.sync import SyncScheduler
+from antdt.watch.timeline import timeline_svg
 from pipeline.bench import emit
 
 SHARDS_PER_GROUP = 10
@@ -129,6 +140,51 @@ def group_throughput(workers: int, asks: int, seed: int = 0) -> dict[str, float]
             "us_per_ask_p99": float(np.percentile(micros, 99))}
 
 
+def view_cost(leases: int, workers: int, views: int = 20) -> dict[str, float]:
+    """Milliseconds a job page's view spends on the event loop (the median of ``views``) and
+    drawing its timeline (off the loop) after ``leases`` leases of 64 rows on ``workers``
+    workers, each 4 ms long; the longest tick that read 10,000 events meanwhile; the bars
+    drawn and whether their rows add up to every lease's."""
+    now = [1000.0]
+    journal = Journal("bench", lambda: now[0], lambda: None, log_length=100)
+    slots = [Slot(f"tcp://10.0.0.{w}:9000", w, join=False, started=0.0) for w in range(workers)]
+    journal.began(now[0])
+    journal.read_ledger({**{f"rows_{k}": 0 for k in ("expected", "done", "trained", "todo",
+                                                     "leased", "lost", "retrained",
+                                                     "quarantined")},
+                         "epoch": 0, "epochs": 1, "rows_done_by_epoch": [0],
+                         "leases_granted": 0, "leases_revoked": 0, "leases_split": 0})
+    longest_tick = 0.0
+    for lease in range(leases):
+        worker = slots[lease % workers].worker
+        start = 1000.0 + lease * 0.001
+        journal.received({"kind": "lease", "phase": "start", "worker": worker,
+                          "lease_id": lease, "time": start})
+        journal.received({"kind": "lease", "phase": "end", "worker": worker, "lease_id": lease,
+                          "time": start + 0.004, "start": start, "rows": 64,
+                          "outcome": "finished"})
+        if lease % 5000 == 4999 or lease == leases - 1:
+            now[0] = start + 0.004
+            tick = time.perf_counter()
+            journal.read_events(slots, {})
+            longest_tick = max(longest_tick, time.perf_counter() - tick)
+    on_loop, drawing = [], []
+    for _ in range(views):
+        start = time.perf_counter()
+        spans = journal.page_spans(slots)
+        spans.sort(key=lambda span: span["end"])
+        marks = journal.marks(slots, 2000)
+        journal.record(slots)
+        on_loop.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        timeline_svg([s.label for s in slots], spans, marks, now[0] - 1000.0)
+        drawing.append(time.perf_counter() - start)
+    return {"ms_per_view_on_loop": 1000 * float(np.median(on_loop)),
+            "ms_per_view_drawn": 1000 * float(np.median(drawing)),
+            "ms_longest_tick": 1000 * longest_tick, "bars": len(spans),
+            "rows_exact": sum(s["rows"] for s in spans) == 64 * leases}
+
+
 @contextmanager
 def scraping(dashboard: str, every_s: float | None) -> Iterator[list[float]]:
     """While inside: fetch ``/metrics`` of the scheduler whose dashboard is ``dashboard`` at
@@ -207,13 +263,18 @@ def rpc_throughput(ops: int, shard_rows: int, batch_rows: int,
 @click.option("--rpc-ops", type=click.IntRange(min=1), default=3000, show_default=True)
 @click.option("--group-asks", type=click.IntRange(min=16), default=100_000, show_default=True,
               help="sync group asks to time")
+@click.option("--view-leases", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+              help="leases of the job whose page view is timed")
+@click.option("--view-workers", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--shard-rows", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--batch-rows", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def command(workers: int, shards: int, ops: int, rpc_ops: int, group_asks: int, shard_rows: int,
-            batch_rows: int, as_json: bool) -> None:
+def command(workers: int, shards: int, ops: int, rpc_ops: int, group_asks: int,
+            view_leases: int, view_workers: int, shard_rows: int, batch_rows: int,
+            as_json: bool) -> None:
     """Shard ledger throughput, latency and memory at scale; lease/commit over Dask RPC, alone
-    and with a scrape of the scheduler's /metrics every second; sync group asks at scale."""
+    and with a scrape of the scheduler's /metrics every second; sync group asks at scale; the
+    event loop's time per job page view after a million leases."""
     groups = dataset(shards, shard_rows)
     traced, num_shards = ledger_memory(groups, shard_rows, batch_rows, workers)
     start = time.perf_counter()
@@ -223,6 +284,7 @@ def command(workers: int, shards: int, ops: int, rpc_ops: int, group_asks: int, 
     scraped_ops_per_s, scrapes = rpc_throughput(rpc_ops, shard_rows, batch_rows,
                                                 scrape_every_s=1.0)
     groups_speed = group_throughput(workers, group_asks)
+    view = view_cost(view_leases, view_workers)
     emit({"workers": workers, "shards": num_shards, "ops": int(speed["ops"]),
           "ops_per_s": round(speed["ops_per_s"]),
           "us_per_op_p50": round(speed["us_per_op_p50"], 2),
@@ -235,4 +297,9 @@ def command(workers: int, shards: int, ops: int, rpc_ops: int, group_asks: int, 
           "scrapes": len(scrapes), "ms_per_scrape": round(1000 * sum(scrapes) / len(scrapes), 1),
           "group_asks": group_asks, "group_asks_per_s": round(groups_speed["asks_per_s"]),
           "us_per_group_ask_p50": round(groups_speed["us_per_ask_p50"], 2),
-          "us_per_group_ask_p99": round(groups_speed["us_per_ask_p99"], 2)}, as_json)
+          "us_per_group_ask_p99": round(groups_speed["us_per_ask_p99"], 2),
+          "view_leases": view_leases, "view_bars": view["bars"],
+          "view_rows_exact": view["rows_exact"],
+          "ms_per_view_on_loop": round(view["ms_per_view_on_loop"], 2),
+          "ms_per_view_drawn": round(view["ms_per_view_drawn"], 1),
+          "ms_longest_event_tick": round(view["ms_longest_tick"], 1)}, as_json)

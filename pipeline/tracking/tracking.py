@@ -7,9 +7,9 @@ MLflow's own default (``sqlite:///mlflow.db`` in the working directory for MLflo
 what it names *here* when the job is submitted (:func:`resolved_uri`), so the workers write to
 the store the person who submitted the job will look at.
 
-A password in a tracking URI never reaches a log line, a summary, ``status`` or the run's params
-(:func:`redact`); importing this module stops MLflow from printing run URLs (with the password)
-in this process.
+A password in a URL of the job (its tracking URI, data, checkpoints, registry) never reaches a
+log line, a summary, the run's params, tags or ``job.yaml`` (:func:`redact`); importing this
+module stops MLflow from printing run URLs (with the password) in this process.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
+from antdt.watch.urls import redact_all
 from pipeline.job.config import JobConfig
 from pipeline.tracking.uris import redact
 
@@ -66,10 +67,9 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def public_config(job: JobConfig) -> dict[str, Any]:
-    """The job's config as logged and shown: its tracking URI redacted."""
-    config = job.to_dict()
-    if config["mlflow"].get("tracking_uri"):
-        config["mlflow"]["tracking_uri"] = redact(config["mlflow"]["tracking_uri"])
+    """The job's config as logged and shown: the password of every URL in it (tracking store,
+    data, checkpoints, registry, warm start) redacted."""
+    config: dict[str, Any] = redact_all(job.to_dict())
     return config
 
 
@@ -100,7 +100,8 @@ class Tracker:
         if experiment_id is None:
             experiment_id = experiment(uri, job.mlflow.experiment)
         run = client.create_run(experiment_id, run_name=run_name or f"{job.name}-{mode}",
-                                tags={"antdt.mode": mode, "antdt.job": job.name, **(tags or {})})
+                                tags=redact_all({"antdt.mode": mode, "antdt.job": job.name,
+                                                 **(tags or {})}))
         tracker = cls(uri, run.info.run_id, experiment_id)
         config = public_config(job)
         params = [Param(key, str(value)[:6000]) for key, value in flatten(config).items()]
@@ -129,7 +130,8 @@ class Tracker:
         step where the run's series go on, and the job's config as it resumed (params are
         immutable: a changed learning rate shows here)."""
         self.client.log_batch(self.run_id, tags=[
-            RunTag("antdt.resumes", str(resumes)), RunTag("antdt.resumed_from", checkpoint)])
+            RunTag("antdt.resumes", str(resumes)),
+            RunTag("antdt.resumed_from", redact(checkpoint))])
         self._log(self._metrics([(step, {"train.resumes": resumes,
                                          "train.rows_replayed": rows_replayed})]),
                   synchronous=True)
@@ -180,7 +182,8 @@ class Tracker:
         self._log(self._metrics([(0, values)]), synchronous=True)
 
     def tag(self, key: str, value: str) -> None:
-        self.client.log_batch(self.run_id, tags=[RunTag(key, value)])
+        """Tag the run (the password of any URL in ``value`` redacted)."""
+        self.client.log_batch(self.run_id, tags=[RunTag(key, redact(value))])
 
     # ---- artifacts ------------------------------------------------------------------------------
 

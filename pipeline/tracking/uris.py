@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import urllib.parse
 
+from antdt.watch import urls
+
 
 def redact(uri: str) -> str:
     """``uri`` with the password of its user part, if any, shown as ``***`` (for summaries and
-    logs).
+    logs; :func:`antdt.watch.urls.redact`, which the framework's records and pages use too).
 
     >>> redact("http://ann:s3cret@mlflow.example:5000/"), redact("sqlite:///mlflow.db")
     ('http://ann:***@mlflow.example:5000/', 'sqlite:///mlflow.db')
     """
-    parts = urllib.parse.urlsplit(uri)
-    if parts.password is None:
-        return uri
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    return urls.redact(uri)
 
 
 _SQL_SCHEMES = frozenset({"sqlite", "postgresql", "mysql", "mssql"})

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from antdt.watch.urls import redact_all
 from data.files import RowGroup
 from data.schema import Schema
 from pipeline.job.config import JobConfig
@@ -144,7 +145,7 @@ class RankingHooks:
             tracker.tag("antdt.adapted", summary.adapted)
         if saved is not None:
             tracker.tag("antdt.model_dir", str(saved["folder"]))
-            tracker.artifact_yaml(dict(saved), "model_parts.yaml")
+            tracker.artifact_yaml(redact_all(dict(saved)), "model_parts.yaml")
         clock.lap("metrics")
         spans = [LeaseSpan(**span) for span in report["spans"]]
         marks = [ActionMark(**mark) for mark in report["marks"]]

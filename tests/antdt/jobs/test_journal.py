@@ -146,7 +146,10 @@ def test_faults_and_logs_of_agents_go_to_the_log_under_their_worker() -> None:
     rig.journal.read_events(rig.slots, {})
     assert [(r["time"], r["level"], r["source"], r["message"]) for r in rig.journal.logs] == [
         (1000.0, "warning", "tcp://a", "injected hang after 40 rows"),
-        (1002.0, "error", "tcp://b", "bad row group")]
+        (1002.0, "error", "tcp://b", "bad row group"),
+        (1005.0, "warning", "job", "dropped an agent's event (unknown kind 'unknown'): "
+                                   "{'kind': 'unknown', 'worker': 'tcp://b'}")]
+    assert rig.journal.events_dropped == 1
 
 
 def lease(phase: str, worker: str, lease_id: int, at: float, **end: Any) -> dict[str, Any]:

@@ -12,7 +12,8 @@ from pipeline.bench.sharding import command
 
 def test_bench_sharding_prints_the_figures() -> None:
     result = CliRunner().invoke(command, ["--workers", "10", "--shards", "1000", "--ops", "2000",
-                                          "--rpc-ops", "40", "--group-asks", "500", "--json"])
+                                          "--rpc-ops", "40", "--group-asks", "500",
+                                          "--view-leases", "30000", "--json"])
     assert result.exit_code == 0, result.output
     figures = json.loads(result.output.strip().splitlines()[-1])
     assert {"workers", "shards", "ops_per_s", "us_per_op_p50", "us_per_op_p99",
@@ -28,11 +29,16 @@ def test_bench_sharding_prints_the_figures() -> None:
     assert 0 < figures["us_per_op_p50"] <= figures["us_per_op_p99"]
     assert 0 < figures["us_per_group_ask_p50"] <= figures["us_per_group_ask_p99"]
     assert 0 < figures["bytes_per_shard"] < 300 * 10  # 10 live leases on only 1,000 shards
+    # a page view of a job of 30,000 leases: the whole job in at most 2,000 bars, rows exact
+    assert figures["view_leases"] == 30_000 and 0 < figures["view_bars"] <= 2000
+    assert figures["view_rows_exact"] is True
+    assert 0 < figures["ms_per_view_on_loop"] and 0 < figures["ms_per_view_drawn"]
 
 
 def test_bench_sharding_stops_when_every_shard_is_done() -> None:
     result = CliRunner().invoke(command, ["--workers", "4", "--shards", "20", "--ops", "5000",
-                                          "--rpc-ops", "10", "--shard-rows", "64",
+                                          "--rpc-ops", "10", "--view-leases", "10",
+                                          "--shard-rows", "64",
                                           "--batch-rows", "32", "--json"])
     assert result.exit_code == 0, result.output
     figures = json.loads(result.output.strip().splitlines()[-1])
