@@ -5,11 +5,19 @@ dask/distributed's own suite does. ``make test`` runs the first, ``make test-ful
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
+import dask
 import pytest
 
 from pipeline.bench.processes import DaskProcesses, wait_for_workers
+
+# The suite injects faults (hangs, crashes, slowdowns, pauses): its clusters allow them, the
+# in-process ones through dask config, the `dask scheduler` processes it starts through the
+# environment they inherit. A test of the refusal sets the setting false itself.
+os.environ["DASK_ANTDT__JOBS__ALLOW_FAULTS"] = "true"
+dask.config.set({"antdt.jobs.allow-faults": True})
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -16,10 +16,14 @@ applying anything:
 * one action per lease per tick; the strongest wins (``Revoke`` > ``Reassign`` > ``Split``, then
   the first yielded), so a lease being revoked is never split;
 * no lease action for a worker retired in the same tick (retirement requeues its rows anyway);
-* retirement never leaves fewer than ``min_workers`` workers (``workers()`` must not count the
-  workers whose retirement is under way);
+* retirement never leaves the job fewer than ``min_workers`` of its own workers (``workers()``:
+  those its agents train on, less the workers whose retirement is under way);
 * an action with nothing to move (the lease ended, was revoked, or has no unclaimed rows) is
   dropped, not recorded.
+
+Jobs share a cluster: a job's controller acts on its own agents only. Where another job trains
+on a worker it would retire, :class:`ControllerService` stops this job's agent there instead of
+closing the worker (its master's :class:`JobAgents`), and the record's reason says so.
 
 Only unclaimed rows move (the ledger's exactly-once rule), so every action is safe to apply at any
 time. Built-in policies (the defaults under ``antdt.controller.policies``, in this order):
@@ -54,12 +58,13 @@ from antdt.controller.mechanism import Controller
 from antdt.controller.policies import (BalanceBatch, ControllerPolicy, PaceStragglers,
                                        ReassignStragglers, RetireHung, RetirePersistent,
                                        RevokeHung, SplitTail, Tick, load_policies)
-from antdt.controller.service import EVENT_TOPIC, PLUGIN_NAME, ControllerService, enable_controller
+from antdt.controller.service import (EVENT_TOPIC, PLUGIN_NAME, ControllerService, JobAgents,
+                                      enable_controller)
 
 __all__ = [
     "ACTION_NAMES", "EVENT_TOPIC", "PLUGIN_NAME", "Action", "ActionRecord", "AdjustBatch",
     "BalanceBatch", "Controller", "ControllerPolicy", "ControllerService", "Evidence",
-    "LeaseAction", "Pace", "PaceStragglers", "Reassign", "ReassignStragglers", "Retire",
-    "RetireHung", "RetirePersistent", "Revoke", "RevokeHung", "Split", "SplitTail", "Tick",
-    "enable_controller", "load_policies",
+    "JobAgents", "LeaseAction", "Pace", "PaceStragglers", "Reassign", "ReassignStragglers",
+    "Retire", "RetireHung", "RetirePersistent", "Revoke", "RevokeHung", "Split", "SplitTail",
+    "Tick", "enable_controller", "load_policies",
 ]

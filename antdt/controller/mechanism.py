@@ -29,13 +29,17 @@ class Controller:
     """Runs the policies of one job every :meth:`tick` and applies what it accepts.
 
     ``retire(worker, stimulus_id)`` carries out a retirement (on the scheduler:
-    ``retire_workers``); ``workers()`` returns the workers that count toward ``min_workers``
-    (live, not already being retired); ``emit(record)`` publishes each applied action (on the
-    scheduler: a Dask event). Defaults come from ``antdt.controller`` in dask config.
+    ``retire_workers``, or where another job trains on the worker, stopping this job's agent
+    there) and returns what it did instead of closing the worker, added to the record's reason
+    (None: closing it); ``workers()`` returns the job's workers, those that count toward
+    ``min_workers`` and that a retirement may name (live, not already being retired);
+    ``emit(record)`` publishes each applied action (on the scheduler: a Dask event). Defaults
+    come from ``antdt.controller`` in dask config.
     """
 
     def __init__(self, ledger: ShardLedger, monitor: Monitor, *, clock: Clock,
-                 retire: Callable[[str, str], None], workers: Callable[[], Collection[str]],
+                 retire: Callable[[str, str], str | None],
+                 workers: Callable[[], Collection[str]],
                  policies: Sequence[ControllerPolicy] | None = None,
                  min_workers: int | None = None,
                  emit: Callable[[ActionRecord], None] | None = None,
@@ -137,9 +141,10 @@ class Controller:
     def _apply(self, policy: str, action: Action, stimulus_id: str,
                now: float) -> ActionRecord | None:
         lease_id = parts = size = rows = None
+        note = None
         if isinstance(action, Retire):
             worker = action.worker
-            self._retire(worker, stimulus_id)
+            note = self._retire(worker, stimulus_id)
         elif isinstance(action, AdjustBatch):
             worker, size = action.worker, action.size
             self.ledger.set_batch_rows(worker, size)
@@ -161,6 +166,8 @@ class Controller:
             if not rows:
                 return None
         evidence = action.evidence
+        if note is not None:
+            evidence = evidence._replace(reason=f"{evidence.reason}; {note}")
         record: ActionRecord = {
             "seq": self.count, "tick": self.ticks, "time": now, "job": self.ledger.job,
             "stimulus_id": stimulus_id, "action": ACTION_NAMES[type(action)], "policy": policy,

@@ -23,8 +23,9 @@ from antdt.sharding import LeaseStatus, ShardLedger, shares
 
 class Tick:
     """The state one tick's policies see: ``ledger``, ``monitor`` (updated for this tick),
-    ``flagged`` (verdicts other than ok, worst first), ``workers`` (the cluster's workers that
-    count toward ``min_workers``) and the live leases (read once per tick, lazily)."""
+    ``flagged`` (verdicts other than ok, worst first), ``workers`` (the job's own workers, those
+    that count toward ``min_workers``: other jobs' workers are not its capacity) and the live
+    leases (read once per tick, lazily)."""
 
     def __init__(self, number: int, now: float, ledger: ShardLedger, monitor: Monitor,
                  workers: Collection[str], batch_sizes: dict[str, int]) -> None:

@@ -1,12 +1,18 @@
 """The controller on the Dask scheduler: :class:`ControllerService` runs a monitor and a controller
 per job of the sharding service, ticks them, carries out retirements, and publishes every applied
-action as a Dask event (topic :data:`EVENT_TOPIC`)."""
+action as a Dask event (topic :data:`EVENT_TOPIC`).
+
+Jobs share a cluster: a job's controller acts on its own agents only. Its ``min_workers`` budget
+counts the job's own workers (those its master says its agents train on: :class:`JobAgents`),
+and a worker another job also trains on is never closed: retiring it becomes stopping this job's
+agent there (:attr:`JobAgents.stop`), and the worker stays for the others."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +38,17 @@ EVENT_TOPIC = "antdt"
 """Dask event topic of applied actions (``client.get_events(EVENT_TOPIC)``)."""
 
 
+@dataclass(frozen=True)
+class JobAgents:
+    """What a job's master tells the controller of its agents (:meth:`ControllerService.attach`):
+    ``workers()``, the workers its agents train on now (or are about to), and
+    ``stop(worker, reason)``, which stops its agent on ``worker`` and deals that agent's rows to
+    the others (its leases back to the queue, as for a hung agent), leaving the worker up."""
+
+    workers: Callable[[], Collection[str]]
+    stop: Callable[[str, str], None]
+
+
 @dataclass
 class _JobControl:
     ledger: ShardLedger
@@ -44,8 +61,12 @@ class ControllerService(SchedulerPlugin):
     :class:`~antdt.sharding.service.ShardingService` (register that plugin first).
 
     The monitors are fed by the service's commit events; every ``antdt.controller.interval``
-    each enabled job's controller ticks. Retirements go through ``scheduler.retire_workers`` and
-    never leave fewer than ``min_workers`` workers. Handlers:
+    each enabled job's controller ticks. A job's controller counts and acts on its own workers:
+    those of its :class:`JobAgents` (:meth:`attach`; a job no master attached counts every worker
+    of the cluster). Retirements never leave the job fewer than ``min_workers`` of them, and go
+    through ``scheduler.retire_workers`` only where no other job trains (another job's
+    :class:`JobAgents`, or a job's live leases): on a shared worker the job stops its own agent
+    instead (:attr:`JobAgents.stop`) and the worker stays. Handlers:
 
     ``antdt_controller_actions(job, since=0)``  applied actions: count, counts, records, batch sizes
     ``antdt_controller_enable(job, enabled)``   switch one job's controller (before or after it is
@@ -73,6 +94,10 @@ class ControllerService(SchedulerPlugin):
         self.scheduler: Scheduler | None = None
         self._sharding: service.ShardingService | None = None
         self._retiring: set[str] = set()
+        self._agents: dict[str, JobAgents] = {}
+        """Per job, what its master said of its agents (:meth:`attach`)."""
+        self._stopped: dict[str, set[str]] = {}
+        """Per job, the shared workers its agent was stopped on (no longer its own)."""
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def start(self, scheduler: Scheduler) -> None:
@@ -104,12 +129,47 @@ class ControllerService(SchedulerPlugin):
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str,
                       **kwargs: Any) -> None:
         self._retiring.discard(worker)
+        for stopped in self._stopped.values():
+            stopped.discard(worker)
         for control in self.jobs.values():
             control.monitor.forget(worker)
 
     def restart(self, scheduler: Scheduler) -> None:
         """Every agent is gone: start every job's monitoring afresh."""
         self.jobs.clear()
+        self._stopped.clear()
+
+    def attach(self, job: str, agents: JobAgents) -> None:
+        """``job``'s master says where its agents train and how to stop one (see
+        :class:`JobAgents`); kept until :meth:`forget`."""
+        self._agents[job] = agents
+        self._stopped.pop(job, None)
+
+    def own_workers(self, job: str) -> list[str]:
+        """The live workers ``job``'s controller counts toward ``min_workers`` and may act on:
+        its agents' (every worker of the cluster for a job no master attached), less those being
+        retired and those its agent was stopped on."""
+        assert self.scheduler is not None
+        live = self.scheduler.workers
+        agents = self._agents.get(job)
+        stopped = self._stopped.get(job, set())
+        found = live if agents is None else agents.workers()
+        return [w for w in found if w in live and w not in self._retiring and w not in stopped]
+
+    def users(self, worker: str, but: str) -> list[str]:
+        """The jobs other than ``but`` that train on ``worker``: their masters' agents there
+        (:class:`JobAgents`), or their live leases there."""
+        assert self._sharding is not None
+        found = []
+        for job in sorted(set(self._sharding.jobs) | set(self._agents)):
+            if job == but:
+                continue
+            agents = self._agents.get(job)
+            ledger = self._sharding.jobs.get(job)
+            if (agents is not None and worker in agents.workers()) or (
+                    ledger is not None and worker in ledger.workers()):
+                found.append(job)
+        return found
 
     def enable(self, job: str, on: bool = True,
                policies: Sequence[ControllerPolicy] | None = None,
@@ -132,6 +192,8 @@ class ControllerService(SchedulerPlugin):
         self._enabled.pop(job, None)
         self._policies.pop(job, None)
         self._monitors.pop(job, None)
+        self._agents.pop(job, None)
+        self._stopped.pop(job, None)
 
     def tick(self, job: str | None = None) -> list[ActionRecord]:
         """Tick ``job`` (even if disabled), or every enabled job (a disabled one only updates its
@@ -207,10 +269,11 @@ class ControllerService(SchedulerPlugin):
         if control is None or control.ledger is not ledger:
             monitor = Monitor(time, batch_rows=ledger.batch_rows,
                               settings=self._monitors.get(job))
-            controller = Controller(ledger, monitor, clock=time, retire=self._retire,
+            controller = Controller(ledger, monitor, clock=time,
+                                    retire=functools.partial(self._retire, job),
                                     policies=self._policies.get(job),
-                                    workers=self._live_workers, min_workers=self.min_workers,
-                                    emit=self._emit)
+                                    workers=functools.partial(self.own_workers, job),
+                                    min_workers=self.min_workers, emit=self._emit)
             control = self.jobs[job] = _JobControl(ledger, monitor, controller)
         return control
 
@@ -219,21 +282,39 @@ class ControllerService(SchedulerPlugin):
         if control is not None:
             control.monitor.observe(event)
 
-    def _live_workers(self) -> list[str]:
-        assert self.scheduler is not None
-        return [w for w in self.scheduler.workers if w not in self._retiring]
-
     def _emit(self, record: ActionRecord) -> None:
         assert self.scheduler is not None
         self.scheduler.log_event(EVENT_TOPIC, dict(record))
 
-    def _retire(self, worker: str, stimulus_id: str) -> None:
-        assert self.scheduler is not None
+    def _retire(self, job: str, worker: str, stimulus_id: str) -> str | None:
+        """Retire ``worker`` for ``job``: close it, unless another job trains there; then stop
+        ``job``'s agent on it (its master's :attr:`JobAgents.stop`, or for a job no master
+        attached, its leases there requeued) and keep the worker. Returns what was done instead
+        of closing the worker (None: it is being retired)."""
+        assert self.scheduler is not None and self._sharding is not None
+        others = self.users(worker, but=job)
+        if others:
+            self._stopped.setdefault(job, set()).add(worker)
+            control = self.jobs.get(job)
+            if control is not None:
+                control.monitor.forget(worker)
+            note = (f"{worker} also trains job(s) {', '.join(others[:5])}: stopped this job's "
+                    f"agent there, the worker stays")
+            agents = self._agents.get(job)
+            if agents is not None:
+                agents.stop(worker, note)
+            else:
+                ledger = self._sharding.jobs.get(job)
+                if ledger is not None and ledger.remove_worker(worker):
+                    self._sharding.notify(job)
+            logger.warning("job %s: not closing %s [%s]: %s", job, worker, stimulus_id, note)
+            return note
         self._retiring.add(worker)
         task = asyncio.ensure_future(self.scheduler.retire_workers(
             workers=[worker], close_workers=True, remove=True, stimulus_id=stimulus_id))
         self._tasks.add(task)
         task.add_done_callback(lambda done: self._retired(worker, done))
+        return None
 
     def _retired(self, worker: str, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

@@ -23,6 +23,10 @@ from antdt.agent import AgentReport
 from antdt.jobs.spec import JobPlan
 from antdt.sharding import Clock
 
+FENCE_AFTER_S = 10.0
+"""An agent the controller stopped (cancelled) that has not returned after this long is stuck (a
+read that never returns): the master fences it (:meth:`Placement.overdue`)."""
+
 
 @dataclass
 class Slot:
@@ -51,6 +55,8 @@ class Slot:
     tables: dict[str, float] | None = None
     report: AgentReport | None = None
     dead: bool = False
+    stopped: float | None = None
+    fenced: bool = False
 
     @property
     def live(self) -> bool:
@@ -117,6 +123,13 @@ class Placement:
         """The agents of the job's current model (see :attr:`Slot.generation`)."""
         return [s for s in self.slots if s.generation == self.generation]
 
+    def training(self) -> set[str]:
+        """The workers this job trains on now: its live agents' (less those stopped), and those
+        chosen for agents not started yet."""
+        started = {s.worker for s in self.slots}
+        return {s.worker for s in self.slots if s.live and s.stopped is None} \
+            | (self._chosen - started)
+
     def initial(self, workers: Collection[str]) -> list[str]:
         """The workers the job starts on, sorted: every one of ``workers``, or the least busy
         when the plan asks for fewer or the job is too small for them all (then ``cap`` is
@@ -142,6 +155,25 @@ class Placement:
             return sorted(free)
         wanted = self.cap - sum(s.live or s.finished for s in self.slots)
         return self._choose(free, wanted) if wanted > 0 and free else []
+
+    def stop(self, worker: str) -> list[Slot]:
+        """The live agents on ``worker`` that the controller stops now (it retires the worker
+        for this job while another job trains there); they no longer count as the job's
+        workers (:meth:`training`), and no agent of the job starts there again."""
+        slots = [s for s in self.live if s.worker == worker and s.stopped is None]
+        for slot in slots:
+            slot.stopped = self._clock()
+        return slots
+
+    def overdue(self) -> list[Slot]:
+        """The stopped agents still running :data:`FENCE_AFTER_S` after their stop and not
+        fenced yet; marked fenced."""
+        now = self._clock()
+        slots = [s for s in self.live if s.stopped is not None and not s.fenced
+                 and now - s.stopped >= FENCE_AFTER_S]
+        for slot in slots:
+            slot.fenced = True
+        return slots
 
     def add(self, worker: str, join: bool = False) -> Slot:
         """The slot of an agent starting on ``worker`` now (numbered after the others)."""

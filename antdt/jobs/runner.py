@@ -53,7 +53,7 @@ from distributed.scheduler import KilledWorker
 from antdt import config
 from antdt.agent import AgentReport, AgentSpec, Faults, cancel_here, forget_here
 from antdt.agent.modes import GroupBroken, MasterMode
-from antdt.controller import BalanceBatch, ControllerService
+from antdt.controller import BalanceBatch, ControllerService, JobAgents
 from antdt.device import FROZEN_HEAP
 from antdt.errors import AntdtError, JobError
 from antdt.jobs import calls, tasks
@@ -69,6 +69,8 @@ from antdt.monitor import MonitorSettings
 from antdt.sharding import JobState
 from antdt.sharding.service import ShardingService
 from antdt.sync import SyncPeriod
+from antdt.sync.service import SyncService
+from antdt.sync.wire import PLUGIN_NAME as SYNC
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +149,7 @@ class JobRunner(Restarts):
         """The ledger's rows trained when this master started training (a resumed job's
         checkpoint has some), less the rows a restart in place rolled back."""
         self._regroup = None
+        self._stopping: set[asyncio.Future[Any]] = set()  # cancellations of stopped agents
 
     # ---- what clients see -------------------------------------------------------------------
 
@@ -248,6 +251,10 @@ class JobRunner(Restarts):
 
     async def _begin(self) -> None:
         plan = self.plan
+        if plan.faults and not config.flag("antdt.jobs.allow-faults"):
+            raise JobError("the job injects faults, which this cluster does not allow: drop them,"
+                           " or set antdt.jobs.allow-faults: true in a test cluster's dask config"
+                           " (DASK_ANTDT__JOBS__ALLOW_FAULTS=true)")
         initial = self.placement.initial(await self._free_workers())
         if self.placement.adapted is not None:
             self.log("info", f"adapted: {self.placement.adapted}")
@@ -324,6 +331,7 @@ class JobRunner(Restarts):
             if self._regroup is not None and self._cancel is None and self.stopped is None:
                 await self._form_again()
                 continue
+            self._fence_stopped()
             if self._every_worker_lost():
                 await self._restart()
                 continue
@@ -369,8 +377,11 @@ class JobRunner(Restarts):
         """The async mode's controller runs the configured policies when the plan's sharding is
         antdt's; the synchronous mode's only sizes the ranks' local batches (with
         ``adaptive_batch``), their sum fixed at the global batch ``batch_rows``. Before the job's
-        ledger is registered or restored: the policies take effect with it."""
+        ledger is registered or restored: the policies take effect with it. It acts on this
+        job's agents only (:class:`~antdt.controller.JobAgents`)."""
         plan = self.plan
+        self.ctx.controller.attach(self.job_id, JobAgents(self.placement.training,
+                                                          self._stop_agent))
         if plan.mode == "sync":
             self.ctx.controller.enable(self.job_id, plan.adaptive_batch,
                                        [BalanceBatch(plan.batch_rows)],
@@ -473,8 +484,9 @@ class JobRunner(Restarts):
         regroups = self.ctx.mode.regroups
         if status == "error":
             error = await future.exception()
-            if gone or isinstance(error, KilledWorker):
-                self._write_off(slot, f"its worker died ({error!r})")
+            if gone or isinstance(error, KilledWorker) or slot.stopped is not None:
+                why = "its worker died" if slot.stopped is None else "stopped by the controller"
+                self._write_off(slot, f"{why} ({error!r})")  # a stopped one may be fenced
                 return
             if regroups and isinstance(error, GroupBroken):
                 if current:
@@ -493,6 +505,27 @@ class JobRunner(Restarts):
         self.journal.lost(slot.worker)
         self.log("warning", f"agent {slot.index} on {slot.worker} is gone: {why}; the ledger "
                             "re-queued its unsynced rows")
+
+    def _stop_agent(self, worker: str, reason: str) -> None:
+        """The controller would retire ``worker``, but another job trains there: cancel this
+        job's agent on it instead (it gives its leases back and leaves the model's sync as it
+        returns; :meth:`_fence_stopped` if it is stuck) and leave the worker up."""
+        for slot in self.placement.stop(worker):
+            self.log("warning", f"agent {slot.index} on {worker} stopped: {reason}")
+            task = asyncio.ensure_future(self.client.run(cancel_here, self.job_id,
+                                                         workers=[worker], on_error="ignore"))
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
+
+    def _fence_stopped(self) -> None:
+        """Stopped agents still running (:meth:`Placement.overdue`) are fenced: their leases
+        requeued from their synced offsets, they leave the model's sync, as if gone."""
+        for slot in self.placement.overdue():
+            requeued = self.ctx.sharding.jobs[self.job_id].remove_worker(slot.worker)
+            self.ctx.sharding.notify(self.job_id)
+            if isinstance(sync := self.ctx.scheduler.plugins.get(SYNC), SyncService):
+                sync.leave(self.job_id, slot.worker)
+            self.log("warning", f"agent {slot.index} stuck: fenced, {requeued:,} rows requeued")
 
     async def _cancel_agents(self) -> None:
         with contextlib.suppress(OSError):

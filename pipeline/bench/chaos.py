@@ -116,7 +116,7 @@ CONFIG = {"antdt": {
         {"class": "antdt.controller.SplitTail"}]},
     "sharding": {"no-workers-timeout": "60s"},
     "sync": {"join-timeout": "60s", "final-timeout": "120s"},
-    "jobs": {"tick": "200ms"},
+    "jobs": {"tick": "200ms", "allow-faults": True},  # the runs inject faults (pauses, hangs)
 }, "logging": {"antdt.controller": "info"}}
 """Dask config of every process of an async (or hybrid) run: a hung worker is retired within
 seconds, not 30 (each retirement logged with its evidence); the master notes the job's progress

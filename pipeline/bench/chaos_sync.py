@@ -114,7 +114,7 @@ MARKER = "harm.json"
 SYNC_CONFIG = {"antdt": {
     "sync-steps": {"collective-timeout": "10s"},
     "sharding": {"no-workers-timeout": "60s"},
-    "jobs": {"tick": "200ms"},
+    "jobs": {"tick": "200ms", "allow-faults": True},  # the runs inject faults (pauses, hangs)
 }}
 """Dask config of every process of a sync run: a dead or hung rank breaks its peers' collective
 within 10 s; the master notes the job's progress five times a second."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import click
+import dask
 from distributed import Client
 
 from data.synth import generate
@@ -135,9 +136,13 @@ def run_async(job: JobConfig, workers: int, *, deadline_s: float | None = None,
               memory_limit: str | None = None) -> Outcome:
     """Train ``job`` on a new LocalCluster of ``workers`` single-threaded workers (each limited
     to ``memory_limit`` by Dask when given), as ``antdt train`` does; ``setting`` (given the
-    client) surrounds the run, e.g. a CPU hog next to one worker."""
+    client) surrounds the run, e.g. a CPU hog next to one worker. A job with faults (the
+    benchmark's stragglers) runs on a cluster that allows them (``antdt.jobs.allow-faults``)."""
     spec = job_spec(job, deadline_s=deadline_s)
-    with connect(workers, preload=worker_modules(job), memory_limit=memory_limit) as client, \
+    allow = dask.config.set({"antdt.jobs.allow-faults": True}) if job.faults \
+        else contextlib.nullcontext()
+    with allow, \
+            connect(workers, preload=worker_modules(job), memory_limit=memory_limit) as client, \
             (setting(client) if setting is not None else contextlib.nullcontext()), \
             JobClient(client) as jobs:
         record = jobs.follow(jobs.submit(spec)["job"]["job_id"])

@@ -10,7 +10,7 @@ import dask
 from distributed import Client, Event, Scheduler, Worker
 from distributed.utils_test import gen_cluster
 
-from antdt.controller import PLUGIN_NAME, BalanceBatch, ControllerService
+from antdt.controller import PLUGIN_NAME, BalanceBatch, ControllerService, JobAgents
 from antdt.monitor import MonitorSettings
 from antdt.sharding import Claim
 from antdt.sharding.client import ShardClient
@@ -204,6 +204,69 @@ async def test_worker_hung_in_the_tail_is_retired_and_its_claim_requeued(
     assert state["rows_retrained"] == 0
     actions = await c.scheduler.antdt_controller_actions(job="j")
     assert actions["counts"] == {"retire": 1}
+
+
+async def hang_until_acted(c: Client, a: Worker) -> list[dict[str, Any]]:
+    """Job j's agent on ``a`` trains two batches and hangs; tick j's controller until it acts:
+    the actions it applied."""
+    c.submit(hanging_agent, "j", "never-set", workers=[a.address], pure=False)
+
+    async def trained_20() -> bool:
+        return (await c.scheduler.antdt_job_state(job="j"))["rows_trained"] == 20
+
+    await until(trained_20, "a to train two batches of j")
+
+    async def acted() -> list[dict[str, Any]]:
+        return list((await c.scheduler.antdt_controller_tick(job="j"))["applied"])
+
+    return await until(acted, "j's controller to act on a")
+
+
+@gen_cluster(client=True, config=CONFIG)
+async def test_a_worker_another_job_trains_on_is_kept_and_only_this_jobs_leases_leave_it(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    """Job j hangs on a in its tail; job k holds a lease on a too. j's controller would retire
+    a: it takes j's leases off a instead, and a stays up with k's lease."""
+    plugin = await setup(c, s, groups=1)
+    reply = await c.scheduler.antdt_register_job(job="k", row_groups=[["k.parquet", 0, 100]],
+                                                 shard_rows=100, batch_rows=10)
+    assert reply["status"] == "OK", reply
+    reply = await c.scheduler.antdt_lease(job="k", worker=a.address, wait_s=0)
+    assert reply["lease"]["kind"] == "lease", reply  # k trains on a
+    (record,) = await hang_until_acted(c, a)
+    assert (record["action"], record["worker"]) == ("retire", a.address)
+    assert record["reason"].endswith(f"{a.address} also trains job(s) k: stopped this job's "
+                                     "agent there, the worker stays")
+    state = await c.scheduler.antdt_job_state(job="j", leases=True)
+    assert not state["live"] and state["rows_todo"] == 80  # j's rows left a, as if it died
+    group, start, stop, trained = await c.submit(one_lease_agent, "j", workers=[b.address],
+                                                 pure=False)
+    assert (start, stop, trained) == (20, 100, 80)
+    state = await c.scheduler.antdt_job_state(job="j")
+    assert state["state"] == "finished" and state["rows_done"] == 100
+    # a was never retired: it still runs, k's lease on it is live, j's controller has done
+    assert a.address in s.workers and a.status.name == "running"
+    k = await c.scheduler.antdt_job_state(job="k", leases=True)
+    assert [lease["worker"] for lease in k["live"]] == [a.address]
+    reply = await c.scheduler.antdt_controller_tick(job="j")
+    assert not reply["applied"] and plugin.own_workers("j") == [b.address]
+
+
+@gen_cluster(client=True, config=CONFIG)
+async def test_a_jobs_retirement_budget_counts_its_own_workers_not_the_clusters(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    """Job j trains on a alone (its master says so); the cluster has two workers. j hung on
+    a in its tail: retiring a would leave j no worker (min_workers 1), so its controller only
+    revokes a's lease."""
+    plugin = await setup(c, s, groups=1)
+    stopped: list[str] = []
+    plugin.attach("j", JobAgents(lambda: [a.address], lambda worker, why: stopped.append(worker)))
+    (record,) = await hang_until_acted(c, a)
+    assert (record["action"], record["worker"]) == ("revoke", a.address)
+    assert plugin.own_workers("j") == [a.address] and stopped == []
+    actions = await c.scheduler.antdt_controller_actions(job="j")
+    assert actions["counts"] == {"revoke": 1}
+    assert a.address in s.workers
 
 
 @gen_cluster(client=True, nthreads=[])
