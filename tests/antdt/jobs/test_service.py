@@ -274,9 +274,10 @@ def valid_calls(jobs: JobClient, job_id: str, folder: str) -> dict[str, dict[str
 
 
 def required_arguments(dask_scheduler: Any) -> dict[str, list[str]]:
-    """The required parameters of each antdt handler on the scheduler."""
+    """The required parameters of each antdt handler on the scheduler (not ``comm``, which
+    Dask passes a handler that asks for it)."""
     return {name: [p.name for p in inspect.signature(handler).parameters.values()
-                   if p.default is inspect.Parameter.empty]
+                   if p.default is inspect.Parameter.empty and p.name != "comm"]
             for name, handler in dask_scheduler.handlers.items() if name.startswith("antdt_")}
 
 
