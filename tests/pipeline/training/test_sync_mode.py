@@ -29,7 +29,7 @@ import yaml
 from dask.utils import format_bytes
 from distributed import Client, Event, LocalCluster
 
-from antdt.errors import ConfigError
+from antdt.errors import ConfigError, JobError
 from antdt.jobs import JobClient, checkpoints
 from data.schema import Schema
 from data.synth import SynthResult
@@ -326,7 +326,8 @@ def test_tables_larger_than_a_worker_train_in_sync_mode_and_async_is_refused(
             logs = [r["message"] for r in jobs.logs(record["job_id"])]
         async_job = load_job(sync_job, [f"data.schema={big}", "train.mode=async",
                                         "model.tables=replicated"])
-        refused = bounded.call(run, async_job, scheduler=local.scheduler_address)
+        with pytest.raises(JobError) as refused:  # at submit: no job starts
+            bounded.call(run, async_job, scheduler=local.scheduler_address)
 
     summary = outcome(record)
     assert summary.mode == "sync" and summary.workers == 3
@@ -350,8 +351,7 @@ def test_tables_larger_than_a_worker_train_in_sync_mode_and_async_is_refused(
 
     worker = sorted(pids)[0]
     need = replica_bytes(Schema.from_dict(schema), async_job.model, async_job.train.optim)
-    assert refused["state"] == "failed"
-    assert refused["error"] == (
+    assert str(refused.value) == (
         f"the model needs {format_bytes(need)} per worker in async mode (every worker holds a "
         f"full replica), but worker {worker}'s memory limit is 2.00 GiB (3 of the job's 3 "
         f"workers have less than it needs); shard its tables over the workers (model.tables: "
