@@ -60,6 +60,7 @@ from antdt.jobs import calls, tasks
 from antdt.jobs.checkpoints import Manifest
 from antdt.jobs.journal import Journal
 from antdt.jobs.keeper import Checkpointer
+from antdt.watch.urls import redact_all
 from antdt.jobs.metrics import MetricsShipper, Step
 from antdt.jobs.placement import Placement, Slot
 from antdt.jobs.recovery import Recovery, lost_job, restore_ledger
@@ -154,8 +155,8 @@ class JobRunner(Restarts):
     # ---- what clients see -------------------------------------------------------------------
 
     def record(self) -> dict[str, Any]:
-        """The job as ``status`` and ``follow`` show it (plain, msgpack-able)."""
-        return {"job_id": self.job_id, "name": self.plan.name, "state": self.state.value,
+        """The job as ``status`` and ``follow`` show it (plain, msgpack-able, passwords hidden)."""
+        return redact_all({"job_id": self.job_id, "name": self.plan.name, "state": self.state.value,
                 "version": self.version, "submitted_at": self.submitted_at,
                 "started_at": self.started_at, "ended_at": self.ended_at, "error": self.error,
                 "marks": dict(self.marks),
@@ -166,7 +167,7 @@ class JobRunner(Restarts):
                 "checkpoint": self.checkpoints.last_path,
                 "checkpoints": self.checkpoints.summary(),
                 "rows_replayed": self.recovery.rows_replayed, "resumes": self.recovery.resumes,
-                "adapted": self.placement.adapted, "tables": self.tables()}
+                "adapted": self.placement.adapted, "tables": self.tables()})
 
     def tables(self) -> dict[str, Any] | None:
         """Where the job's sharded tables are, as its master mode last said (kept once the job

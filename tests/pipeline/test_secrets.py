@@ -86,7 +86,8 @@ def test_a_real_jobs_run_log_page_and_json_never_show_its_checkpoint_password(
     assert record["state"] == "finished", record["error"]
     assert record["checkpoints"]["written"] >= 1, log  # the job did use the URL with its password
     assert "ann:***@checkpoints" in api
-    for shown in (html, api, listing, log):
+    assert "ann:***@checkpoints" in record["checkpoint"]  # what antdt status shows
+    for shown in (html, api, listing, log, json.dumps(record, default=str)):
         assert SECRET not in shown
     mlflow.set_tracking_uri(job.mlflow.tracking_uri)
     run = mlflow.get_run(record["run"]["run_id"])
