@@ -30,7 +30,7 @@ def test_bench_hybrid_big_trains_sharded_async_and_sync_with_exact_accounting(
     monkeypatch.chdir(tmp_path)  # MLflow's default store, in the working directory
     with dask.config.set(NO_MEMORY_LIMITS):
         result = bounded.call(CliRunner().invoke, command, [
-            "--big", "--rows", "10000", "--data", str(tmp_path / "data"),
+            "--big", "--rows", "24000", "--data", str(tmp_path / "data"),
             "--tables-rows", "400000", "--memory-limit", "1GiB",
             "--checkpoint-root", str(tmp_path / "checkpoints"), "--json"])
     assert result.exit_code == 0, result.output
@@ -41,7 +41,7 @@ def test_bench_hybrid_big_trains_sharded_async_and_sync_with_exact_accounting(
     assert out["scenario"] == "big" and out["workers"] == 4 and out["slow_worker"] == 3
     assert out["tables"] == 26 and out["tables_rows"] == 400_000
     assert out["weights_bytes"] == 26 * 400_000 * 16 * 4
-    assert out["rows"] == 7_500  # three of four synthetic days train, one epoch
+    assert out["rows"] == 18_000  # three of four days train, one epoch: above a sync batch (16,384)
     assert set(out["runs"]) == {"async", "sync"}
     assert out["async_sharded"] is True and out["runs"]["async"]["tables"] == "sharded"
     assert out["runs"]["sync"]["tables"] == "ranks"
