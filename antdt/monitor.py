@@ -48,7 +48,11 @@ calls it every tick). When a window closes:
   :attr:`WorkerState.PERSISTENT`.
 
 Independently of windows, at every update a lease holder still training whose last commit is
-older than its hang timeout is :attr:`WorkerState.HUNG` until it commits again. The timeout comes
+older than its hang timeout is :attr:`WorkerState.HUNG` until it commits again. And a worker
+the model sync finds reaching no peer (:meth:`Monitor.partitions`, from
+:meth:`antdt.sync.service.SyncService.partitioned`: its link to its peers is cut, not its link
+to the scheduler) is :attr:`WorkerState.PARTITIONED` until it reaches one again: nothing it trains can
+be synced (a row is synced once every peer applied it), so the controller retires it. The timeout comes
 from its own history: ``hang-factor`` x its usual gap between commits (an exponential average;
 the cluster median gap for a worker with no history), never less than ``hang-floor``. Settings
 live under ``antdt.monitor`` in dask config (see ``antdt/antdt.yaml``).
@@ -86,12 +90,14 @@ GAP_WEIGHT = 0.2
 
 
 class WorkerState(enum.Enum):
-    """A worker's verdict; ``hung`` overrides the window verdicts while it lasts."""
+    """A worker's verdict; ``hung`` overrides the window verdicts while it lasts, and
+    ``partitioned`` every other verdict."""
 
     OK = "ok"
     TRANSIENT = "transient"
     PERSISTENT = "persistent"
     HUNG = "hung"
+    PARTITIONED = "partitioned"
 
 
 class Health(NamedTuple):
@@ -100,7 +106,8 @@ class Health(NamedTuple):
     ``bpt`` and ``median`` are the worker's BPT and the median BPT of the other workers in
     ``window``, the last window that gave evidence about it (None before any); ``streak`` its consecutive slow
     windows; ``rate`` its rows/s over its sliding window; ``silent_s`` the seconds since its last
-    commit (as of the last update) and ``timeout_s`` its hang timeout.
+    commit (as of the last update) and ``timeout_s`` its hang timeout; ``reason`` why it is
+    partitioned (None when it is not).
     """
 
     worker: str
@@ -112,6 +119,7 @@ class Health(NamedTuple):
     rate: float | None
     silent_s: float
     timeout_s: float
+    reason: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain (msgpack-able) form, the state as its value."""
@@ -196,6 +204,8 @@ class _Track:
     streak: int = 0
     verdict: WorkerState = WorkerState.OK
     hung: bool = False
+    partitioned: str | None = None
+    """Why the model sync finds it reaching no peer (None: it reaches one)."""
     silent: float = 0.0
     timeout: float = 0.0
 
@@ -265,6 +275,7 @@ class Monitor:
         self._clock = clock
         self._tracks: dict[str, _Track] = {}
         self._flagged: set[str] = set()
+        self._partitioned: set[str] = set()
         self._warming: set[str] = set()
         """Holders in their warm-up and not hung: while there are any, no commit is measured."""
         self._window_end = clock() + self.settings.window_s
@@ -357,10 +368,31 @@ class Monitor:
                 self._flag(worker, track)
         warming.difference_update([w for w in warming if tracks[w].seen_update != updates])
 
+    def partitions(self, found: Mapping[str, str]) -> None:
+        """The workers the model sync finds reaching no peer now, each with why: their verdict
+        is partitioned until a later call leaves them out (O(found + partitioned before))."""
+        for worker in [w for w in self._partitioned if w not in found]:
+            self._partitioned.discard(worker)
+            track = self._tracks.get(worker)
+            if track is not None:
+                logger.info("worker %s reaches its sync peers again", worker)
+                track.partitioned = None
+                self._flag(worker, track)
+        for worker, reason in found.items():
+            track = self._tracks.get(worker)
+            if track is None:
+                track = self._new_track(worker, self._clock())
+            if track.partitioned is None:
+                logger.info("worker %s partitioned: %s", worker, reason)
+            track.partitioned = reason
+            self._partitioned.add(worker)
+            self._flag(worker, track)
+
     def forget(self, worker: str) -> None:
         """The worker left the cluster."""
         self._tracks.pop(worker, None)
         self._flagged.discard(worker)
+        self._partitioned.discard(worker)
         self._warming.discard(worker)
 
     # ---- output -------------------------------------------------------------------------------
@@ -370,8 +402,10 @@ class Monitor:
         return None if track is None else self._health(worker, track)
 
     def flagged(self) -> list[Health]:
-        """Workers not ``ok``: hung first, then persistent, then transient, slowest first."""
-        order = {WorkerState.HUNG: 0, WorkerState.PERSISTENT: 1, WorkerState.TRANSIENT: 2}
+        """Workers not ``ok``: partitioned first, then hung, persistent, transient, slowest
+        first."""
+        order = {WorkerState.PARTITIONED: 0, WorkerState.HUNG: 1, WorkerState.PERSISTENT: 2,
+                 WorkerState.TRANSIENT: 3}
         found = [self._health(w, self._tracks[w]) for w in self._flagged]
         return sorted(found, key=lambda h: (order[h.state], -(h.bpt or 0.0), h.worker))
 
@@ -413,12 +447,13 @@ class Monitor:
         return track
 
     def _health(self, worker: str, track: _Track) -> Health:
-        state = WorkerState.HUNG if track.hung else track.verdict
+        state = WorkerState.PARTITIONED if track.partitioned is not None else \
+            WorkerState.HUNG if track.hung else track.verdict
         return Health(worker, state, track.bpt, track.median, track.window, track.streak,
-                      self.rate(worker), track.silent, track.timeout)
+                      self.rate(worker), track.silent, track.timeout, track.partitioned)
 
     def _flag(self, worker: str, track: _Track) -> None:
-        if track.hung or track.verdict is not WorkerState.OK:
+        if track.hung or track.partitioned is not None or track.verdict is not WorkerState.OK:
             self._flagged.add(worker)
         else:
             self._flagged.discard(worker)

@@ -87,18 +87,21 @@ class ControllerPolicy(abc.ABC):
 
 
 class RevokeHung(ControllerPolicy):
-    """Revoke every lease of a hung worker: its unclaimed rows go to faster workers now; its claim
-    stays (exactly-once) until it commits or leaves."""
+    """Revoke every lease of a hung or partitioned worker: its unclaimed rows go to other
+    workers now; its claim stays (exactly-once) until it commits or leaves."""
 
     def run(self, tick: Tick) -> Iterator[Action]:
         for health in tick.flagged:
-            if health.state is not WorkerState.HUNG:
+            if health.state is WorkerState.HUNG:
+                reason = (f"hung: no commit for {health.silent_s:.1f}s, timeout "
+                          f"{health.timeout_s:.1f}s")
+            elif health.state is WorkerState.PARTITIONED:
+                reason = f"partitioned: {health.reason}"
+            else:
                 continue
             for lease in tick.leases(health.worker):
                 if not lease.revoked and lease.unclaimed > 0:
-                    yield Revoke(lease, Evidence.of(health, (
-                        f"hung: no commit for {health.silent_s:.1f}s, timeout "
-                        f"{health.timeout_s:.1f}s")))
+                    yield Revoke(lease, Evidence.of(health, reason))
 
 
 @dataclass(repr=False)
@@ -107,13 +110,20 @@ class RetireHung(ControllerPolicy):
     leaving frees its claimed rows and the rows it trained but did not sync (trained again by
     the others). Near the end means that the others would finish every other row within
     ``lead_s`` seconds plus the time those held rows take them; waiting for the tail instead
-    would leave every other worker idle while it is retired and its rows trained last."""
+    would leave every other worker idle while it is retired and its rows trained last.
+
+    A partitioned worker (it reaches no sync peer, see :meth:`~antdt.monitor.Monitor.partitioned`)
+    is retired at once: none of its rows can be synced while it stays, and its training waits at
+    its staleness bound."""
 
     after_s: float = 30.0
     lead_s: float = 2.0
 
     def run(self, tick: Tick) -> Iterator[Action]:
         for health in tick.flagged:
+            if health.state is WorkerState.PARTITIONED:
+                yield Retire(health.worker, Evidence.of(health, f"partitioned: {health.reason}"))
+                continue
             if health.state is not WorkerState.HUNG:
                 continue
             if health.silent_s >= self.after_s:

@@ -30,6 +30,14 @@ mask of its changed rows (``antdt_sync_rows``, 1/8 byte a row) and writes the le
 the rows either of them changed, and its dense parameters, in place: the replicas end
 bit-identical, and what crosses the network is the rows trained during the job, not the tables.
 
+Partitions: a regular round's pull of a peer unanswered for ``antdt.sync.pull-timeout`` fails the
+exchange with that peer, and the worker reports the peer unreachable with its next group ask; the
+scheduler then groups neither of the pair for a while (:mod:`antdt.sync.reach`). A worker that
+reaches no other member is answered ``cut``: its rounds do not count for the staleness bound,
+whose wait then holds its training past ``antdt.sync.max-wait`` (nothing it trains could be
+synced) until a round ends again, the scheduler answers anything else, or the sync stops; the
+monitor calls it partitioned and the controller retires it.
+
 Defaults (period, timeouts) come from ``antdt.sync`` in dask config.
 """
 
@@ -62,6 +70,10 @@ logger = logging.getLogger(__name__)
 MEMBER_CHECK_S = 1.0
 """A pull unanswered this long makes the puller check that the peer is still a member."""
 
+CUT_RETRY_S = 0.5
+"""A worker the scheduler finds cut from every other member asks again after this long (its
+training waits at its staleness bound meanwhile)."""
+
 LEADER_RETRY_S = 0.5
 """In the final round, wait this long before asking again after a failed pull of a member (by
 the leader) or of the leader's rows."""
@@ -85,12 +97,14 @@ class BackgroundSync:
     or the scheduler's failure is re-raised there.
 
     ``worker`` defaults to the worker running the calling task; ``period``,
-    ``rpc_timeout_s`` and ``max_staleness`` to ``antdt.sync.period``,
-    ``antdt.sync.rpc-timeout`` and ``antdt.sync.max-staleness``.
+    ``rpc_timeout_s``, ``pull_timeout_s`` (a regular round's pull) and ``max_staleness`` to
+    ``antdt.sync.period``, ``antdt.sync.rpc-timeout``, ``antdt.sync.pull-timeout`` and
+    ``antdt.sync.max-staleness``.
     """
 
     def __init__(self, replica: ReplicaSync, job: str, *, worker: Worker | None = None,
                  period: SyncPeriod | None = None, rpc_timeout_s: float | None = None,
+                 pull_timeout_s: float | None = None,
                  max_staleness: int | str | None = "config") -> None:
         self.staleness = Staleness(config.get("antdt.sync.max-staleness")
                                    if max_staleness == "config" else max_staleness)
@@ -101,8 +115,11 @@ class BackgroundSync:
                                       where="dask config antdt.sync.period")
         if rpc_timeout_s is None:
             rpc_timeout_s = config.seconds("antdt.sync.rpc-timeout")
-        if rpc_timeout_s <= 0:
-            raise SyncError(f"rpc_timeout_s must be > 0, found {rpc_timeout_s}")
+        if pull_timeout_s is None:
+            pull_timeout_s = config.seconds("antdt.sync.pull-timeout")
+        if rpc_timeout_s <= 0 or pull_timeout_s <= 0:
+            raise SyncError(f"rpc_timeout_s and pull_timeout_s must be > 0, found "
+                            f"{rpc_timeout_s} and {pull_timeout_s}")
         self.worker = worker if worker is not None else get_worker()
         plugin = self.worker.plugins.get(PLUGIN_NAME)
         if not isinstance(plugin, SyncWorkerPlugin):
@@ -115,6 +132,9 @@ class BackgroundSync:
         self.job = job
         self.period = period
         self.rpc_timeout_s = rpc_timeout_s
+        self.pull_timeout_s = pull_timeout_s
+        self.cut_off = False  # the scheduler's last answer: this worker reaches no member
+        self._unreachable: set[str] = set()  # peers to report with the next group ask
         self.exchanges = 0  # exchanges done (regular and final)
         self.peers_merged = 0  # peers merged over all exchanges
         self.peers_failed = 0  # peers skipped over all exchanges
@@ -297,7 +317,7 @@ class BackgroundSync:
             self._set_members(self._ask("antdt_sync_members", job=self.job))
             since = {peer: self.replica.log.applied_seq(peer) for peer in self._members
                      if peer != self.worker.address and peer not in payloads}
-            results = self._call(self._fetch_all, report.round, since)
+            results = self._call(self._fetch_all, report.round, since, self.rpc_timeout_s)
             payloads.update((peer, r) for peer, r in results.items() if isinstance(r, PeerPayload))
             failed = [peer for peer, r in results.items() if not isinstance(r, PeerPayload)]
             if time() > deadline or not any(isinstance(results[peer], (OSError, TimeoutError))
@@ -396,13 +416,15 @@ class BackgroundSync:
                 with self._batches_lock:
                     self._batches = 0
                 covered = self.staleness.round_started()
+                ended = True
                 try:
-                    self._round()
+                    ended = self._round()
                 except PEER_FAILURES as exc:  # a background round is only retried later
                     logger.warning("sync job %s: round failed, next one in %s: %r", self.job,
                                    self.period, exc)
                 finally:
-                    self.staleness.round_ended(covered)
+                    if ended:
+                        self.staleness.round_ended(covered)
         except BaseException as exc:  # handed to the agent (raise_if_failed, stop, finish)
             logger.error("sync thread of job %s failed", self.job, exc_info=True)
             self._error = exc
@@ -428,8 +450,11 @@ class BackgroundSync:
         if self._error is not None:
             raise SyncError(f"sync thread of job {self.job} failed") from self._error
 
-    def _round(self) -> None:
-        """One background round: ask for a group and exchange with it. A period in batches
+    def _round(self) -> bool:
+        """One background round: ask for a group and exchange with it; False when the
+        scheduler answered that this worker reaches no other member (the round does not count
+        for the staleness bound, which holds the training; another ask follows after
+        ``CUT_RETRY_S``). A period in batches
         counts from the moment the group formed, the same for all its members, so that they
         are due together again (counted from each one's ask, the first to ask would wait for
         the others in every round).
@@ -440,29 +465,46 @@ class BackgroundSync:
         from this replica, which serves them until the final round ends. At a job's end that
         round of every member cost the tail 60–130 ms with 4 workers on 2 cores."""
         msg = self._ask_group(final=False)
+        cut = msg is not None and msg["kind"] == "cut"
+        if cut != self.cut_off:
+            logger.warning("sync job %s: %s %s", self.job, self.worker.address,
+                           "reaches no other member: training waits" if cut
+                           else "reaches its peers again")
+        self.cut_off = cut
+        self.staleness.hold(cut)
+        if cut:
+            if not self._stop.wait(CUT_RETRY_S):
+                self._hurry.set()
+            return False
         if msg is None or msg["kind"] != "group":
-            return
+            return True
         assert msg["round"] is not None
         with self._batches_lock:
             self._batches = 0
             self._hurry.clear()  # a wake-up for the period that just ended is stale...
         if self._stop.is_set():
             self._hurry.set()  # ...but _halt's (it sets the stop first) must not be lost
-            return
+            return True
         self._record(self._exchange(msg["round"], msg["members"]))
+        return True
 
     def _ask_group(self, final: bool) -> GroupMsg | None:
         """The scheduler's answer to ``antdt_sync_group`` (None when it is unreachable); a new
-        member list is applied before the group is exchanged with."""
+        member list is applied before the group is exchanged with. The ask reports the peers
+        whose pulls went unanswered since the last one, and the stale messages the replica
+        refused so far."""
+        unreachable = sorted(self._unreachable)
         try:
             msg: GroupMsg = self._ask("antdt_sync_group", job=self.job,
                                        worker=self.worker.address,
                                        progress=self.replica.rows_offset, final=final,
                                        members_version=self._members_version,
-                                       batches=self.batches_trained)
+                                       batches=self.batches_trained, unreachable=unreachable,
+                                       refused=self.replica.refused)
         except (OSError, TimeoutError) as exc:
             logger.warning("sync job %s: scheduler unreachable, retrying: %r", self.job, exc)
             return None
+        self._unreachable.difference_update(unreachable)
         if msg["members_version"] != self._members_version:
             self._set_members(self._ask("antdt_sync_members", job=self.job))
         return msg
@@ -481,28 +523,31 @@ class BackgroundSync:
         own = self.replica.prepare(round)
         peers = [m for m in members if m != self.worker.address]
         since = {peer: self.replica.log.applied_seq(peer) for peer in peers}
-        results = self._call(self._fetch_all, round, since)
+        results = self._call(self._fetch_all, round, since, self.pull_timeout_s)
+        self._unreachable.update(peer for peer, r in results.items()
+                                 if isinstance(r, (OSError, TimeoutError)))
         payloads = [r for r in results.values() if isinstance(r, PeerPayload)]
         failed = [peer for peer, r in results.items() if not isinstance(r, PeerPayload)]
         report = self.replica.merge(round, own, payloads)
         report.failed[:0] = failed
         return report
 
-    async def _fetch_all(self, round: int,
-                         since: Mapping[str, int]) -> dict[str, PeerPayload | BaseException]:
+    async def _fetch_all(self, round: int, since: Mapping[str, int],
+                         timeout_s: float) -> dict[str, PeerPayload | BaseException]:
         """Pull every peer at once; a peer's failure is its result, not the exchange's. A pull
-        that is slow to answer is given up as soon as the peer is no longer a member (its worker
-        left the cluster, e.g. retired while hung), not only after ``rpc_timeout_s``."""
+        unanswered for ``timeout_s`` fails (a ``TimeoutError``), and one that is slow to answer
+        is given up sooner once the peer is no longer a member (its worker left the cluster,
+        e.g. retired while hung)."""
         async def fetch(peer: str) -> PeerPayload:
             pull = asyncio.ensure_future(self.worker.rpc(peer).antdt_sync_pull(
                 job=self.job, requester=self.worker.address, round=round,
                 since_seq=since[peer]))
-            deadline = time() + self.rpc_timeout_s
+            deadline = time() + timeout_s
             try:
                 while True:
                     left = deadline - time()
                     if left <= 0:
-                        raise TimeoutError(f"{peer} did not answer in {self.rpc_timeout_s:g}s")
+                        raise TimeoutError(f"{peer} did not answer in {timeout_s:g}s")
                     done, _ = await asyncio.wait([pull], timeout=min(left, MEMBER_CHECK_S))
                     if done:
                         return msg_to_payload(cast(PullMsg, rpc.ok(pull.result(),

@@ -245,6 +245,12 @@ class EmbeddingDeltaLog:
         """The newest offset :meth:`confirm` was given (what a pull tells peers)."""
         return self._confirmed
 
+    def is_peer(self, worker: str) -> bool:
+        """Whether ``worker`` is a live peer (named by the last :meth:`set_peers`, or added by
+        a pull since)."""
+        with self._lock:
+            return worker in self._cursors
+
     @property
     def has_peers(self) -> bool:
         """Whether any live peer pulls this log's entries."""

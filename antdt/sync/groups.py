@@ -21,6 +21,10 @@ leader pulls every other member's entries and dense snapshot and says it
 differ and its dense parameters, and says it :meth:`~SyncScheduler.adopted` them. A leader that
 leaves is replaced by the next one in that order, which gathers again; the members adopt from it
 again.
+
+Partitions: a worker reports the peers its pulls could not reach (:meth:`SyncScheduler.unreachable`,
+see :mod:`antdt.sync.reach`); such pairs are not grouped for a while, groups form without them, and
+a worker that reaches no other member is told ``cut`` (:meth:`SyncScheduler.isolated`).
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 from antdt import config
 from antdt.errors import SyncError
+from antdt.sync.reach import Reach
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +82,11 @@ class SyncGroup(NamedTuple):
 
 @dataclass(frozen=True)
 class Answer:
-    """The scheduler's answer to one worker: sync with ``group``, ``wait`` and ask again, or go
-    on ``alone`` (waited ``max_wait_s`` without a partner: nothing to exchange)."""
+    """The scheduler's answer to one worker: sync with ``group``, ``wait`` and ask again, go
+    on ``alone`` (waited ``max_wait_s`` without a partner: nothing to exchange), or ``cut``: it
+    reaches no other member (see :mod:`antdt.sync.reach`), nothing it trains can be synced."""
 
-    kind: Literal["group", "wait", "alone"]
+    kind: Literal["group", "wait", "alone", "cut"]
     group: SyncGroup | None = None
 
 
@@ -139,6 +146,11 @@ class SyncScheduler:
     (``antdt bench hybrid --big``, one of 4 workers 4x slower: the fast ones waited 45% of
     their training for it and trained 1.5x its batches; judged by batches, 5% and 4.6x).
 
+    A pair of members that cannot reach each other (:meth:`unreachable`) is never put in one
+    group until ``unreachable_for_s`` passed (default ``antdt.sync.unreachable-for``): a group
+    waits for none of the caller's unreachable peers, and a caller that reaches no other member
+    is answered ``cut`` (:meth:`isolated`).
+
     A worker that joins a running job calls :meth:`join_running`; it may take a snapshot once
     :meth:`settled`, i.e. once every other member reported (:meth:`acknowledge`) that it applied
     a member list naming the joiner (see the module docstring for why), and says it
@@ -162,13 +174,16 @@ class SyncScheduler:
     """
 
     def __init__(self, group_size: int | None = None, max_wait_s: float | None = None,
-                 max_progress_gap: int | None = None, away_spans: float | None = None) -> None:
+                 max_progress_gap: int | None = None, away_spans: float | None = None,
+                 unreachable_for_s: float | None = None) -> None:
         if group_size is None:
             group_size = int(config.number("antdt.sync.group-size", integer=True))
         if max_wait_s is None:
             max_wait_s = config.seconds("antdt.sync.max-wait")
         if away_spans is None:
             away_spans = config.number("antdt.sync.away-spans", low=0.0)
+        if unreachable_for_s is None:
+            unreachable_for_s = config.seconds("antdt.sync.unreachable-for")
         if away_spans < 0:
             raise SyncError(f"away_spans must be >= 0 (0: nobody is away), found {away_spans}")
         if group_size < 2:
@@ -181,6 +196,7 @@ class SyncScheduler:
         self.max_wait_s = max_wait_s
         self.max_progress_gap = max_progress_gap
         self.away_spans = away_spans
+        self.reach = Reach(unreachable_for_s)
         self._members: dict[str, _Member] = {}
         self._pool: list[tuple[int, int, str]] = []  # sorted (progress, ticket, worker)
         self._waiting: collections.deque[tuple[int, str]] = collections.deque()  # FIFO, lazy
@@ -294,6 +310,7 @@ class SyncScheduler:
         if member is None:
             return False
         self.members_version += 1
+        self.reach.forget(worker)
         if member.bootstrapping:
             self._bootstrapping -= 1
         if member.state is MemberState.READY:
@@ -316,6 +333,37 @@ class SyncScheduler:
     def members(self) -> list[str]:
         """The live members, sorted."""
         return sorted(self._members)
+
+    def is_member(self, worker: str) -> bool:
+        """Whether ``worker`` is a live member (O(1))."""
+        return worker in self._members
+
+    def declined(self, worker: str) -> bool:
+        """Whether ``worker`` was dropped while joining, as the final round formed (O(1))."""
+        return worker in self._declined
+
+    # -- partitions ------------------------------------------------------------------------
+    def unreachable(self, worker: str, peers: Sequence[str], now: float) -> list[str]:
+        """The member ``worker``'s pulls of ``peers`` went unanswered at ``now``: no group
+        holds one of these pairs for ``unreachable_for_s`` (non-members are ignored); return
+        the peers newly cut, sorted (O(peers))."""
+        self._member(worker)
+        return self.reach.report(worker, [p for p in peers if p in self._members], now)
+
+    def isolated(self, now: float) -> dict[str, list[str]]:
+        """The members that reach no other member at ``now``, each with the members it cannot
+        reach (O(members with a cut pair)): nothing they train can be synced."""
+        return {worker: self.reach.peers(worker, now) for worker in self.reach.reported()
+                if worker in self._members and self._cut_off(worker, now)}
+
+    def _cut_off(self, worker: str, now: float) -> bool:
+        """Whether ``worker`` reaches none of the other members that serve pulls (every member
+        but the joiners still bootstrapping); O(its cut peers)."""
+        cut = [p for p in self.reach.peers(worker, now)
+               if p in self._members and not self._members[p].bootstrapping]
+        others = len(self._members) - 1 - self._bootstrapping \
+            + self._members[worker].bootstrapping
+        return bool(cut) and len(cut) >= others
 
     def waiting(self) -> list[str]:
         """The READY workers (O(ready)): when a member finishes or leaves, fewer partners make
@@ -404,6 +452,11 @@ class SyncScheduler:
         if member.state is MemberState.FINISHED:
             raise SyncError(f"ready {worker!r}: already finished training, expected "
                             "final=True")
+        if self.reach.peers(worker, now) and self._cut_off(worker, now):
+            if member.state is MemberState.READY:
+                self._pool_remove(member)
+                self._idle_from(member, worker, now)
+            return Answer("cut")
         if member.state is MemberState.READY:
             self._pool_remove(member)
         else:
@@ -421,7 +474,7 @@ class SyncScheduler:
 
     # -- transitions -----------------------------------------------------------------------
     def _try_group(self, worker: str, member: _Member, now: float) -> Answer:
-        size = min(self.group_size, self._awaited(member, now))
+        size = min(self.group_size, self._awaited(worker, member, now))
         expired = now - member.ready_since >= self.max_wait_s
         if len(self._pool) < size and not expired:
             return Answer("wait")
@@ -429,7 +482,7 @@ class SyncScheduler:
         count = min(size, len(self._pool)) - 1
         overdue = self._overdue(worker, now) if count > 0 else None
         partners = [] if overdue is None else [overdue]
-        partners += self._nearest(member, count - len(partners), gap, skip=overdue)
+        partners += self._nearest(member, count - len(partners), gap, partners, now)
         if not expired and len(partners) < size - 1:
             return Answer("wait")
         if not partners:
@@ -457,33 +510,39 @@ class SyncScheduler:
             if member is None or member.state is not MemberState.READY or member.queued != ticket:
                 self._waiting.popleft()
                 continue
-            if worker == caller or now - member.ready_since < self.max_wait_s:
+            if worker == caller or now - member.ready_since < self.max_wait_s \
+                    or self.reach.cut(worker, caller, now):
                 return None
             return worker
         return None
 
-    def _nearest(self, member: _Member, count: int, gap: int | None,
-                 skip: str | None = None) -> list[str]:
-        """Up to ``count`` READY workers closest in progress to ``member`` (other than
-        ``skip``), none further than ``gap`` rows when given (O(log n + count))."""
+    def _nearest(self, member: _Member, count: int, gap: int | None, chosen: Sequence[str],
+                 now: float) -> list[str]:
+        """Up to ``count`` READY workers closest in progress to ``member``, other than the
+        partners ``chosen`` already, none further than ``gap`` rows when given, none that cannot
+        reach ``member`` or a partner (O(log n + count), plus those skipped as unreachable)."""
         assert member.key is not None
+        group = [member.key[2], *chosen]
         pos = bisect.bisect_left(self._pool, member.key)
         left, right = pos - 1, pos + 1
         progress = member.key[0]
-        chosen: list[str] = []
-        while len(chosen) < count and (left >= 0 or right < len(self._pool)):
+        picked: list[str] = []
+        while len(picked) < count and (left >= 0 or right < len(self._pool)):
             take_left = right >= len(self._pool) or (
                 left >= 0 and progress - self._pool[left][0] <= self._pool[right][0] - progress)
             index = left if take_left else right
             if gap is not None and abs(self._pool[index][0] - progress) > gap:
                 break
-            if self._pool[index][2] != skip:
-                chosen.append(self._pool[index][2])
+            candidate = self._pool[index][2]
+            if candidate not in group and not any(self.reach.cut(candidate, other, now)
+                                                  for other in group):
+                picked.append(candidate)
+                group.append(candidate)
             if take_left:
                 left -= 1
             else:
                 right += 1
-        return chosen
+        return picked
 
     def _hand_over(self, worker: str, member: _Member, now: float) -> Answer:
         group = member.pending
@@ -582,21 +641,34 @@ class SyncScheduler:
             del ordered[pos]
         member.expect = member.away_at = None
 
-    def _awaited(self, caller: _Member, now: float) -> int:
-        """The members a group formed for ``caller`` at ``now`` waits for (O(log n)): every
-        member still training, less those away and, unless the caller is idle, those not
-        expected to ask within ``WAIT_SPANS`` of the caller's own spans (they would hold up its
-        rounds; they are grouped when they ask)."""
+    def _awaited(self, worker: str, caller: _Member, now: float) -> int:
+        """The members a group formed for ``caller`` (``worker``) at ``now`` waits for
+        (O(log n + its unreachable peers)): every member still training, less those away, those
+        it cannot reach and, unless the caller is idle, those not expected to ask within
+        ``WAIT_SPANS`` of the caller's own spans (they would hold up its rounds; they are
+        grouped when they ask)."""
         active = len(self._members) - self._finished - self._bootstrapping
-        if self.away_spans == 0:
-            return active
-        away = bisect.bisect_right(self._away_at, (now, math.inf))
         span = caller.span if caller.span is not None else self._span
-        if span is None or caller.idle:
-            return active - away
-        late = len(self._expect) - bisect.bisect_right(self._expect,
-                                                        (now + WAIT_SPANS * span, math.inf))
-        return active - away - late
+        due = math.inf if self.away_spans == 0 or span is None or caller.idle \
+            else now + WAIT_SPANS * span
+        cut = sum(self._awaitable(self._members.get(peer), now, due)
+                  for peer in self.reach.peers(worker, now))
+        if self.away_spans == 0:
+            return active - cut
+        away = bisect.bisect_right(self._away_at, (now, math.inf))
+        late = len(self._expect) - bisect.bisect_right(self._expect, (due, math.inf))
+        return active - away - late - cut
+
+    def _awaitable(self, member: _Member | None, now: float, due: float) -> bool:
+        """Whether :meth:`_awaited` counts ``member`` (training, not away, expected before
+        ``due``)."""
+        if member is None or member.bootstrapping or member.state in (MemberState.FINISHED,
+                                                                       MemberState.DONE):
+            return False
+        if self.away_spans == 0:
+            return True
+        return not ((member.away_at is not None and member.away_at[0] <= now)
+                    or (member.expect is not None and member.expect[0] > due))
 
     def _pool_remove(self, member: _Member) -> None:
         assert member.key is not None

@@ -156,6 +156,7 @@ class Staleness:
         self._trained = 0
         self._covered = 0
         self._released = False
+        self._held = False
 
     @property
     def batches(self) -> int | None:
@@ -203,9 +204,17 @@ class Staleness:
             self._covered = max(self._covered, covered)
             self._turn.notify_all()
 
+    def hold(self, held: bool) -> None:
+        """While ``held`` (the replica reaches no peer: nothing it trains can be synced),
+        :meth:`wait` waits past its timeout, until a round ends, the hold is lifted or
+        :meth:`release` is called."""
+        with self._turn:
+            self._held = held
+            self._turn.notify_all()
+
     def wait(self, timeout_s: float) -> float:
-        """Before a step: wait while the lag exceeds the bound, at most ``timeout_s``; return
-        the seconds waited."""
+        """Before a step: wait while the lag exceeds the bound, at most ``timeout_s`` (unless
+        :meth:`hold` holds it); return the seconds waited."""
         if self.bound is None and self.peer_bound is None:
             return 0.0
 
@@ -217,7 +226,11 @@ class Staleness:
         with self._turn:
             if free():
                 return 0.0
-            self._turn.wait_for(free, timeout=timeout_s)
+            while not free():
+                left = started + timeout_s - time.perf_counter()
+                if not self._held and left <= 0:
+                    break
+                self._turn.wait(None if self._held else left)
         return time.perf_counter() - started
 
     def release(self) -> None:

@@ -271,6 +271,10 @@ class ReplicaSync:
         self._prepare_lock = threading.Lock()
         self._merges = 0  # merges and adoptions so far (under the lock)
         self._served: tuple[int, LeaderRows] | None = None  # see serve_rows
+        self.refused = 0
+        """Stale sync messages refused so far: requests (:meth:`admit`) and payloads
+        (:meth:`merge`) of workers that are no peers of this replica (they left the job, or
+        the scheduler removed them while they went on training)."""
 
     @property
     def tables(self) -> dict[str, torch.Tensor]:
@@ -469,8 +473,19 @@ class ReplicaSync:
                     param.copy_(value)
         return copied
 
+    def admit(self, requester: str, what: str) -> None:
+        """Raise :class:`SyncError` (and count it in :attr:`refused`) unless ``requester``,
+        asking for ``what``, is a live peer: a worker that left the job, or that the scheduler
+        removed (a partitioned one still training, its link healed), is served nothing."""
+        if not self.log.is_peer(requester):
+            self.refused += 1
+            raise SyncError(f"{what} for {requester!r} refused by {self.worker!r}: it is no "
+                            "member of the job (it left, or the scheduler removed it)")
+
     def serve(self, requester: str, round: int, since_seq: int) -> PeerPayload:
-        """A peer's request: our entries after ``since_seq`` and our snapshot of ``round``."""
+        """A peer's request: our entries after ``since_seq`` and our snapshot of ``round``
+        (:meth:`admit` first)."""
+        self.admit(requester, "a pull")
         snapshot = self.prepare(round)
         entries = self.log.pull(requester, since_seq)
         return PeerPayload(self.worker, entries, snapshot if self.dense else None,
@@ -481,7 +496,8 @@ class ReplicaSync:
         """Apply peers' entries and average the dense snapshots, under the replica lock.
 
         A payload that cannot be applied (other tables, a gap in the log, bad ids, mismatched
-        shapes) is skipped and reported as failed; the others still merge.
+        shapes) is skipped and reported as failed; the others still merge. So is a payload whose
+        source is no live peer (it left the job, or was removed): counted in :attr:`refused`.
         """
         report = ExchangeReport(round, bytes_received=sum(p.nbytes for p in payloads))
         snapshots: list[list[torch.Tensor]] = []
@@ -489,6 +505,10 @@ class ReplicaSync:
             self._merges += 1
             for payload in payloads:
                 try:
+                    if not self.log.is_peer(payload.source):
+                        self.refused += 1
+                        raise SyncError("its source is no member of the job (it left, or the "
+                                        "scheduler removed it)")
                     if payload.layout != self.log.space.layout:
                         raise SyncError(f"its tables are {payload.layout!r}, ours are "
                                         f"{self.log.space.layout!r}")

@@ -46,6 +46,12 @@ from antdt.sync.wire import PLUGIN_NAME, FinalMsg, GroupMsg, JoinMsg, MembersMsg
 
 logger = logging.getLogger(__name__)
 
+STALE_JOBS_KEPT = 1000
+"""Jobs whose :meth:`SyncService.stale_refused` count is kept (the newest first seen)."""
+
+MAX_UNREACHABLE = 10_000
+"""The most peers one ``antdt_sync_group`` call may report unreachable."""
+
 
 class SyncService(SchedulerPlugin):
     """Scheduler plugin owning one :class:`~antdt.sync.SyncScheduler` per job.
@@ -54,10 +60,14 @@ class SyncService(SchedulerPlugin):
 
     - ``antdt_sync_start(job, workers, group_size=None, max_wait_s=None, max_progress_gap=None)``
     - ``antdt_sync_group(job, worker, progress, final=False, members_version=None,
-      batches=None) -> GroupMsg``: records that the worker applied the member list of
-      ``members_version`` (``batches``: the batches it trained, which tell whether it is idle),
-      then waits (on the scheduler's loop, not a thread) until the worker is grouped, told to go
-      on alone, or ``poll_s`` passed (then ``kind == "wait"``: ask again)
+      batches=None, unreachable=(), refused=None) -> GroupMsg``: records that the worker applied
+      the member list of ``members_version`` (``batches``: the batches it trained, which tell
+      whether it is idle), that its pulls of the members ``unreachable`` went unanswered (the
+      pairs are not grouped for a while; see :mod:`antdt.sync.reach`) and that it refused
+      ``refused`` stale sync messages so far (:meth:`stale_refused`), then waits (on the
+      scheduler's loop, not a thread) until the worker is grouped, told to go on alone, told it
+      is ``cut`` from every other member, or ``poll_s`` passed (then ``kind == "wait"``: ask
+      again)
     - ``antdt_sync_members(job) -> MembersMsg``: the members, and the departed ones with the
       rows the job's ledger counted synced for each when it left (every replica takes their
       entries past those rows out again)
@@ -84,6 +94,15 @@ class SyncService(SchedulerPlugin):
     The rows a departed worker leaves synced are the job's ledger's (the sharding service's
     job of the same name, :meth:`~antdt.sharding.ShardLedger.synced_rows`; 0 without one: a
     job whose rows nobody counts keeps none of a departed worker's provisional entries).
+
+    Partitions and zombies: the members that reach no other member (every pair with them
+    reported unreachable) are :meth:`partitioned`; the job's master hands them to its monitor
+    (:meth:`~antdt.monitor.Monitor.partitions`), whose verdict on them is partitioned until
+    they reach one again or leave. A call naming a worker that is no member
+    (it left, or the scheduler removed it: a partitioned worker that goes on training until its
+    process exits) is refused: a group ask, a final-round step, a start; and a join from a
+    worker not in the cluster. Each refusal counts toward :meth:`stale_refused`, with the stale
+    messages the members refused themselves (pulls, payloads), as they report with their asks.
     """
 
     name = PLUGIN_NAME
@@ -97,6 +116,7 @@ class SyncService(SchedulerPlugin):
         self.jobs: dict[str, SyncScheduler] = {}
         self._events: dict[tuple[str, str], asyncio.Event] = {}  # (job, worker): grouped
         self._changes: dict[str, asyncio.Event] = {}  # job: a join settled or the final moved
+        self._refused: dict[str, dict[str | None, int]] = {}  # job: by whom (None: here)
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -131,11 +151,31 @@ class SyncService(SchedulerPlugin):
                     scheduler.group_size)
 
     def stop_job(self, job: str) -> None:
-        """Forget the job (idempotent)."""
+        """Forget the job (idempotent); its :meth:`stale_refused` count stays."""
         self.jobs.pop(job, None)
         self._notify(job)
         for key in [k for k in self._events if k[0] == job]:
             del self._events[key]
+
+    def stale_refused(self, job: str) -> int:
+        """The stale sync messages of ``job`` refused so far (0 for a job never seen): calls
+        to this service from workers that are no members (see the class docstring), and pulls
+        and payloads the members refused, as of their latest asks. Kept after the job stops,
+        for the newest ``STALE_JOBS_KEPT`` jobs."""
+        return sum(self._refused.get(job, {}).values())
+
+    def partitioned(self, job: str) -> dict[str, str]:
+        """The members of ``job`` that reach no other member now, each with why (its link to
+        its peers is cut, not its link to the scheduler: see :mod:`antdt.sync.reach`); {} for
+        a job not started. Nothing they train can be synced: the job's master hands them to
+        its monitor (:meth:`~antdt.monitor.Monitor.partitions`), and the controller retires
+        them. O(members with an unreachable peer)."""
+        scheduler = self.jobs.get(job)
+        if scheduler is None:
+            return {}
+        return {worker: f"reaches no sync peer ({len(peers)} unreachable: "
+                        f"{', '.join(peers[:3])}{', ...' if len(peers) > 3 else ''})"
+                for worker, peers in scheduler.isolated(time()).items()}
 
     def members(self, job: str) -> MembersMsg:
         scheduler = self._job(job)
@@ -143,10 +183,19 @@ class SyncService(SchedulerPlugin):
                 "departed": scheduler.departed()}
 
     async def group(self, job: str, worker: str, progress: int, final: bool = False,
-                    members_version: int | None = None, batches: int | None = None) -> GroupMsg:
+                    members_version: int | None = None, batches: int | None = None,
+                    unreachable: Sequence[str] = (), refused: int | None = None) -> GroupMsg:
         """See the class docstring."""
+        self._member(job, worker, "antdt_sync_group")
+        if refused is not None:
+            self._refusals(job)[worker] = refused
         if members_version is not None and self._job(job).acknowledge(worker, members_version):
             self._notify(job)
+        if unreachable:
+            cut = self._job(job).unreachable(worker, unreachable, time())
+            if cut:
+                logger.warning("sync job %s: %s cannot reach %s: not grouped for %gs", job,
+                               worker, cut, self._job(job).reach.for_s)
         deadline = time() + self.poll_s
         while True:
             scheduler = self._job(job)
@@ -174,6 +223,7 @@ class SyncService(SchedulerPlugin):
     async def join(self, job: str, worker: str) -> JoinMsg:
         """See the class docstring."""
         if worker not in self.scheduler.workers:
+            self._refuse(job)
             raise SyncError(f"sync job {job!r}: worker {worker!r} is not in the cluster")
         self._job(job).join_running(worker)
         deadline = time() + self.poll_s
@@ -205,7 +255,7 @@ class SyncService(SchedulerPlugin):
     async def complete(self, job: str, worker: str, gathered: bool = False,
                        adopted_from: str | None = None) -> FinalMsg:
         """See the class docstring."""
-        scheduler = self._job(job)
+        scheduler = self._member(job, worker, "antdt_sync_complete")
         if gathered:
             scheduler.gathered(worker)
         if adopted_from is not None:
@@ -251,13 +301,16 @@ class SyncService(SchedulerPlugin):
     @rpc.handler
     async def group_handler(self, job: object, worker: object, progress: object,
                             final: object = False, members_version: object = None,
-                            batches: object = None) -> Reply:
+                            batches: object = None, unreachable: object = (),
+                            refused: object = None) -> Reply:
         msg = await self.group(_name("job", job), _name("worker", worker),
                                rpc.integer("progress", progress, error=SyncError),
                                _flag("antdt_sync_group", "final", final),
                                rpc.integer("members_version", members_version, optional=True,
                                            error=SyncError),
-                               rpc.integer("batches", batches, optional=True, error=SyncError))
+                               rpc.integer("batches", batches, optional=True, error=SyncError),
+                               _names("unreachable", unreachable),
+                               rpc.integer("refused", refused, optional=True, error=SyncError))
         return {"status": "OK", **msg}
 
     @rpc.handler
@@ -266,7 +319,8 @@ class SyncService(SchedulerPlugin):
 
     @rpc.handler
     async def started_handler(self, job: object, worker: object) -> Reply:
-        self._job(_name("job", job)).started(_name("worker", worker), time())
+        job, worker = _name("job", job), _name("worker", worker)
+        self._member(job, worker, "antdt_sync_started").started(worker, time())
         return {"status": "OK"}
 
     @rpc.handler
@@ -301,6 +355,29 @@ class SyncService(SchedulerPlugin):
         ledger = sharding.jobs.get(job) if isinstance(sharding, ShardingService) else None
         return 0 if ledger is None else ledger.synced_rows(worker)
 
+    def _member(self, job: str, worker: str, handler: str) -> SyncScheduler:
+        """``job``'s scheduler, once ``worker`` is one of its members; else a refusal counted
+        (unless the final round dropped the worker while it joined: then the scheduler says
+        so)."""
+        scheduler = self._job(job)
+        if not scheduler.is_member(worker) and not scheduler.declined(worker):
+            self._refuse(job)
+            raise SyncError(f"sync job {job!r}: {handler} from {worker!r} refused: it is no "
+                            f"member (it left the job, or the scheduler removed it)")
+        return scheduler
+
+    def _refusals(self, job: str) -> dict[str | None, int]:
+        """``job``'s refusal counts: by each member that reported some, and here (None)."""
+        counts = self._refused.get(job)
+        if counts is None:
+            counts = self._refused[job] = {None: 0}
+            while len(self._refused) > STALE_JOBS_KEPT:
+                del self._refused[next(iter(self._refused))]
+        return counts
+
+    def _refuse(self, job: str) -> None:
+        self._refusals(job)[None] += 1
+
     def _job(self, job: str) -> SyncScheduler:
         scheduler = self.jobs.get(job)
         if scheduler is None:
@@ -329,6 +406,13 @@ class SyncService(SchedulerPlugin):
 
 def _name(what: str, value: object) -> str:
     return rpc.name(what, value, error=SyncError)
+
+
+def _names(what: str, value: object) -> list[str]:
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_UNREACHABLE:
+        raise SyncError(f"antdt_sync_group: {what} must be a list of at most {MAX_UNREACHABLE} "
+                        f"addresses, found {str(value)[:80]!r}")
+    return [_name(what, v) for v in value]
 
 
 def _flag(handler: str, what: str, value: object) -> bool:

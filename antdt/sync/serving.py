@@ -21,16 +21,22 @@ from antdt.sync.wire import (PLUGIN_NAME, bits_to_mask, payload_to_msg, rows_to_
 
 logger = logging.getLogger(__name__)
 
+REFUSED_JOBS_KEPT = 100
+"""Detached jobs whose refusal count a worker keeps (:meth:`SyncWorkerPlugin.refused`)."""
+
 
 class SyncWorkerPlugin(WorkerPlugin):
     """Serves this worker's replicas to peers through the ``antdt_sync_pull`` (entries and a
     round's dense snapshot), ``antdt_sync_snapshot`` (the whole state, for a joiner) and
-    ``antdt_sync_rows`` (the final leader's rows a member may lack) handlers."""
+    ``antdt_sync_rows`` (the final leader's rows a member may lack) handlers. A request from a
+    worker that is no peer of the replica is refused (:meth:`ReplicaSync.admit`), and counted:
+    :meth:`refused` (readable with ``client.run``)."""
 
     name = PLUGIN_NAME
 
     def __init__(self) -> None:
         self.replicas: dict[str, ReplicaSync] = {}
+        self._refused: dict[str, int] = {}  # job -> what its detached replica refused
 
     def setup(self, worker: Worker) -> None:
         self.worker = worker
@@ -53,7 +59,21 @@ class SyncWorkerPlugin(WorkerPlugin):
 
     def detach(self, job: str) -> None:
         """Stop serving ``job`` (idempotent)."""
-        self.replicas.pop(job, None)
+        replica = self.replicas.pop(job, None)
+        if replica is not None:
+            self._refused[job] = replica.refused
+            while len(self._refused) > REFUSED_JOBS_KEPT:
+                del self._refused[next(iter(self._refused))]
+
+    def refused(self, job: str) -> int:
+        """The stale sync messages (requests and payloads of workers that are no members)
+        ``job``'s replica on this worker refused (:attr:`ReplicaSync.refused`), attached or
+        detached; 0 for a job it never held. From a client::
+
+            client.run(lambda dask_worker: dask_worker.plugins["antdt-sync"].refused(job))
+        """
+        replica = self.replicas.get(job)
+        return replica.refused if replica is not None else self._refused.get(job, 0)
 
     @rpc.handler
     async def pull_handler(self, job: object, requester: object, round: object,
@@ -73,7 +93,9 @@ class SyncWorkerPlugin(WorkerPlugin):
         """A joiner's request: this replica's whole state (a :class:`SnapshotMsg`, taken under
         the replica lock, in a thread)."""
         requester = rpc.name("requester", requester, error=SyncError)
-        snapshot = await asyncio.to_thread(self._replica(job).snapshot)
+        replica = self._replica(job)
+        replica.admit(requester, "a snapshot")
+        snapshot = await asyncio.to_thread(replica.snapshot)
         logger.info("sync job %s: serving a snapshot to %s", job, requester)
         return {"status": "OK", **snapshot_to_msg(snapshot)}
 
@@ -84,6 +106,7 @@ class SyncWorkerPlugin(WorkerPlugin):
         see :meth:`ReplicaSync.serve_rows`, taken under the replica lock, in a thread)."""
         requester = rpc.name("requester", requester, error=SyncError)
         replica = self._replica(job)
+        replica.admit(requester, "the final rows")
         mask = bits_to_mask(changed, replica.log.space.rows)
         rows = await asyncio.to_thread(replica.serve_rows, mask)
         logger.info("sync job %s: serving %d of %d rows to %s", job, len(rows.ids),

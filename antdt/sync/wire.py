@@ -25,9 +25,10 @@ PLUGIN_NAME = "antdt-sync"
 
 
 class GroupMsg(TypedDict):
-    """Reply of ``antdt_sync_group``: ``round``/``members`` are set when ``kind`` is "group"."""
+    """Reply of ``antdt_sync_group``: ``round``/``members`` are set when ``kind`` is "group";
+    "cut" says the worker reaches no other member (:meth:`~antdt.sync.SyncScheduler.isolated`)."""
 
-    kind: Literal["group", "wait", "alone"]
+    kind: Literal["group", "wait", "alone", "cut"]
     round: int | None
     members: list[str]
     final: bool

@@ -88,7 +88,8 @@ async def test_handlers_validate_their_arguments(c: Client, s: Scheduler, a: Wor
     refused(await rows(job="j", requester=a.address, changed=b"\0"), "no replica")
     plugin = b.plugins[PLUGIN_NAME]
     assert isinstance(plugin, SyncWorkerPlugin)
-    plugin.attach("j", ReplicaSync(b.address, initial_dense(), initial_tables()))
+    plugin.attach("j", ReplicaSync(b.address, initial_dense(), initial_tables(),
+                                   peers=[a.address]))
     refused(await rows(job="j", requester=a.address, changed=np.zeros(3, dtype=np.uint8)),
             r"8 bytes of bits for 60 rows, found uint8 \(3,\)")
     refused(await rows(job="j", requester=a.address, changed="bits"), "bytes of bits")
