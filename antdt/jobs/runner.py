@@ -50,7 +50,7 @@ from distributed import Client, Future, Scheduler
 from distributed.metrics import time
 from distributed.scheduler import KilledWorker
 
-from antdt import config
+from antdt import config, fencing
 from antdt.agent import AgentReport, AgentSpec, Faults, cancel_here, forget_here
 from antdt.agent.modes import GroupBroken, MasterMode
 from antdt.controller import BalanceBatch, ControllerService, JobAgents
@@ -159,15 +159,14 @@ class JobRunner(Restarts):
         return redact_all({"job_id": self.job_id, "name": self.plan.name, "state": self.state.value,
                 "version": self.version, "submitted_at": self.submitted_at,
                 "started_at": self.started_at, "ended_at": self.ended_at, "error": self.error,
-                "marks": dict(self.marks),
-                "stopped": self.stopped, "run": self.run, "summary": self.summary,
-                "tags": dict(self.plan.tags), "sharding": self.plan.sharding,
-                "mode": self.plan.mode, "batch_rows": self.plan.batch_rows,
-                **self.journal.record(self.placement.slots),
-                "checkpoint": self.checkpoints.last_path,
-                "checkpoints": self.checkpoints.summary(),
+                "marks": dict(self.marks), "stopped": self.stopped, "run": self.run,
+                "summary": self.summary, "tags": dict(self.plan.tags),
+                "sharding": self.plan.sharding, "mode": self.plan.mode,
+                "batch_rows": self.plan.batch_rows, **self.journal.record(self.placement.slots),
+                "checkpoint": self.checkpoints.last_path, "checkpoints": self.checkpoints.summary(),
                 "rows_replayed": self.recovery.rows_replayed, "resumes": self.recovery.resumes,
-                "adapted": self.placement.adapted, "tables": self.tables()})
+                "adapted": self.placement.adapted, "tables": self.tables(),
+                "refused": fencing.fences(self.ctx.scheduler).counts(self.job_id)})
 
     def tables(self) -> dict[str, Any] | None:
         """Where the job's sharded tables are, as its master mode last said (kept once the job
@@ -627,6 +626,7 @@ class JobRunner(Restarts):
                 "sharding": self.plan.sharding, "rows_replayed": self.recovery.rows_replayed,
                 "resumes": self.recovery.resumes, "checkpoints": self.checkpoints.summary(),
                 "adapted": self.placement.adapted,
+                "refused": fencing.fences(self.ctx.scheduler).counts(self.job_id),
                 "saved_model": None if saved is None else {"folder": saved.folder,
                                                            "files": dict(saved.files)}}
 

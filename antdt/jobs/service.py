@@ -34,7 +34,7 @@ from distributed import Client, Scheduler
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.security import Security
 
-from antdt import config, rpc
+from antdt import config, fencing, rpc
 from antdt.agent import event_topic
 from antdt.agent.modes import AsyncMaster, HybridMaster, MasterMode, Rendezvous, SyncMaster
 from antdt.controller import ControllerService
@@ -265,6 +265,7 @@ class JobService(SchedulerPlugin):
         for job in ended[:max(0, len(self.runners) - keep)]:
             del self.runners[job]
             self.sharding.folders.pop(job, None)
+            fencing.fences(self.scheduler).forget(job)
 
 
 def _job_id(value: object) -> str:

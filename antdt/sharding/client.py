@@ -45,12 +45,13 @@ holder's.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from distributed import Client, Worker, get_worker
+from distributed import Client, Status, Worker, get_worker
 from distributed.utils import sync
 
 from antdt import config
@@ -104,12 +105,17 @@ class ShardClient:
             if worker_address is None:
                 raise LedgerError("ShardClient with a client needs the worker_address it acts for")
             self.address = worker_address
-            self._call: Call = lambda op, **kw: client.sync(getattr(client.scheduler, op), **kw)
+            self.incarnation: str | None = None
+            self._send: Call = lambda op, **kw: client.sync(getattr(client.scheduler, op), **kw)
+            self._reachable: Callable[[], bool] = lambda: client.status == "running"
         else:
             dask_worker = worker if worker is not None else get_worker()
             self.address = dask_worker.address
-            self._call = lambda op, **kw: sync(dask_worker.loop, getattr(dask_worker.scheduler,
+            self.incarnation = dask_worker.id
+            self._send = lambda op, **kw: sync(dask_worker.loop, getattr(dask_worker.scheduler,
                                                                          op), **kw)
+            self._reachable = lambda: dask_worker.status == Status.running
+        self.retry_s = config.seconds("antdt.sharding.retry")
         self.interval = (config.seconds("antdt.sharding.commit-interval")
                          if commit_interval_s is None else commit_interval_s)
         self.claim_intervals = (float(config.defaults["antdt"]["sharding"]["claim-intervals"])
@@ -134,6 +140,7 @@ class ShardClient:
         """The synced rows the ledger last accepted from this worker."""
         self.rpcs = 0
         """RPCs sent so far."""
+        self._seq = 0  # of this worker's lease requests: a retry sends the same number
 
     def lease(self) -> Lease | None:
         """The next lease, sending pending commits with the request; None when the job is over
@@ -170,9 +177,11 @@ class ShardClient:
             raise LedgerError(f"job {self.job!r}: lease {waiting.lease.lease_id} is not "
                               f"finished; commit up to its end before leasing again")
         self._sync_to(None)
+        self._seq += 1
         reply = self._rpc("antdt_lease", worker=self.address, commits=self._pending(),
                           claim_rows=self._claim_rows(), wait_s=wait_s,
-                          synced_rows=self.synced_rows, max_rows=max_rows)
+                          synced_rows=self.synced_rows, max_rows=max_rows,
+                          incarnation=self.incarnation, seq=self._seq)
         msg = reply["lease"]
         if msg["kind"] == "stop":
             logger.info("job %s: %s stops leasing (%s)", self.job, self.address, msg["reason"])
@@ -297,12 +306,31 @@ class ShardClient:
 
     def _commit(self, pending: list[dict[str, Any]]) -> None:
         self._rpc("antdt_commit", commits=pending, worker=self.address,
-                  synced_rows=self.synced_rows)
+                  synced_rows=self.synced_rows, incarnation=self.incarnation)
 
     def _claim_rows(self) -> int | None:
         if self._rate <= 0:
             return None
         return max(1, int(self._rate * self.interval * self.claim_intervals))
+
+    def _call(self, op: str, **kwargs: Any) -> dict[str, Any]:
+        """``op`` on the scheduler, sent again while the link fails (``OSError``) for up to
+        :attr:`retry_s` (``antdt.sharding.retry``) and this worker still runs: every call is
+        safe to repeat (commits carry offsets, a lease request its ``seq``; see
+        :mod:`antdt.fencing`). A worker cut off longer is removed by then, and its retry is
+        refused."""
+        deadline = self._clock() + self.retry_s
+        pause = 0.1
+        while True:
+            try:
+                return self._send(op, **kwargs)
+            except OSError as exc:
+                if self._clock() + pause > deadline or not self._reachable():
+                    raise
+                logger.warning("job %s: %s from %s failed (%r); sending it again", self.job, op,
+                               self.address, exc)
+            threading.Event().wait(pause)
+            pause = min(2 * pause, 2.0)
 
     def _rpc(self, op: str, **kwargs: Any) -> dict[str, Any]:
         commits = kwargs.get("commits") or []

@@ -47,7 +47,7 @@ from distributed import Client, Scheduler
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.metrics import time
 
-from antdt import config, rpc
+from antdt import config, fencing, rpc
 from antdt.errors import LedgerError
 from antdt.rpc import MAX_NAME, Reply
 from antdt.sharding.checkpoint import MAX_BYTES, read, write_atomic
@@ -136,6 +136,9 @@ class ShardingService(SchedulerPlugin):
         """Per job, the workers whose lease request waits for rows now."""
         self._listeners: list[Callable[[str, CommitEvent], None]] = []
         self.scheduler: Scheduler | None = None
+        self._last_lease: dict[tuple[str, str], tuple[int, asyncio.Future[Reply]]] = {}
+        """Per job and worker, its last lease request's ``seq`` and reply, done or to come (a
+        retry's answer)."""
         self.folders: dict[str, str] = {}
         """Per job, its checkpoint folder (set by AntDT's master; see :meth:`folder`)."""
 
@@ -288,6 +291,8 @@ class ShardingService(SchedulerPlugin):
             self.notify(job)
             self._changed.pop(job, None)
             self.waiting.pop(job, None)
+        self._last_lease = {key: last for key, last in self._last_lease.items()
+                            if key[0] != job}
 
     # ---- agents -------------------------------------------------------------------------------
 
@@ -295,19 +300,36 @@ class ShardingService(SchedulerPlugin):
     async def lease(self, job: str, worker: str, claim_rows: int | None = None,
                     commits: Sequence[Mapping[str, Any]] | None = None,
                     wait_s: float | None = None, synced_rows: int | None = None,
-                    max_rows: int | None = None) -> Reply:
+                    max_rows: int | None = None, incarnation: str | None = None,
+                    seq: int | None = None) -> Reply:
         """Apply ``commits`` and ``synced_rows`` (see :meth:`commit`), then lease the next rows
-        for ``worker`` (at most ``max_rows``: :meth:`ShardLedger.lease`)."""
+        for ``worker`` (at most ``max_rows``: :meth:`ShardLedger.lease`). A caller that is not
+        a member (``incarnation``: its Dask worker id) is refused (:mod:`antdt.fencing`); a
+        request whose ``seq`` is the caller's last one is a retry: it gets that one's reply."""
         ledger = self._ledger(job)
         worker = rpc.name("worker", worker)
         claim_rows = rpc.integer("claim_rows", claim_rows, optional=True)
         synced_rows = rpc.integer("synced_rows", synced_rows, optional=True)
         max_rows = rpc.integer("max_rows", max_rows, 1, optional=True)
+        incarnation = None if incarnation is None else rpc.name("incarnation", incarnation)
+        seq = rpc.integer("seq", seq, optional=True)
         wait = config.seconds("antdt.sharding.lease-wait") if wait_s is None else \
             rpc.seconds("wait_s", wait_s, 300.0)
         assert self.scheduler is not None
-        if worker not in self.scheduler.workers:
-            raise LedgerError(f"job {job!r}: {worker!r} is not a worker of this cluster")
+        fencing.check(self.scheduler, job, "leases", worker, incarnation)
+        last = self._last_lease.get((job, worker))
+        if seq is not None and last is not None and last[0] == seq:
+            return await asyncio.shield(last[1])  # a retry: the same answer, done or to come
+        served = asyncio.ensure_future(
+            self._lease(ledger, job, worker, claim_rows, commits, wait, synced_rows, max_rows))
+        if seq is not None:
+            self._last_lease[(job, worker)] = (seq, served)
+        return await asyncio.shield(served)
+
+    async def _lease(self, ledger: ShardLedger, job: str, worker: str, claim_rows: int | None,
+                     commits: Sequence[Mapping[str, Any]] | None, wait: float,
+                     synced_rows: int | None, max_rows: int | None) -> Reply:
+        assert self.scheduler is not None
         replies = self._commits(ledger, commits)
         self._report_synced(ledger, worker, synced_rows)
         deadline = time() + wait
@@ -339,16 +361,24 @@ class ShardingService(SchedulerPlugin):
 
     @rpc.handler
     async def commit(self, job: str, commits: Sequence[Mapping[str, Any]],
-                     worker: str | None = None, synced_rows: int | None = None) -> Reply:
+                     worker: str | None = None, synced_rows: int | None = None,
+                     incarnation: str | None = None) -> Reply:
         """Apply each commit ``{"lease_id", "token", "offset", "synced_offset", "stats"?,
         "claim_rows"?}``; ``replies[i]`` answers ``commits[i]`` (an error for one commit changes
         nothing for that lease and does not stop the others). Then record ``synced_rows``, the
         rows of ``worker``'s stream its commits count synced
         (:meth:`~antdt.sharding.ShardLedger.report_synced`), unless the worker left the
-        cluster: its leases are gone, and the model sync has taken its last report."""
+        cluster: its leases are gone, and the model sync has taken its last report. A
+        ``worker`` that is not a member (``incarnation``: its Dask worker id) has every commit
+        refused (:mod:`antdt.fencing`)."""
         ledger = self._ledger(job)
         worker = None if worker is None else rpc.name("worker", worker)
         synced_rows = rpc.integer("synced_rows", synced_rows, optional=True)
+        incarnation = None if incarnation is None else rpc.name("incarnation", incarnation)
+        if worker is not None:
+            assert self.scheduler is not None
+            fencing.check(self.scheduler, job, "commits", worker, incarnation,
+                          len(commits) if isinstance(commits, (list, tuple)) else 1)
         replies = self._commits(ledger, commits)
         self._report_synced(ledger, worker, synced_rows)
         return {"status": "OK", "replies": replies}
@@ -394,6 +424,7 @@ class ShardingService(SchedulerPlugin):
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str,
                       **kwargs: Any) -> None:
         for job, ledger in self.jobs.items():
+            self._last_lease.pop((job, worker), None)
             if ledger.remove_worker(worker):
                 self.notify(job)
 

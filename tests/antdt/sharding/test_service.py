@@ -12,7 +12,9 @@ from distributed import Client, Scheduler, Worker, get_worker
 from distributed.utils import sync
 from distributed.utils_test import gen_cluster
 
-from antdt.sharding import CommitEvent
+from antdt.fencing import fences
+from antdt.sharding import Claim, CommitEvent
+from antdt.sharding.client import ShardClient
 from antdt.sharding.service import PLUGIN_NAME, ShardingService
 
 GROUPS = [["a.parquet", 0, 10], ["a.parquet", 1, 7], ["b.parquet", 0, 5]]
@@ -322,3 +324,82 @@ async def test_a_long_lease_wait_ends_once_rows_await_sync(c: Client, s: Schedul
     reply = await waiting
     assert reply["lease"] == {"kind": "wait", "unsynced": trained}
     assert b.address not in plugin.waiting["j"]
+
+
+# ---- fencing (antdt.fencing): a removed worker's calls refused and counted; retries safe -----
+
+
+@gen_cluster(client=True)
+async def test_a_removed_worker_has_its_leases_and_commits_refused_and_counted(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    await setup_job(c, s, row_groups=[["f", 0, 8]], shard_rows=4)
+    lease = (await c.scheduler.antdt_lease(job="j", worker=a.address,
+                                           incarnation=a.id))["lease"]
+    commit = {"lease_id": lease["lease_id"], "token": lease["token"], "offset": 2,
+              "synced_offset": 2}
+    await s.remove_worker(a.address, stimulus_id="test", close=False)  # a lives on: a zombie
+
+    refused = await c.scheduler.antdt_commit(job="j", commits=[commit], worker=a.address,
+                                             incarnation=a.id)
+    assert refused["status"] == "error" and "not a worker of this cluster" in refused["message"]
+    refused = await c.scheduler.antdt_lease(job="j", worker=a.address, incarnation=a.id)
+    assert refused["status"] == "error"
+    assert fences(s).counts("j") == {"commits": 1, "leases": 1}
+    state = await c.scheduler.antdt_job_state(job="j")
+    assert state["rows_done"] == 0 and state["rows_todo"] == 8  # nothing of a's counted
+
+    impostor = await c.scheduler.antdt_lease(job="j", worker=b.address, incarnation=a.id)
+    assert impostor["status"] == "error" and f"{b.address} is {b.id} now" in impostor["message"]
+    assert fences(s).counts("j") == {"commits": 1, "leases": 2}
+    assert (await c.scheduler.antdt_lease(job="j", worker=b.address,
+                                          incarnation=b.id))["lease"]["kind"] == "lease"
+
+
+@gen_cluster(client=True)
+async def test_a_lease_request_sent_again_gets_the_same_lease(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    await setup_job(c, s, row_groups=[["f", 0, 8]], shard_rows=4)
+    first = await c.scheduler.antdt_lease(job="j", worker=a.address, seq=1)
+    again = await c.scheduler.antdt_lease(job="j", worker=a.address, seq=1)
+    assert again == first
+    state = await c.scheduler.antdt_job_state(job="j", leases=True)
+    assert len(state["live"]) == 1  # one lease, not two: the retry leased nothing
+    following = await c.scheduler.antdt_lease(job="j", worker=a.address, seq=2)
+    assert following["lease"]["lease_id"] != first["lease"]["lease_id"]
+
+
+@gen_cluster(client=True)
+async def test_an_agents_call_that_fails_on_the_link_is_sent_again(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    """The agent's side: the first sends of its calls fail as a cut link fails (``OSError``),
+    the next go through; every row is trained once and counted done once."""
+    await setup_job(c, s, row_groups=[["f", 0, 8]], shard_rows=4)
+    shards = ShardClient("j", worker=a, commit_interval_s=0.0, lease_wait_s=0.0)
+    send, failed = shards._send, []
+
+    def flaky(op: str, **kwargs: Any) -> dict[str, Any]:
+        if len(failed) < 3:
+            failed.append(op)
+            raise OSError("the link is down")
+        return send(op, **kwargs)
+
+    shards._send = flaky
+
+    def train() -> int:
+        rows = 0
+        while (lease := shards.lease()) is not None:
+            offset, stop = lease.start, lease.claim_stop
+            while True:
+                end = min(offset + 2, stop)
+                rows += end - offset
+                reply = shards.commit(end)
+                if not isinstance(reply, Claim):
+                    break
+                offset, stop = end, reply.stop
+        shards.close()
+        return rows
+
+    rows = await asyncio.to_thread(train)
+    assert failed == ["antdt_lease"] * 3
+    state = await c.scheduler.antdt_job_state(job="j")
+    assert rows == state["rows_done"] == 8 and state["rows_retrained"] == 0
