@@ -57,6 +57,11 @@ cluster of three workers, one job of three ranks unless said):
                      a new cluster (as ``--resume`` does), where a rank is killed mid-step;
 * ``two-jobs``       two jobs submitted together on the same three workers, each with its own
                      folder, one killed mid-step; both audited.
+* ``partition``, ``peer-partition``, ``scheduler-partition``: links cut, not processes
+                     killed, on a cluster of hosts (network namespaces: root only), in
+                     :mod:`pipeline.bench.chaos_partitions`; a run says when it healed, the
+                     group's generation once it formed again, and the stale calls of its ranks
+                     the scheduler refused (``stale_refused``).
 
 As in the async runs, no harm depends on the job lasting long enough: every initial rank pauses,
 holding no lease, once it trained its part of a drawn share of the rows (20-40%), until the
@@ -90,12 +95,15 @@ import torch.distributed as dist
 
 from antdt.agent import SavedModel
 from antdt.jobs import JobClient, JobCode, JobPlan, JobSpec, checkpoints
+from pipeline.bench.chaos_partitions import (NETWORK_CONFIG, PARTITION_RUNNERS,
+                                             PARTITION_SCENARIOS)
 from pipeline.bench.chaos_run import (EPOCHS, NOTHING_CHECKED, STEP_S, WAIT_S, AuditHooks,
                                       CountingModel, IdReaderRecipe, Run, Watch, audit, ignore,
                                       read_parts, write_data, write_part)
 
 SYNC_SCENARIOS = ("mid-step", "before-commit", "two-leases", "checkpoint", "after-manifest",
-                  "final", "finished", "finishing", "hang", "scheduler", "two-jobs")
+                  "final", "finished", "finishing", "hang", "scheduler", "two-jobs",
+                  *PARTITION_SCENARIOS)
 WORLD = 3
 """Ranks of a job: one per worker of a run's cluster."""
 LOCAL_ROWS = 64
@@ -118,6 +126,14 @@ SYNC_CONFIG = {"antdt": {
 }}
 """Dask config of every process of a sync run: a dead or hung rank breaks its peers' collective
 within 10 s; the master notes the job's progress five times a second."""
+
+
+def network_config() -> dict[str, Any]:
+    """Dask config of every process of a partition's run: :data:`SYNC_CONFIG` with
+    :data:`~pipeline.bench.chaos_partitions.NETWORK_CONFIG`."""
+    settings: dict[str, Any] = dict(SYNC_CONFIG["antdt"])
+    settings["sync-steps"] = {**settings["sync-steps"], **NETWORK_CONFIG["sync-steps"]}
+    return {"antdt": settings}
 
 
 # ---- the model (runs on the workers) ------------------------------------------------------------
@@ -381,7 +397,8 @@ class SyncJob:
             "job_id": self.job_id, "state": record["state"], "error": record.get("error"),
             "finished": record["state"] == "finished", "rows": dict(record["rows"]),
             "rows_replayed": int(record.get("rows_replayed", 0)), "trained": trained,
-            "trained_twice": twice, "harm": self.harmed()}
+            "trained_twice": twice, "harm": self.harmed(),
+            "refused": dict(record.get("refused") or {})}
         result["replayed_exact"] = result["rows_replayed"] == twice
         model = self.folder / f"{self.job_id}.npy"
         if result["finished"] and model.exists():
@@ -396,8 +413,20 @@ class SyncRun(Run):
     seed), and its job, sized for ``job_s`` seconds of training; ``two-jobs`` has a second
     one."""
 
+    world = WORLD
+    """Ranks of the run's job, workers of its cluster."""
+
     def __init__(self, scenario: str, seed: int, folder: Path, job_s: float) -> None:
-        super().__init__(scenario, seed, folder, SYNC_CONFIG)
+        super().__init__(scenario, seed, folder, network_config() if scenario in
+                         PARTITION_SCENARIOS else SYNC_CONFIG)
+        self.partitions = 0
+        self.heal: str | None = None
+        """When ``partition`` healed its cut (:data:`~pipeline.bench.chaos_partitions.HEALS`)."""
+        self.generation = 0
+        """The job's group's generation once it formed again after a partition (0: it did
+        not)."""
+        self.stale_refused = 0
+        """Stale calls of the job's ranks the scheduler refused (the partitions' runs count)."""
         self.parts = self.rng.random() < 0.5 and scenario != "finishing"
         rows = int(job_s * RATE / EPOCHS)
         self.jobs = [SyncJob(self.job_id, self.folder, self.folder / "data", rows, seed,
@@ -507,7 +536,19 @@ SYNC_RUNNERS: dict[str, Callable[[SyncRun], list[dict[str, Any]]]] = {
     "mid-step": trainer_harm, "before-commit": trainer_harm, "two-leases": trainer_harm,
     "checkpoint": trainer_harm, "after-manifest": after_manifest, "final": trainer_harm,
     "finished": trainer_harm, "finishing": trainer_harm, "hang": trainer_harm,
-    "scheduler": scheduler, "two-jobs": two_jobs}
+    "scheduler": scheduler, "two-jobs": two_jobs, **PARTITION_RUNNERS}
+
+
+def refused(jobs: Sequence[Mapping[str, Any]], stale_ranks: int) -> dict[str, int]:
+    """The calls the scheduler refused, by kind: the jobs' records' (summed), and the stale
+    ranks' (``sync_rank``, read from the rendezvous) where the records do not count them."""
+    kinds: dict[str, int] = {}
+    for job in jobs:
+        for kind, count in job["refused"].items():
+            kinds[kind] = kinds.get(kind, 0) + int(count)
+    if stale_ranks:
+        kinds.setdefault("sync_rank", stale_ranks)
+    return kinds
 
 
 def run_sync(scenario: str, seed: int, folder: Path, job_s: float) -> dict[str, Any]:
@@ -532,6 +573,8 @@ def run_sync(scenario: str, seed: int, folder: Path, job_s: float) -> dict[str, 
         "hangs": run.hangs + sum(harm["point"] == "hang" for harm in harms),
         "replayed_exact": all(job["replayed_exact"] for job in jobs),
         "replay_mismatches": sum(job["finished"] and not job["replayed_exact"] for job in jobs),
+        "partitions": run.partitions, "heal": run.heal, "generation": run.generation,
+        "stale_refused": run.stale_refused, "refused": refused(jobs, run.stale_refused),
         "seconds": round(time.monotonic() - started, 1), "jobs": jobs}
     for key in ("rows_replayed", "trained_twice", *NOTHING_CHECKED):
         result[key] = sum(job[key] for job in jobs)

@@ -65,11 +65,20 @@ class Rendezvous:
     ranks meet in (made when the first rank asks, on a free port of the interface that rank
     reached the scheduler on: the address Dask listens on; closed when the job is forgotten).
 
-    Handler ``antdt_sync_rank(job, worker)``: the worker's rank, the world size, the workers in
-    rank order, the store's host and port, the group's key prefix and its token."""
+    Handler ``antdt_sync_rank(job, worker, generation=None)``: the worker's rank, the world size,
+    the workers in rank order, the store's host and port, the group's key prefix, its token and
+    its generation. ``generation``: the forming the caller belongs to (None: the current one, as
+    a rank asks while its group forms); a rank whose group broke asks with its own, and when the
+    job's group formed again since (the rank was cut off meanwhile: it comes back from a
+    partition as a zombie), it is refused, and counted in :attr:`refused`: it can neither rejoin
+    its old forming, gone, nor take a place in the new one."""
 
     groups: dict[str, Group] = field(default_factory=dict)
     stores: dict[str, dist.TCPStore] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)
+    """Per job, the stale calls refused: of a rank of a forming older than the job's current one,
+    or of a job forgotten since (a zombie may come back after its job ended: the count is kept
+    then, one int for each job that had any)."""
     _generations: dict[str, int] = field(default_factory=dict)
 
     def store(self, job: str, comm: Comm) -> dist.TCPStore:
@@ -95,10 +104,17 @@ class Rendezvous:
         self.stores.pop(job, None)  # its server stops, its port closes
 
     @rpc.handler
-    async def rank(self, comm: Comm, job: str, worker: str) -> Reply:
+    async def rank(self, comm: Comm, job: str, worker: str, generation: object = None) -> Reply:
         job = rpc.name("job", job, SyncError)
         worker = rpc.name("worker", worker, SyncError)
+        asked = rpc.integer("generation", generation, 1, optional=True, error=SyncError)
         group = self.groups.get(job)
+        if asked is not None and (group is None or asked != group.generation):
+            self.refused[job] = self.refused.get(job, 0) + 1
+            now = "is over" if group is None else \
+                f"formed again since (generation {group.generation}: {group.workers})"
+            raise SyncError(f"stale: worker {worker} asks as a rank of generation {asked} of job "
+                            f"{job!r}, whose group {now}")
         if group is None:
             raise SyncError(f"job {job!r} has no synchronous group; groups: {sorted(self.groups)}")
         if worker not in group.workers:
@@ -107,7 +123,7 @@ class Rendezvous:
         store = self.store(job, comm)
         return {"status": "OK", "rank": group.workers.index(worker),
                 "workers": list(group.workers), "host": store.host, "port": int(store.port),
-                "prefix": group.prefix, "token": group.token}
+                "prefix": group.prefix, "token": group.token, "generation": group.generation}
 
 
 class SyncMaster:
@@ -132,3 +148,7 @@ class SyncMaster:
 
     def accepts_joiners(self, job: str) -> bool:
         return False
+
+    def stale_refused(self, job: str) -> int:
+        """The stale calls of ``job``'s ranks refused so far (:attr:`Rendezvous.refused`)."""
+        return self.rendezvous.refused.get(job, 0)

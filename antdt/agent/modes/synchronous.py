@@ -8,7 +8,11 @@ store its ranks meet in, on the scheduler's own address, under a key prefix rand
 (:class:`~antdt.agent.modes.sync_master.Rendezvous`, handler ``antdt_sync_rank``). A rank joins with gloo on CPU and nccl on a GPU; the ranks build their
 shards of the model within ``antdt.sync-steps.form-timeout``, then every collective has a
 timeout (``antdt.sync-steps.collective-timeout``): a rank that hangs breaks its peers' next
-collective instead of holding the job forever. The step's parts are in
+collective instead of holding the job forever. gloo listens on the interface of the Dask
+worker's own address (:func:`gloo_on`), which its peers reach on a cluster of hosts. A rank whose
+collective broke asks the rendezvous, with its generation, whether its forming is still the
+job's group: a rank cut off until the master formed the group again without it (a zombie, back
+once its link healed) is refused, counted, and says so in its error. The step's parts are in
 :mod:`~antdt.agent.modes.sync_steps`.
 
 The step, on every rank in lock-step (:class:`SyncMode.train`)::
@@ -73,8 +77,11 @@ are trained again (counted replayed). The model therefore holds every done row e
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
 import math
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -82,6 +89,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import fsspec
+import psutil
 import torch
 import torch.distributed as dist
 from dask.utils import format_bytes, parse_bytes
@@ -100,6 +108,10 @@ from antdt.errors import AntdtError, CheckpointError, ConfigError, SyncError
 from antdt.sharding import shares
 
 logger = logging.getLogger(__name__)
+
+
+STALE_RETRY_S = 0.5
+"""A rank whose group broke asks the scheduler again this often while it does not answer."""
 
 
 class GroupBroken(AntdtError):
@@ -219,6 +231,8 @@ class SyncMode(EverySynced, OwnTables):
         self.workers: list[str] = []
         self.token = ""
         """The forming of the group this rank is in (unique across the cluster's life)."""
+        self.generation = 0
+        """The job's count of its group's formings at this rank's (from 1; 0: not formed)."""
         self.steps = 0
         self.group_rows = 0
         """Rows the group's model trained since it formed (every step's rows, once completed)."""
@@ -227,6 +241,7 @@ class SyncMode(EverySynced, OwnTables):
         self._joined = False  # this rank claimed the process's default group
         self._lock = threading.Lock()
         self._timeout_s = config.seconds("antdt.sync-steps.collective-timeout")
+        self._form_s = config.seconds("antdt.sync-steps.form-timeout")
         self._write_rate = parse_bytes(str(config.get("antdt.sync-steps.write-rate")))
 
     @property
@@ -264,11 +279,13 @@ class SyncMode(EverySynced, OwnTables):
         reply = rpc.ok(sync(self.worker.loop, self.worker.scheduler.antdt_sync_rank,
                             job=self.spec.job, worker=self.worker.address), error=SyncError)
         self.rank, self.workers = int(reply["rank"]), list(reply["workers"])
-        self.token = str(reply["token"])
-        forming = datetime.timedelta(seconds=config.seconds("antdt.sync-steps.form-timeout"))
+        self.token, self.generation = str(reply["token"]), int(reply["generation"])
+        forming = datetime.timedelta(seconds=self._form_s)
         store = dist.PrefixStore(reply["prefix"], dist.TCPStore(  # the job's own store
             str(reply["host"]), int(reply["port"]), is_master=False, timeout=forming))
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if backend == "gloo":
+            gloo_on(self.worker.ip)
         # A group formed again in this process: the last one's model can still be held by the
         # reference cycles of its broken collective's traceback (frames that held the trainer),
         # frozen out of every collection since. Free it before this one's shards are allocated,
@@ -398,8 +415,31 @@ class SyncMode(EverySynced, OwnTables):
                 _set_pg_timeout(datetime.timedelta(seconds=self._timeout_s))
         except (RuntimeError, dist.DistBackendError) as exc:
             raise GroupBroken(f"rank {self.rank} of job {self.spec.job}: {what} failed (a peer "
-                              f"died, hung past {limit:g}s or left): {exc}",
+                              f"died, hung past {limit:g}s or left): {exc}{self._stale()}",
                               self.group_rows) from exc
+
+    def _stale(self) -> str:
+        """Asked as this rank's group broke: "" while its forming is still the job's group, else
+        why not, for the rank's error (``antdt_sync_rank`` with the rank's generation: a rank
+        cut off until the master formed the group again without it is refused, and the refusal
+        counted). Asked again while the scheduler does not answer (the rank may be cut off from
+        it too), for at most ``antdt.sync-steps.form-timeout``. Nothing is asked of a rank
+        whose group was not formed through the rendezvous (generation 0)."""
+        if self.generation == 0:
+            return ""
+        deadline = time.monotonic() + self._form_s
+        while True:
+            try:
+                reply = sync(self.worker.loop, self.worker.scheduler.antdt_sync_rank,
+                             job=self.spec.job, worker=self.worker.address,
+                             generation=self.generation)
+            except (OSError, RuntimeError) as exc:  # unreachable, or the worker is closing
+                if time.monotonic() >= deadline:
+                    return (f"; the scheduler did not answer within {self._form_s:g}s whether "
+                            f"the group formed again: {exc!r}")
+                time.sleep(STALE_RETRY_S)
+                continue
+            return "" if reply.get("status") == "OK" else f"; {reply.get('message')}"
 
     def saving_s(self) -> float:
         """How long gathering or writing the whole model may take: the collective timeout, plus
@@ -548,6 +588,36 @@ class SyncMode(EverySynced, OwnTables):
 
     def check(self) -> None:
         """No thread of its own can fail."""
+
+
+GLOO_INTERFACE = "GLOO_SOCKET_IFNAME"
+
+
+def gloo_on(host: str) -> None:
+    """gloo's ranks in this process listen on, and tell their peers, the network interface that
+    holds ``host`` (the Dask worker's own address: on a cluster of hosts, or of network
+    namespaces, the one its peers reach it at). Left to gloo when an operator set
+    ``GLOO_SOCKET_IFNAME`` or no interface holds ``host`` (an address behind NAT): gloo then
+    takes the address the machine's hostname resolves to, which may be one its peers cannot
+    reach (``127.0.0.1`` where ``/etc/hosts`` says so)."""
+    interface = interface_of(host)
+    if interface is not None and os.environ.get(GLOO_INTERFACE, interface) == interface:
+        os.environ[GLOO_INTERFACE] = interface
+
+
+def interface_of(host: str) -> str | None:
+    """The name of the network interface that holds address ``host``, or None."""
+    try:
+        wanted = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    family = socket.AF_INET if wanted.version == 4 else socket.AF_INET6
+    for name, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            if address.family == family \
+                    and ipaddress.ip_address(address.address.split("%")[0]) == wanted:
+                return name
+    return None
 
 
 def publish(written: str, folder: str) -> None:
