@@ -172,14 +172,20 @@ class _OneGroup:
     the first's group, and one job's collectives would run on the other's)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self.job: str | None = None
         self.claims = 0
         """Claims granted in this process's life: more than one, a group was formed before."""
 
-    def claim(self, job: str) -> str | None:
-        """Claim the group for ``job``: None, or the job that holds it."""
+    def claim(self, job: str, wait_s: float = 0.0) -> str | None:
+        """Claim the group for ``job``: None, or the job that holds it. A rank of an older
+        forming of ``job`` itself that still holds it (cut off, its forming or collective not
+        timed out yet, when the master formed the group again with this worker) is waited for,
+        at most ``wait_s``."""
+        deadline = time.monotonic() + wait_s
         with self._lock:
+            while self.job == job and (left := deadline - time.monotonic()) > 0:
+                self._lock.wait(left)
             if self.job is None and dist.is_initialized():
                 return "a process group formed outside antdt"
             if self.job is not None:
@@ -192,6 +198,7 @@ class _OneGroup:
         with self._lock:
             if self.job == job:
                 self.job = None
+                self._lock.notify_all()
 
 
 PROCESS_GROUP = _OneGroup()
@@ -263,7 +270,11 @@ class SyncMode(EverySynced, OwnTables):
         """Join the job's process group and build the sharded trainer on it."""
         if join:
             raise Declined("a synchronous group takes new workers only when it forms again")
-        holder = PROCESS_GROUP.claim(self.spec.job)
+        holder = PROCESS_GROUP.claim(self.spec.job, self._form_s)
+        if holder == self.spec.job:
+            raise GroupBroken(f"worker {self.worker.address}: a rank of an older forming of job "
+                              f"{holder} still holds its process group after "
+                              f"{self._form_s:g}s (antdt.sync-steps.form-timeout)")
         if holder is not None:
             raise SyncError(f"worker {self.worker.address} already takes part in a process "
                             f"group ({holder}): one synchronous job per worker process at a "

@@ -1,11 +1,13 @@
 """A synchronous group's generations as a partition needs them: a rank of a forming the master
 replaced (cut off meanwhile, back as a zombie) is refused by the rendezvous and counted, and its
-error says so; and a rank's gloo listens on the interface of its worker's own address."""
+error says so; a rank of the new forming on the same worker waits for the old one to let go of
+the process group; and a rank's gloo listens on the interface of its worker's own address."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 
 import pytest
 import torch
@@ -14,8 +16,8 @@ from distributed.utils_test import gen_cluster
 
 from antdt.agent.contract import AgentSpec
 from antdt.agent.modes.sync_master import Rendezvous, SyncMaster
-from antdt.agent.modes.synchronous import (GLOO_INTERFACE, GroupBroken, SyncMode, gloo_on,
-                                           interface_of)
+from antdt.agent.modes.synchronous import (GLOO_INTERFACE, PROCESS_GROUP, GroupBroken,
+                                           SyncMode, gloo_on, interface_of)
 
 
 def serving(s: Scheduler) -> SyncMaster:
@@ -73,6 +75,26 @@ async def test_a_rank_whose_group_broke_after_it_formed_again_says_it_is_stale(
     with pytest.raises(GroupBroken, match="the step failed .*; stale: worker .* generation 1"):
         await asyncio.to_thread(mode._collective, broken, "the step")
     assert master.stale_refused("j") == 1
+
+
+def test_a_rank_waits_for_an_older_forming_of_its_job_to_let_go_of_the_process_group() -> None:
+    """A worker the master left out of one forming (its rank stuck, cut off) and took into a
+    later one: the new rank waits for the old rank's forming or collective to time out, rather
+    than failing the job ("already takes part in a process group")."""
+    assert PROCESS_GROUP.claim("j") is None  # the older forming's rank
+    claimed: list[str | None] = []
+    try:
+        assert PROCESS_GROUP.claim("k") == "j"  # another job's rank is refused at once
+        assert PROCESS_GROUP.claim("j", wait_s=0.01) == "j"  # not let go within the wait
+        waiter = threading.Thread(target=lambda: claimed.append(PROCESS_GROUP.claim("j", 60.0)))
+        waiter.start()
+        waiter.join(timeout=0.5)  # the one wait for a duration: that it waits
+        assert waiter.is_alive() and not claimed
+    finally:
+        PROCESS_GROUP.release("j")  # the old rank leaves
+    waiter.join(timeout=60)
+    assert claimed == [None] and PROCESS_GROUP.job == "j"  # the new rank holds it
+    PROCESS_GROUP.release("j")
 
 
 def test_gloo_listens_on_the_interface_of_the_workers_address(
