@@ -17,14 +17,17 @@ every antdt handler a worker's agent calls checks the caller against the members
   lease. Commits are idempotent by their offsets: one sent twice changes nothing.
 
 A refused call is counted per job and kind in the scheduler's :class:`Fences` (``fences(scheduler)``,
-one per scheduler, kept in ``scheduler.extensions``); a job's record shows its counts as
-``refused`` (``leases``, ``commits``, and the model sync's and ranks' own kinds).
+one per scheduler, kept in ``scheduler.extensions``); a job's record shows :func:`refused`:
+``leases`` and ``commits``, with ``sync`` (the async mode's sync asks, pulls and deltas its
+:class:`~antdt.sync.service.SyncService` and the members refused) or ``ranks`` (a sync rank of
+an older forming, refused by the rendezvous).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import Protocol
 
 from distributed import Scheduler
 
@@ -80,3 +83,19 @@ def check(scheduler: Scheduler, job: str, kind: str, worker: str, incarnation: s
     if incarnation is not None and state.server_id != incarnation:
         raise fences(scheduler).refuse(job, kind, worker, f"is worker {incarnation}, which "
                                        f"left: {worker} is {state.server_id} now", count)
+
+
+class _Model(Protocol):
+    regroups: bool
+
+    def stale_refused(self, job: str) -> int: ...
+
+
+def refused(scheduler: Scheduler, job: str, mode: _Model) -> dict[str, int]:
+    """``job``'s refused calls by kind: the scheduler's, and its training mode's as ``sync``
+    (the async mode) or ``ranks`` (the sync mode, whose model regroups)."""
+    counts = fences(scheduler).counts(job)
+    model = mode.stale_refused(job)
+    if model:
+        counts["ranks" if mode.regroups else "sync"] = model
+    return counts

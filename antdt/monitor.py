@@ -48,7 +48,11 @@ calls it every tick). When a window closes:
   :attr:`WorkerState.PERSISTENT`.
 
 Independently of windows, at every update a lease holder still training whose last commit is
-older than its hang timeout is :attr:`WorkerState.HUNG` until it commits again. And a worker
+older than its hang timeout is :attr:`WorkerState.HUNG` until it commits again, if the scheduler
+still hears from its process (Dask's heartbeats, within the same timeout): a holder the
+scheduler no longer hears is cut off, not hung, and Dask's comm timeouts remove it if it stays
+so (a short blip of the scheduler's own link made every worker of a job look hung, and the
+controller retired all but one). And a worker
 the model sync finds reaching no peer (:meth:`Monitor.partitions`, from
 :meth:`antdt.sync.service.SyncService.partitioned`: its link to its peers is cut, not its link
 to the scheduler) is :attr:`WorkerState.PARTITIONED` until it reaches one again: nothing it trains can
@@ -217,6 +221,10 @@ def _always(worker: str) -> bool:
     return True
 
 
+def _heard(worker: str) -> float:
+    return 0.0
+
+
 class _OthersMedian:
     """Medians of a list of values with one of them left out, each in O(log n).
 
@@ -320,12 +328,15 @@ class Monitor:
                 track.batches += batches
         track.last_commit = now
 
-    def update(self, holders: Iterable[str], training: Callable[[str], bool] = _always) -> None:
+    def update(self, holders: Iterable[str], training: Callable[[str], bool] = _always,
+               unheard: Callable[[str], float] = _heard) -> None:
         """Close the windows that ended by now and re-check hangs.
 
         ``holders``: the workers holding live leases now; ``training(worker)``: whether one of
         its leases still has rows to train (a holder whose leases only wait for their synced
-        offset is not hung). ``training`` is asked only about silent holders.
+        offset is not hung); ``unheard(worker)``: seconds since the scheduler last heard from
+        its process (a holder unheard for longer than its timeout is cut off, not hung).
+        ``training`` and ``unheard`` are asked only about silent holders.
         """
         now = self._clock()
         holding = list(holders)
@@ -344,12 +355,12 @@ class Monitor:
                 track.since = now  # it (re)became a holder since the last update
             track.seen_update = updates
             since, last = track.since, track.last_commit
-            silent = track.silent = now - (since if last is None or since > last else last)
+            track.silent = now - (since if last is None or since > last else last)
             gap = track.gap
             if gap is None:
                 gap = median_gap
             timeout = track.timeout = floor if gap is None else max(floor, factor * gap)
-            hung = silent > timeout and training(worker)
+            hung = track.silent > timeout and training(worker) and unheard(worker) <= timeout
             if hung != track.hung:
                 track.hung = hung
                 if hung:

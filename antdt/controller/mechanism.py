@@ -33,8 +33,10 @@ class Controller:
     there) and returns what it did instead of closing the worker, added to the record's reason
     (None: closing it); ``workers()`` returns the job's workers, those that count toward
     ``min_workers`` and that a retirement may name (live, not already being retired);
-    ``emit(record)`` publishes each applied action (on the scheduler: a Dask event). Defaults
-    come from ``antdt.controller`` in dask config.
+    ``emit(record)`` publishes each applied action (on the scheduler: a Dask event);
+    ``unheard(worker)``: seconds since the scheduler last heard from the worker (its
+    heartbeats: a holder cut off is not hung, :meth:`Monitor.update`). Defaults come from
+    ``antdt.controller`` in dask config.
     """
 
     def __init__(self, ledger: ShardLedger, monitor: Monitor, *, clock: Clock,
@@ -43,8 +45,10 @@ class Controller:
                  policies: Sequence[ControllerPolicy] | None = None,
                  min_workers: int | None = None,
                  emit: Callable[[ActionRecord], None] | None = None,
-                 max_records: int | None = None) -> None:
+                 max_records: int | None = None,
+                 unheard: Callable[[str], float] | None = None) -> None:
         self.ledger = ledger
+        self._unheard = unheard or (lambda worker: 0.0)
         self.monitor = monitor
         self.policies = list(load_policies() if policies is None else policies)
         self.min_workers = int(config.number("antdt.controller.min-workers", integer=True)) \
@@ -95,7 +99,7 @@ class Controller:
     def update_monitor(self) -> None:
         """Close the monitor's elapsed windows and re-check hangs against the live leases
         (what a tick does before its policies; a disabled job's plugin does only this)."""
-        self.monitor.update(self.ledger.workers(), self._training)
+        self.monitor.update(self.ledger.workers(), self._training, self._unheard)
 
     def actions(self, since: int = 0) -> dict[str, Any]:
         """``count``, ``counts`` per kind, ``batch_sizes`` and the kept records with

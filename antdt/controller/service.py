@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -273,7 +274,8 @@ class ControllerService(SchedulerPlugin):
                                     retire=functools.partial(self._retire, job),
                                     policies=self._policies.get(job),
                                     workers=functools.partial(self.own_workers, job),
-                                    min_workers=self.min_workers, emit=self._emit)
+                                    min_workers=self.min_workers, emit=self._emit,
+                                    unheard=self._unheard)
             control = self.jobs[job] = _JobControl(ledger, monitor, controller)
         return control
 
@@ -281,6 +283,12 @@ class ControllerService(SchedulerPlugin):
         control = self._control(job)
         if control is not None:
             control.monitor.observe(event)
+
+    def _unheard(self, worker: str) -> float:
+        """Seconds since the scheduler last heard from ``worker`` (a heartbeat; inf: gone)."""
+        assert self.scheduler is not None
+        state = self.scheduler.workers.get(worker)
+        return math.inf if state is None else max(0.0, time() - state.last_seen)
 
     def _emit(self, record: ActionRecord) -> None:
         assert self.scheduler is not None

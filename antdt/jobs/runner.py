@@ -166,7 +166,7 @@ class JobRunner(Restarts):
                 "checkpoint": self.checkpoints.last_path, "checkpoints": self.checkpoints.summary(),
                 "rows_replayed": self.recovery.rows_replayed, "resumes": self.recovery.resumes,
                 "adapted": self.placement.adapted, "tables": self.tables(),
-                "refused": fencing.fences(self.ctx.scheduler).counts(self.job_id)})
+                "refused": fencing.refused(self.ctx.scheduler, self.job_id, self.ctx.mode)})
 
     def tables(self) -> dict[str, Any] | None:
         """Where the job's sharded tables are, as its master mode last said (kept once the job
@@ -626,7 +626,7 @@ class JobRunner(Restarts):
                 "sharding": self.plan.sharding, "rows_replayed": self.recovery.rows_replayed,
                 "resumes": self.recovery.resumes, "checkpoints": self.checkpoints.summary(),
                 "adapted": self.placement.adapted,
-                "refused": fencing.fences(self.ctx.scheduler).counts(self.job_id),
+                "refused": fencing.refused(self.ctx.scheduler, self.job_id, self.ctx.mode),
                 "saved_model": None if saved is None else {"folder": saved.folder,
                                                            "files": dict(saved.files)}}
 

@@ -142,6 +142,25 @@ def test_only_holders_still_training_can_hang() -> None:
     assert monitor.health("b").state is WorkerState.HUNG
 
 
+def test_a_silent_holder_the_scheduler_no_longer_hears_is_cut_off_not_hung() -> None:
+    """Every worker silent at once, unheard by the scheduler (its own link cut for a moment):
+    none is hung, so the controller retires none; one heard but silent is hung."""
+    clock = Clock()
+    monitor = Monitor(clock, batch_rows=10, settings=SETTINGS)
+    monitor.update(["a", "b"])
+    for worker in ("a", "b"):
+        monitor.observe(CommitEvent(worker, 0, 0, 10, {}, 0.5))
+    clock.now = 8.0
+    unheard = {"a": 7.5, "b": 7.5}
+    monitor.update(["a", "b"], unheard=unheard.__getitem__)
+    assert monitor.health("a").state is WorkerState.OK
+    assert monitor.health("b").state is WorkerState.OK
+    unheard["a"] = 0.4  # its heartbeats arrive: alive, reachable, and not committing
+    monitor.update(["a", "b"], unheard=unheard.__getitem__)
+    assert monitor.health("a").state is WorkerState.HUNG
+    assert monitor.health("b").state is WorkerState.OK
+
+
 def test_new_holder_is_timed_from_when_it_leased() -> None:
     clock = Clock()
     monitor = Monitor(clock, batch_rows=10, settings=SETTINGS)

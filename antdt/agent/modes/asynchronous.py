@@ -180,3 +180,6 @@ class AsyncMaster:
     def accepts_joiners(self, job: str) -> bool:
         sync = self.service.jobs.get(job)
         return sync is None or sync.final is None
+
+    def stale_refused(self, job: str) -> int:
+        return self.service.stale_refused(job)

@@ -294,6 +294,9 @@ class HybridMaster:
         sync_job = self.service.jobs.get(job)
         return sync_job is None or sync_job.final is None
 
+    def stale_refused(self, job: str) -> int:
+        return self.service.stale_refused(job)
+
     def tables(self, job: str) -> dict[str, Any] | None:
         return self.tables_service.summary(job)
 

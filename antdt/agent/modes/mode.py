@@ -193,3 +193,7 @@ class MasterMode(Protocol):
     def tables(self, job: str) -> dict[str, Any] | None:
         """Where the job's sharded tables are (buckets per worker, moves, lost ones), for its
         record; None: the mode holds no sharded tables (or the job's are forgotten)."""
+
+    def stale_refused(self, job: str) -> int:
+        """The stale calls about the job's model refused so far (of workers the scheduler
+        removed, or of a rank of an older forming: :mod:`antdt.fencing`)."""
