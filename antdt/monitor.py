@@ -88,6 +88,9 @@ BUSY = "busy_s"
 """Commit stat: seconds the worker spent training since its previous commit."""
 BATCHES = "batches"
 """Commit stat: batches the worker trained since its previous commit."""
+CPU = "cpu_s"
+"""Commit stat: CPU seconds its training thread used of those busy seconds (the rest it
+waited: for its rows to arrive, on its link, or for a core)."""
 
 GAP_WEIGHT = 0.2
 """Weight of the newest gap in a worker's exponential average of gaps between commits."""
@@ -111,7 +114,8 @@ class Health(NamedTuple):
     ``window``, the last window that gave evidence about it (None before any); ``streak`` its consecutive slow
     windows; ``rate`` its rows/s over its sliding window; ``silent_s`` the seconds since its last
     commit (as of the last update) and ``timeout_s`` its hang timeout; ``reason`` why it is
-    partitioned (None when it is not).
+    partitioned (None when it is not); ``waiting`` the share of its batch time its training
+    thread spent off the CPU (waiting for its rows, on its link, or for a core; None: unknown).
     """
 
     worker: str
@@ -124,6 +128,7 @@ class Health(NamedTuple):
     silent_s: float
     timeout_s: float
     reason: str | None = None
+    waiting: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain (msgpack-able) form, the state as its value."""
@@ -212,6 +217,9 @@ class _Track:
     """Why the model sync finds it reaching no peer (None: it reaches one)."""
     silent: float = 0.0
     timeout: float = 0.0
+    waiting: float | None = None
+    """The share of its batch time off the CPU (an average over its commits; None: no CPU
+    stat)."""
 
     def __post_init__(self) -> None:
         self.samples = deque(maxlen=self.history)
@@ -316,6 +324,11 @@ class Monitor:
             if stats:
                 busy = _measured(stats, BUSY, elapsed, elapsed + 3600.0)
                 batches = _measured(stats, BATCHES, rows / self.batch_rows, rows)
+                if CPU in stats and busy > 0:
+                    off = max(0.0, 1.0 - stats[CPU] / busy)
+                    waiting = track.waiting
+                    track.waiting = off if waiting is None else \
+                        GAP_WEIGHT * off + (1 - GAP_WEIGHT) * waiting
             else:  # the common case, without a lookup per stat
                 busy, batches = elapsed, rows / self.batch_rows
             if track.warm_up > 0:
@@ -461,7 +474,8 @@ class Monitor:
         state = WorkerState.PARTITIONED if track.partitioned is not None else \
             WorkerState.HUNG if track.hung else track.verdict
         return Health(worker, state, track.bpt, track.median, track.window, track.streak,
-                      self.rate(worker), track.silent, track.timeout, track.partitioned)
+                      self.rate(worker), track.silent, track.timeout, track.partitioned,
+                      track.waiting)
 
     def _flag(self, worker: str, track: _Track) -> None:
         if track.hung or track.partitioned is not None or track.verdict is not WorkerState.OK:

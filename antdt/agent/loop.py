@@ -51,7 +51,7 @@ from antdt.agent.modes import Declined, worker_mode
 from antdt.agent.plugin import plugin_of
 from antdt.device import FROZEN_HEAP, pick_device, prepare_process
 from antdt.errors import AntdtError
-from antdt.monitor import BATCHES, BUSY
+from antdt.monitor import BATCHES, BUSY, CPU
 from antdt.sharding import Claim, Finished, Lease, Revoked, Stop
 from antdt.sharding.client import ShardClient
 
@@ -199,7 +199,7 @@ class Agent:
             cpu = time.thread_time() - cpu_started  # read first: CPU time within the wall time
             busy = time.perf_counter() - started
             self.count(end - offset, busy, cpu, loss)
-            reply = self.shards.commit(end, stats={BUSY: busy, BATCHES: 1.0})
+            reply = self.shards.commit(end, stats={BUSY: busy, BATCHES: 1.0, CPU: cpu})
             offset = end
             if self.faults.fire(self.rows):
                 return "cancelled", revoked

@@ -17,7 +17,7 @@ from antdt import config
 from antdt.controller.actions import (Action, AdjustBatch, Evidence, Pace, Reassign, Retire,
                                       Revoke, Split)
 from antdt.errors import ConfigError
-from antdt.monitor import Monitor, Sample, WorkerState
+from antdt.monitor import Health, Monitor, Sample, WorkerState
 from antdt.sharding import LeaseStatus, ShardLedger, shares
 
 
@@ -104,6 +104,19 @@ class RevokeHung(ControllerPolicy):
                     yield Revoke(lease, Evidence.of(health, reason))
 
 
+
+WAITING = 0.5
+"""A straggler whose training thread is off the CPU for at least this share of its batch time
+is said to wait (for its rows, on its link, or for a core), not to compute slowly."""
+
+
+def waiting(health: Health) -> str:
+    """What a straggler's reason says of its time off the CPU ("" when it mostly computes)."""
+    if health.waiting is None or health.waiting < WAITING:
+        return ""
+    return (f" ({100 * health.waiting:.0f}% of its batch time off the CPU: waiting for its "
+            "rows, on its link or for a core, not computing)")
+
 @dataclass(repr=False)
 class RetireHung(ControllerPolicy):
     """Retire a worker hung for ``after_s`` seconds, or hung as the job's end nears: only its
@@ -170,7 +183,7 @@ class ReassignStragglers(ControllerPolicy):
                 if not lease.revoked and lease.unclaimed >= least:
                     yield Reassign(lease, Evidence.of(health, (
                         f"{health.state.value} straggler: BPT {health.bpt:.3g}s vs median "
-                        f"{health.median:.3g}s")))
+                        f"{health.median:.3g}s{waiting(health)}")))
 
 
 @dataclass(repr=False)
@@ -205,8 +218,8 @@ class PaceStragglers(ControllerPolicy):
                 rows = ledger.batch_rows * (1 << (batches.bit_length() - 1)) if batches else 0
                 if rows < largest:
                     wanted[worker] = rows, Evidence.of(health, (
-                        f"{health.state.value} straggler at {rate:.4g} rows/s, the job's rows "
-                        f"last {left_s:.1f}s: leases of at most {rows} rows"))
+                        f"{health.state.value} straggler at {rate:.4g} rows/s{waiting(health)}, "
+                        f"the job's rows last {left_s:.1f}s: leases of at most {rows} rows"))
         paces = ledger.paces
         for worker, (rows, evidence) in wanted.items():
             if paces.get(worker) != rows:
@@ -269,7 +282,7 @@ class RetirePersistent(ControllerPolicy):
                 budget -= 1
                 yield Retire(health.worker, Evidence.of(health, (
                     f"persistent straggler: slow for {health.streak} windows, BPT "
-                    f"{health.bpt:.3g}s vs median {health.median:.3g}s")))
+                    f"{health.bpt:.3g}s vs median {health.median:.3g}s{waiting(health)}")))
 
 
 class StepTime(NamedTuple):

@@ -40,6 +40,8 @@ series (``dask_antdt_`` + ...)     type     labels: what it is
 ``job_controller_actions_total``   counter  job_id, kind (reassign, split, revoke, retire, pace,
                                             adjust_batch)
 ``job_checkpoints_written_total``  counter  job_id: checkpoints this master wrote
+``job_refused_total``              counter  job_id, kind (leases, commits, sync, ranks): calls
+                                            of workers the scheduler had removed, refused
 ``worker_rows_total``              counter  job_id, worker, agent: rows its agent trained
 ``worker_rows_per_second``         gauge    job_id, worker, agent: its latest pace
 ``worker_batch_seconds``           gauge    job_id, worker, agent: the monitor's batch time (BPT) of
@@ -80,7 +82,7 @@ from distributed.metrics import time
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import DuplicateTimeseries
 
-from antdt import config
+from antdt import config, fencing
 from antdt.jobs.placement import Slot
 from antdt.jobs.runner import JobRunner
 from antdt.monitor import WorkerState
@@ -127,6 +129,8 @@ FAMILIES: dict[str, tuple[str, str, list[str]]] = {
     "job_controller_actions": (_COUNTER, "Actions the job's controller applied, per kind",
                                [*JOB, "kind"]),
     "job_checkpoints_written": (_COUNTER, "Checkpoints the job's master wrote", JOB),
+    "job_refused": (_COUNTER, "Calls refused from workers the scheduler had removed "
+                              "(antdt.fencing), per kind", [*JOB, "kind"]),
     "worker_rows": (_COUNTER, "Rows the worker's agent trained", WORKER),
     "worker_rows_per_second": (_GAUGE, "The agent's rows per second in its latest report",
                                WORKER),
@@ -235,6 +239,9 @@ def _add_job(families: Families, runner: JobRunner) -> None:
     for kind, count in sorted(journal.action_counts.items()):
         add("job_controller_actions", count, kind)
     add("job_checkpoints_written", runner.checkpoints.written)
+    for kind, count in sorted(fencing.refused(runner.ctx.scheduler, runner.job_id,
+                                              runner.ctx.mode).items()):
+        add("job_refused", count, kind)
     tables = runner.tables()
     if tables is not None:
         add("job_tables_moves", tables["moves"])

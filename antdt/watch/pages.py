@@ -361,7 +361,9 @@ _JOB = """{% extends "base.html" %}{% block main %}
 <td>{{ w['label'] }}</td><td>{{ w['worker'] }}</td><td>{{ w['agent'] }}</td>
 <td class="n">{{ number(w['rows_per_s']) }}</td>
 <td class="classification cls-{{ w['classification'] }}">{{ w['classification'] }}
-{% if w['verdict'] and w['verdict'] != w['classification'] %}({{ w['verdict'] }}){% end %}</td>
+{% if w['verdict'] and w['verdict'] != w['classification'] %}({{ w['verdict'] }}){% end %}
+{% if w['waiting'] is not None and w['waiting'] >= 0.5 and w['classification'] != 'ok' %}<span
+class="waiting">{{ '%.0f' % (100 * w['waiting']) }}% waiting</span>{% end %}</td>
 <td class="n">{% if w['batch_time_s'] is not None %}{{ '%.0f' % (1000 * w['batch_time_s']) }} ms
 {% if w['median_batch_time_s'] is not None %}({{ '%.0f' % (1000 * w['median_batch_time_s']) }}
 ms){% end %}{% else %}-{% end %}</td>

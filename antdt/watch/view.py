@@ -5,8 +5,10 @@ job lives in:
 
 * each worker's pace (rows/s, from its agent's progress events), its classification by the
   straggler monitor (``ok``, ``straggler``, ``hung``; the monitor's own verdict, ``transient``
-  or ``persistent``, beside it), its backlog (rows leased to it and not trained yet), how often
-  an agent of the job restarted on it and how long ago it last reported (its last commit);
+  or ``persistent``, beside it, and of a straggler the share of its batch time it waits off
+  the CPU, for its rows, its link or a core: a slow link, not a slow CPU), its backlog (rows
+  leased to it and not trained yet), how often an agent of the job restarted on it and how
+  long ago it last reported (its last commit);
 * the lease timeline so far: the journal's closed lease spans (as in the tracking run's
   ``timeline.png``; the whole job in a bounded number of bars, neighbouring leases merged)
   and the leases still open, which end "now".
@@ -107,6 +109,7 @@ def _workers(slots: Sequence[Slot], health: Mapping[str, Mapping[str, Any]],
             "verdict": state,
             "batch_time_s": None if verdict is None else verdict["bpt"],
             "median_batch_time_s": None if verdict is None else verdict["median"],
+            "waiting": None if verdict is None else verdict.get("waiting"),
             "backlog_rows": backlog.get(worker, 0), "restarts": len(mine) - 1,
             "last_report_s": None if verdict is None else verdict["silent_s"]})
     return rows

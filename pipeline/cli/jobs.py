@@ -382,6 +382,9 @@ def job_details(r: Mapping[str, Any], page: str | None = None) -> list[Any]:
         lines.append(f"last checkpoint {r['checkpoint']} ({r['checkpoints']['written']} written "
                      f"by this master; resumed {r['resumes']} time(s), "
                      f"{r['rows_replayed']:,} rows replayed)")
+    if r.get("refused"):
+        lines.append("refused from workers removed meanwhile (zombies): " + ", ".join(
+            f"{count:,} {kind}" for kind, count in sorted(r["refused"].items())))
     if r["error"]:
         lines.append(f"error: {r['error']}")
     if r["stopped"]:

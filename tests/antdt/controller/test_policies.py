@@ -16,7 +16,7 @@ from antdt.controller import (ActionRecord, AdjustBatch, BalanceBatch, Controlle
                               ReassignStragglers, Retire, RetireHung, RetirePersistent, Revoke,
                               RevokeHung, Split, SplitTail, Tick, load_policies)
 from antdt.errors import ConfigError
-from antdt.monitor import BATCHES, BUSY, Monitor, MonitorSettings
+from antdt.monitor import BATCHES, BUSY, CPU, Monitor, MonitorSettings
 from antdt.sharding import (Claim, CommitEvent, JobState, Lease, Revoked, ShardLedger,
                             shares)
 
@@ -56,6 +56,8 @@ class Rig:
         self.leases: list[Lease] = []
         self.applied: list[ActionRecord] = []
         self.trained: Counter[int] = Counter()
+        self.cpu: dict[str, float] = {}
+        """Per worker, the CPU seconds of each of its seconds of training (1: all)."""
 
     def _retire(self, worker: str, stimulus_id: str) -> None:
         self.retired.append((worker, stimulus_id))
@@ -86,7 +88,9 @@ class Rig:
             return
         end = min(claim, offset + speed)
         self.trained.update(range(offset, end))
-        answer = self.ledger.commit(lease.lease_id, lease.token, end, end, claim_rows=2 * speed)
+        stats = {CPU: self.cpu[worker]} if worker in self.cpu else None
+        answer = self.ledger.commit(lease.lease_id, lease.token, end, end, stats=stats,
+                                    claim_rows=2 * speed)
         if isinstance(answer, Claim) or (isinstance(answer, Revoked) and end < answer.stop):
             held[1], held[2] = end, answer.stop
         else:
@@ -142,6 +146,21 @@ def test_straggler_rows_are_reassigned_with_evidence() -> None:
     assert status is not None and status.revoked
     rig.run(1, {"a": 20, "b": 20, "c": 20, "d": 5})
     assert len(rig.applied) == 1  # d's lease is revoked already: nothing more to move
+
+
+def test_a_straggler_that_waits_off_the_cpu_is_said_to_wait() -> None:
+    """d is as slow, but its training thread is on the CPU a tenth of its time (its rows come
+    over a slow link): the reason says so; a straggler that computes slowly gets no such word."""
+    rig = Rig("abcd", [ReassignStragglers()], rows=10_000)
+    rig.cpu = {"a": 0.9, "b": 0.9, "c": 0.9, "d": 0.1}
+    rig.run(10, {"a": 20, "b": 20, "c": 20, "d": 5})
+    (record,) = rig.applied
+    assert record["worker"] == "d" and "90% of its batch time off the CPU" in record["reason"]
+    assert rig.monitor.health("d").waiting == pytest.approx(0.9)
+    computing = Rig("abcd", [ReassignStragglers()], rows=10_000)
+    computing.cpu = {"a": 0.9, "b": 0.9, "c": 0.9, "d": 0.9}
+    computing.run(10, {"a": 20, "b": 20, "c": 20, "d": 5})
+    assert "off the CPU" not in computing.applied[0]["reason"]
 
 
 def test_tail_is_split_so_the_job_ends_sooner() -> None:
