@@ -48,10 +48,10 @@ calls it every tick). When a window closes:
   :attr:`WorkerState.PERSISTENT`.
 
 Independently of windows, at every update a lease holder still training whose last commit is
-older than its hang timeout is :attr:`WorkerState.HUNG` until it commits again, if the scheduler
-still hears from its process (Dask's heartbeats, within the same timeout): a holder the
-scheduler no longer hears is cut off, not hung, and Dask's comm timeouts remove it if it stays
-so (a short blip of the scheduler's own link made every worker of a job look hung, and the
+older than its hang timeout is :attr:`WorkerState.HUNG` until it commits again, unless the
+scheduler hears none of the holders (Dask's heartbeats, each within its timeout): then the
+scheduler's own link is cut, no worker is hung, and Dask's comm timeouts remove the workers if it
+stays so (a short blip of the scheduler's link made every worker of a job look hung, and the
 controller retired all but one). And a worker
 the model sync finds reaching no peer (:meth:`Monitor.partitions`, from
 :meth:`antdt.sync.service.SyncService.partitioned`: its link to its peers is cut, not its link
@@ -348,8 +348,8 @@ class Monitor:
         ``holders``: the workers holding live leases now; ``training(worker)``: whether one of
         its leases still has rows to train (a holder whose leases only wait for their synced
         offset is not hung); ``unheard(worker)``: seconds since the scheduler last heard from
-        its process (a holder unheard for longer than its timeout is cut off, not hung).
-        ``training`` and ``unheard`` are asked only about silent holders.
+        its process (no holder heard within its timeout: the scheduler is cut off, nobody is
+        hung). ``training`` is asked only about silent holders.
         """
         now = self._clock()
         holding = list(holders)
@@ -372,8 +372,13 @@ class Monitor:
             gap = track.gap
             if gap is None:
                 gap = median_gap
-            timeout = track.timeout = floor if gap is None else max(floor, factor * gap)
-            hung = track.silent > timeout and training(worker) and unheard(worker) <= timeout
+            track.timeout = floor if gap is None else max(floor, factor * gap)
+        # a silent holder the scheduler does not hear either is cut off: hung (retired) when
+        # the scheduler hears another holder, not when it hears none (its own link is cut)
+        heard = [w for w in holding if unheard(w) <= tracks[w].timeout]
+        for worker in holding:
+            track = tracks[worker]
+            hung = track.silent > track.timeout and training(worker) and bool(heard)
             if hung != track.hung:
                 track.hung = hung
                 if hung:
