@@ -24,7 +24,8 @@ Faults are calls, each silent (packets are dropped, nothing is refused) until :m
   kernel has neither ``netem``, nor iptables, nor the ``tc`` drop action; a blackhole route would
   fail at once with EINVAL, a fast failure rather than a partition).
 - ``throttle(i, rate)``: a ``tbf`` queue of ``rate`` (``tc`` units: ``"50mbit"``) on both ends
-  of worker ``i``'s veth.
+  of worker ``i``'s veth, its bucket a millisecond at that rate (:func:`burst_for`);
+  ``throttle_all(rate)``: every worker's link.
 
 What happens next is left to the kernel and to Dask: an open TCP connection across a cut
 retransmits with backoff and fails only once ``distributed.comm.timeouts.tcp`` passes without
@@ -32,9 +33,16 @@ progress (a new one after ``distributed.comm.timeouts.connect``); a cut healed b
 as if nothing happened. A test that wants a quick verdict sets those (``DASK_DISTRIBUTED__COMM__
 TIMEOUTS__TCP=5s`` in ``env``).
 
+Data on the network, as a production job's is on remote storage: :meth:`NetworkCluster.serve`
+serves a folder over HTTP from the host's namespace at the bridge's address
+(:mod:`pipeline.bench.http_net`), so that every byte a worker reads crosses its link; every
+worker imports that module as it starts (``--preload``) and so reads ``http://`` URLs.
+:meth:`NetworkCluster.link_bytes` counts the bytes that crossed a worker's link.
+
 Nothing is left behind: :meth:`NetworkCluster.close` (on leaving the ``with`` block, at exit, on
 SIGTERM) kills the processes and removes the namespaces and links; a cluster whose owner was
-killed outright is removed by :func:`sweep`, which every new cluster calls first. An owner is
+killed outright is removed by :func:`sweep`, which every new cluster calls first (a folder's
+HTTP server stops with the cluster). An owner is
 recorded as a file in :data:`OWNERS` naming its process id."""
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import atexit
 import ipaddress
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -52,6 +61,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Literal
 
+from pipeline.bench.http_net import FolderServer
 from pipeline.bench.processes import DASK, wait_for_workers, wait_until
 
 MARK = "adt"
@@ -66,6 +76,9 @@ NOWHERE = "02:00:00:00:00:01"
 """A locally administered MAC address no interface has: frames sent to it are dropped."""
 
 ALLOW_FAULTS = "DASK_ANTDT__JOBS__ALLOW_FAULTS"
+
+HTTP_READER = "pipeline.bench.http_net"
+"""What every worker imports as it starts (``--preload``): the reader of ``http://`` data."""
 
 
 def ip(*args: str, namespace: str | None = None, check: bool = True) -> str:
@@ -168,6 +181,23 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 atexit.register(_close_all)
 
 
+_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def burst_for(rate: str) -> str:
+    """A ``tbf`` bucket of a millisecond at ``rate`` (``tc`` units of bits: ``"20mbit"``),
+    at least ``32kbit``.
+
+    >>> burst_for("20mbit"), burst_for("1gbit")
+    ('32kbit', '1000kbit')
+    """
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)", rate.strip().lower())
+    if match is None:
+        raise ValueError(f"link rate {rate!r}: expected a number and kbit, mbit or gbit "
+                         "(e.g. 20mbit)")
+    return f"{max(32, round(float(match[1]) * _UNITS[match[2]] / 1e6))}kbit"
+
+
 def _free_subnet() -> ipaddress.IPv4Network:
     used = ip("-4", "-o", "addr", "show", check=False) + ip("-4", "route", "show", check=False)
     for _ in range(100):
@@ -197,6 +227,7 @@ class NetworkCluster:
         self.commands: list[subprocess.Popen[bytes]] = []
         self._cuts: dict[int, list[tuple[str, str, str]]] = {}  # worker: (namespace, dev, addr)
         self._closed = False
+        self._servers: list[FolderServer] = []
         sweep()
         OWNERS.mkdir(parents=True, exist_ok=True)
         while True:
@@ -260,11 +291,21 @@ class NetworkCluster:
         self.scheduler = self._start("s", [DASK, "scheduler", "--host", self.ip("s"), "--port",
                                            str(SCHEDULER_PORT), "--dashboard-address", ":0"])
         wait_until(self._scheduler_listens, f"the scheduler at {self.address}", timeout_s)
-        self.worker_commands = [
-            self._start(i, [DASK, "worker", self.address, "--host", self.ip(i), "--nthreads", "1",
-                            "--nworkers", "1", "--name", f"w{i}", "--dashboard-address", ":0"])
-            for i in range(workers)]
+        self.worker_commands = [self._start(i, self._worker_command(i)) for i in range(workers)]
         self.workers = self.wait_for_workers(timeout_s)
+
+    def _worker_command(self, node: int) -> list[str]:
+        return [DASK, "worker", self.address, "--host", self.ip(node), "--nthreads", "1",
+                "--nworkers", "1", "--name", f"w{node}", "--dashboard-address", ":0",
+                "--preload", HTTP_READER]
+
+    def restart(self, worker: int) -> None:
+        """Start worker ``worker``'s command again once it exited (as a deployment restarts
+        what exits: a worker the scheduler dropped closes itself, its nanny too); it joins as
+        a new worker, at a new port."""
+        if self.worker_commands[worker].poll() is None:
+            raise RuntimeError(f"worker {worker} still runs: stop it before it is restarted")
+        self.worker_commands[worker] = self._start(worker, self._worker_command(worker))
 
     def _add_node(self, node: int | Literal["s"]) -> None:
         space, host, inner = self.namespace(node), self.host_link(node), self.inner_link(node)
@@ -319,13 +360,20 @@ class NetworkCluster:
                    entry[1], namespace=entry[0])
                 entries.append(entry)
 
-    def throttle(self, worker: int, rate: str, burst: str = "32kbit",
+    def throttle(self, worker: int, rate: str, burst: str | None = None,
                  latency: str = "400ms") -> None:
-        """Limit worker ``worker``'s link to ``rate`` each way (``tc`` units, ``"50mbit"``)."""
+        """Limit worker ``worker``'s link to ``rate`` each way (``tc`` units, ``"50mbit"``);
+        its bucket ``burst`` (default :func:`burst_for` the rate: a bucket much smaller than a
+        millisecond's bytes holds a fast link below its rate)."""
         for link, space in ((self.host_link(worker), None),
                             (self.inner_link(worker), self.namespace(worker))):
-            ip("tc", "qdisc", "replace", "dev", link, "root", "tbf", "rate", rate, "burst", burst,
-               "latency", latency, namespace=space)
+            ip("tc", "qdisc", "replace", "dev", link, "root", "tbf", "rate", rate, "burst",
+               burst or burst_for(rate), "latency", latency, namespace=space)
+
+    def throttle_all(self, rate: str) -> None:
+        """Limit every worker's link to ``rate`` each way, as :meth:`throttle` does."""
+        for worker in range(self.count):
+            self.throttle(worker, rate)
 
     def heal(self, worker: int) -> None:
         """Undo every cut and throttle of worker ``worker``."""
@@ -335,6 +383,22 @@ class NetworkCluster:
         ip("tc", "qdisc", "del", "dev", self.host_link(worker), "root", check=False)
         ip("tc", "qdisc", "del", "dev", self.inner_link(worker), "root",
            namespace=self.namespace(worker), check=False)
+
+    # --- data and what crossed the links
+
+    def serve(self, folder: Path) -> FolderServer:
+        """``folder`` served over HTTP from this (the host's) namespace at the bridge's address,
+        every worker's link between it and them (:mod:`pipeline.bench.http_net`); stopped by
+        :meth:`close`."""
+        server = FolderServer(folder, str(self.subnet.network_address + 1))
+        self._servers.append(server)
+        return server
+
+    def link_bytes(self, worker: int) -> int:
+        """Bytes that crossed worker ``worker``'s link so far, both ways (its veth's counters
+        on the host's side: data, the scheduler's messages and its peers' alike)."""
+        stats = Path("/sys/class/net") / self.host_link(worker) / "statistics"
+        return sum(int((stats / name).read_text()) for name in ("rx_bytes", "tx_bytes"))
 
     # --- the end
 
@@ -350,6 +414,8 @@ class NetworkCluster:
         if self._closed:
             return
         self._closed = True
+        for server in self._servers:
+            server.close()
         for command in reversed(self.commands):
             if command.poll() is None:
                 try:

@@ -1,4 +1,6 @@
 """`antdt bench scaling`: async samples/s with 1 and 2 workers (one thread each) on this machine.
+With ``--network``, the most workers on links at each ``--link-rate`` beside loopback instead,
+and what the sync rounds cost there (:mod:`pipeline.bench.scaling_net`).
 
 Every worker count trains the same synthetic job on a fresh LocalCluster; samples/s is rows
 trained over training seconds (first agent started to last agent ended). The job is sized by
@@ -184,13 +186,33 @@ def dask_samples_per_s(job: JobConfig, workers: int) -> float:
 @click.option("--workers", default="1,2", show_default=True,
               help="Comma-separated worker counts; the ratio is the last over the first.")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--network", is_flag=True,
+              help="Run the most workers on a cluster of hosts (a network namespace each, root "
+                   "only) at each --link-rate, beside loopback, the data served over HTTP "
+                   "(pipeline.bench.scaling_net).")
+@click.option("--link-rate", "link_rates", default="1gbit,100mbit", show_default=True,
+              help="--network: comma-separated rates of every worker's link (tc units).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--json", "as_json", is_flag=True)
 def command(target_s: float, rows: int | None, data_dir: str | None, workers: str,
-            repeats: int, overrides: tuple[str, ...], as_json: bool) -> None:
+            repeats: int, network: bool, link_rates: str, overrides: tuple[str, ...],
+            as_json: bool) -> None:
     """Samples/s of the async mode with 1 and 2 workers (target: 2 workers >= 1.7x one), next
-    to the machine's own ceiling for the same work."""
+    to the machine's own ceiling for the same work; with --network, on links at each rate
+    beside loopback and what the sync rounds cost there."""
     counts = [int(w) for w in workers.split(",")]
+    if network:
+        from pipeline.bench.network import burst_for
+        from pipeline.bench.scaling_net import network_command
+        links = link_rates.split(",")
+        try:
+            for link in links:
+                burst_for(link)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--link-rate") from exc
+        network_command(max(counts), target_s, rows, data_dir, links, repeats, overrides,
+                        as_json)
+        return
     job, sizing = sized_job(max(counts), target_s, rows, data_dir, overrides, as_json)
     rates: dict[int, list[float]] = {count: [] for count in counts}
     machine: dict[int, list[float]] = {count: [] for count in counts}

@@ -31,6 +31,10 @@ With ``--repeats N`` every way runs N times per scenario, interleaved with the o
 way's figures are those of its median run (by efficiency); ``efficiencies`` lists every run's
 efficiency and ``fixed_costs`` every run's ``[start_s, tail_s]``.
 
+``--network`` runs the async ways on a cluster of hosts instead, the data served over HTTP and
+a straggler made by a slow link (scenarios ``none`` and ``slow-link``, worker 0's link at
+``--link-rate``): :mod:`pipeline.bench.stragglers_net`.
+
 ``--mode sync`` measures the synchronous mode (AntDT-DD) instead, scenarios ``none``,
 ``persistent`` and ``contention`` only. Its ways: ``fixed`` (sync, equal local batches:
 ``train.adaptive_batch: false``, what TorchRec under torchrun does), ``adaptive`` (sync, the
@@ -77,8 +81,10 @@ collectives'): adaptive stayed at 1.7x fixed.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
+from collections.abc import Callable
 from typing import Any, Literal
 
 import click
@@ -92,6 +98,8 @@ from pipeline.job.config import FaultConfig, JobConfig, Sharding
 SCENARIOS = ("none", "persistent", "transient", "hang", "crash", "contention")
 WAYS: tuple[Sharding, ...] = ("antdt", "pull", "static")
 SYNC_SCENARIOS = ("none", "persistent", "contention")
+NET_SCENARIOS = ("none", "slow-link")
+"""``--network``'s scenarios (:mod:`pipeline.bench.stragglers_net`)."""
 SyncWay = Literal["fixed", "adaptive", "async"]
 SYNC_WAYS: tuple[SyncWay, ...] = ("fixed", "adaptive", "async")
 FAULT_FREE = "fault_free"
@@ -156,10 +164,9 @@ def others_rate(outcome: Outcome) -> float:
     return total
 
 
-def run_way(job: JobConfig, way: Sharding, workers: int, faults: list[FaultConfig],
-            deadline_s: float | None, contention: bool = False) -> dict[str, Any]:
-    outcome = run_async(with_train(job, sharding=way, faults=faults), workers,
-                        deadline_s=deadline_s, setting=cpu_hog if contention else None)
+def way_figures(outcome: Outcome, faults: list[FaultConfig]) -> dict[str, Any]:
+    """One run's figures: its training seconds, ideal seconds and efficiency (0 when it did
+    not finish), rows, rates, straggler actions and fixed costs."""
     summary = outcome.summary
     rows = summary.rows_trained - summary.rows_retrained + summary.rows_lost
     ideal = ideal_seconds(outcome, rows, faults)
@@ -176,6 +183,14 @@ def run_way(job: JobConfig, way: Sharding, workers: int, faults: list[FaultConfi
         "run_id": summary.run_id}
 
 
+def run_way(job: JobConfig, way: Sharding, workers: int, faults: list[FaultConfig],
+            deadline_s: float | None, contention: bool = False) -> dict[str, Any]:
+    """One run of ``way`` on a new LocalCluster (:func:`way_figures`)."""
+    outcome = run_async(with_train(job, sharding=way, faults=faults), workers,
+                        deadline_s=deadline_s, setting=cpu_hog if contention else None)
+    return way_figures(outcome, faults)
+
+
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run of median efficiency (the lower middle one of an even count), with every run's
     efficiency under ``efficiencies`` and its fixed costs under ``fixed_costs`` (start + tail
@@ -186,21 +201,33 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "fixed_costs": [[run["start_s"], run["tail_s"]] for run in runs]}
 
 
+WayRunner = Callable[[Sharding, float | None], dict[str, Any]]
+"""``run(way, deadline_s)``: one run of a scenario's ``way``, its figures (:func:`run_way`)."""
+
+
 def run_scenario(job: JobConfig, name: str, ways: list[Sharding], workers: int,
                  faults: list[FaultConfig], deadline_factor: float, repeats: int,
-                 quiet: bool) -> dict[str, Any]:
+                 quiet: bool, runner: WayRunner | None = None) -> dict[str, Any]:
     """Every way of one scenario, ``repeats`` times interleaved, each way's median run; in each
-    repeat the ``antdt`` way's time sets the others' deadline."""
+    repeat the ``antdt`` way's time sets the others' deadline. ``runner`` runs one way
+    (default: :func:`run_way` on a LocalCluster)."""
+    if runner is None:
+        runner = functools.partial(_local_run, job, workers, faults, name == "contention")
     runs: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
     for repeat in range(repeats):
         deadline = None
         for way in ways:
             echo(f"{name}: {way} (repeat {repeat + 1}/{repeats})", quiet)
-            run = run_way(job, way, workers, faults, deadline, contention=name == "contention")
+            run = runner(way, deadline)
             runs[way].append(run)
             if way == "antdt":
                 deadline = deadline_factor * run["wall_s"] + 30.0
     return {way: median_run(way_runs) for way, way_runs in runs.items()}
+
+
+def _local_run(job: JobConfig, workers: int, faults: list[FaultConfig], contention: bool,
+               way: Sharding, deadline_s: float | None) -> dict[str, Any]:
+    return run_way(job, way, workers, faults, deadline_s, contention=contention)
 
 
 def fluid_share(workers: int, slowdown: float) -> float:
@@ -347,9 +374,10 @@ def sync_command(names: list[str], ways: list[SyncWay], workers: int, target_s: 
 
 
 @click.command("stragglers")
-@click.option("--scenario", "scenarios", default="persistent", show_default=True,
+@click.option("--scenario", "scenarios", default=None,
               help=f"Comma-separated scenarios among {', '.join(SCENARIOS)} (--mode sync: "
-                   f"{', '.join(SYNC_SCENARIOS)}).")
+                   f"{', '.join(SYNC_SCENARIOS)}; --network: {', '.join(NET_SCENARIOS)}; "
+                   "default: persistent, --network: slow-link).")
 @click.option("--workers", type=click.IntRange(min=2), default=4, show_default=True)
 @click.option("--target-s", type=click.FloatRange(min=1.0), default=30.0, show_default=True,
               help="Size the dataset for this many seconds of ideal training on this machine "
@@ -375,19 +403,27 @@ def sync_command(names: list[str], ways: list[SyncWay], workers: int, target_s: 
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runs of every way per scenario, interleaved; each way reports its median "
                    "run (by efficiency) and every run's efficiency.")
+@click.option("--network", is_flag=True,
+              help="Run on a cluster of hosts (a network namespace each, root only), the data "
+                   "served over HTTP; scenarios none and slow-link (async mode).")
+@click.option("--link-rate", default="20mbit", show_default=True,
+              help="--network: worker 0's link rate in the slow-link scenario (tc units).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--json", "as_json", is_flag=True)
-def command(scenarios: str, workers: int, target_s: float, rows: int | None,
+def command(scenarios: str | None, workers: int, target_s: float, rows: int | None,
             data_dir: str | None, slowdown: float, mode: str,
             ways: str | None, deadline_factor: float, monitor_window: str, repeats: int,
-            overrides: tuple[str, ...], as_json: bool) -> None:
+            network: bool, link_rate: str, overrides: tuple[str, ...], as_json: bool) -> None:
     """Static, pull and antdt sharding under a straggler, a hang or a crash (efficiency =
     ideal_s / wall_s; targets with 4 workers, median of 3: persistent >= 0.92, the others >=
     0.90; fixed costs <= 1 s a job). With --mode sync: fixed and adaptive local batches and the
     async mode (targets: adaptive >= 1.8x fixed under a persistent straggler, >= 1.2x under
     contention, >= 0.9x with none)."""
-    names = scenarios.split(",")
-    known = SYNC_SCENARIOS if mode == "sync" else SCENARIOS
+    names = (scenarios or ("slow-link" if network else "persistent")).split(",")
+    if network and mode == "sync":
+        raise click.BadParameter("--network runs the async mode's ways only",
+                                 param_hint="--mode")
+    known = NET_SCENARIOS if network else SYNC_SCENARIOS if mode == "sync" else SCENARIOS
     for name in names:
         if name not in known:
             raise click.BadParameter(f"unknown scenario {name!r} for --mode {mode}; expected "
@@ -406,6 +442,16 @@ def command(scenarios: str, workers: int, target_s: float, rows: int | None,
                      data_dir, slowdown, monitor_window, repeats, overrides, as_json)
         return
     chosen = [w for w in WAYS if w in wanted]
+    if network:
+        from pipeline.bench.network import burst_for
+        from pipeline.bench.stragglers_net import network_command
+        try:
+            burst_for(link_rate)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--link-rate") from exc
+        network_command(names, chosen, workers, target_s, rows, data_dir, link_rate,
+                        monitor_window, deadline_factor, repeats, overrides, as_json)
+        return
     job, sizing = sized_job(workers, target_s, rows, data_dir, overrides, as_json)
     result: dict[str, Any] = {"workers": workers, **sizing.as_dict(), "slowdown": slowdown,
                               "monitor_window": monitor_window, "repeats": repeats,
