@@ -351,15 +351,16 @@ class SyncScheduler:
         return self.reach.report(worker, [p for p in peers if p in self._members], now)
 
     def isolated(self, now: float) -> dict[str, list[str]]:
-        """The members that reach no other member at ``now``, each with the members it cannot
-        reach (O(members with a cut pair)): nothing they train can be synced."""
-        return {worker: self.reach.peers(worker, now) for worker in self.reach.reported()
+        """The members that reach no other member at ``now`` (each pair reported by both
+        sides), each with the members it cannot reach (O(members that reported a peer)):
+        nothing they train can be synced."""
+        return {worker: self.reach.confirmed(worker, now) for worker in self.reach.reported()
                 if worker in self._members and self._cut_off(worker, now)}
 
     def _cut_off(self, worker: str, now: float) -> bool:
         """Whether ``worker`` reaches none of the other members that serve pulls (every member
-        but the joiners still bootstrapping); O(its cut peers)."""
-        cut = [p for p in self.reach.peers(worker, now)
+        but the joiners still bootstrapping), by both sides' reports; O(its reports)."""
+        cut = [p for p in self.reach.confirmed(worker, now)
                if p in self._members and not self._members[p].bootstrapping]
         others = len(self._members) - 1 - self._bootstrapping \
             + self._members[worker].bootstrapping
@@ -452,7 +453,7 @@ class SyncScheduler:
         if member.state is MemberState.FINISHED:
             raise SyncError(f"ready {worker!r}: already finished training, expected "
                             "final=True")
-        if self.reach.peers(worker, now) and self._cut_off(worker, now):
+        if self._cut_off(worker, now):
             if member.state is MemberState.READY:
                 self._pool_remove(member)
                 self._idle_from(member, worker, now)

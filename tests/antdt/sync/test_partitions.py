@@ -61,6 +61,8 @@ def test_a_member_that_reaches_no_other_is_cut_and_named_isolated() -> None:
     s.unreachable("a", ["x"], now=0.0)
     assert s.ready("x", 0, now=0.5).kind == "wait"
     s.unreachable("b", ["x"], now=1.0)
+    assert s.isolated(now=1.0) == {}  # only one side of each pair said so: a slow pull?
+    s.unreachable("x", ["a", "b"], now=1.0)
     assert s.isolated(now=1.0) == {"x": ["a", "b"]}
     assert s.ready("x", 0, now=1.0).kind == "cut"  # taken out of the pool it waited in
     assert s.ready("a", 0, now=1.1).kind == "wait"  # for b only
@@ -76,7 +78,11 @@ def test_a_member_that_reaches_no_other_is_cut_and_named_isolated() -> None:
 def test_two_members_cut_from_each_other_are_both_isolated() -> None:
     s = joined(["a", "b"])
     s.unreachable("a", ["b"], now=0.0)
-    assert s.isolated(now=0.0) == {"a": ["b"], "b": ["a"]}  # retiring either one mends it
+    assert s.isolated(now=0.0) == {}
+    assert s.ready("a", 0, now=0.1).kind == "alone"  # not grouped with b meanwhile
+    s.unreachable("b", ["a"], now=0.2)
+    assert s.isolated(now=0.2) == {"a": ["b"], "b": ["a"]}  # retiring either one mends it
+    assert s.isolated(now=30.1) == {}  # a's report ran out
     s.leave("a")
     assert s.isolated(now=0.0) == {}
 
@@ -152,6 +158,9 @@ async def test_stale_sync_messages_are_refused_and_counted_per_job(
     assert plugin.refused("j") == 2 and plugin.refused("other") == 0
     ok(await sched.antdt_sync_group(job="j", worker=a.address, progress=0,
                                     unreachable=[b.address]))
+    assert service(s).partitioned("j") == {}  # b has not said so
+    ok(await sched.antdt_sync_group(job="j", worker=b.address, progress=0,
+                                    unreachable=[a.address]))
     assert service(s).partitioned("j") == {
         w: f"reaches no sync peer (1 unreachable: {o})"
         for w, o in ((a.address, b.address), (b.address, a.address))}
