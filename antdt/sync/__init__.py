@@ -19,6 +19,11 @@ worker) and exchanges with them:
   whole-state copy (:mod:`antdt.sync.replica`).
 * **Joiners** adopt a live member's snapshot once every other member has learned of them, then
   pull newer entries as usual.
+* **Partitions**: a pull unanswered for ``antdt.sync.pull-timeout`` fails the exchange with that
+  peer; the pair is reported and not grouped for a while, and a worker that reaches no other
+  member is held at its staleness bound and named partitioned (its rows cannot be synced). A
+  request or a payload of a worker that is no member (it left, or was removed while it went on
+  training) is refused and counted (:mod:`antdt.sync.reach`, :mod:`antdt.sync.service`).
 
 One module per idea, plain classes first, the Dask glue beside them:
 
@@ -30,6 +35,8 @@ One module per idea, plain classes first, the Dask glue beside them:
                                :class:`Staleness`: how far training may run ahead of rounds
 :mod:`antdt.sync.replica`      :class:`ReplicaSync`: one worker's side of the protocol
 :mod:`antdt.sync.groups`       :class:`SyncScheduler`: who syncs with whom (injected clock)
+:mod:`antdt.sync.reach`        :class:`~antdt.sync.reach.Reach`: the pairs that cannot reach
+                               each other
 :mod:`antdt.sync.wire`         the messages on Dask comms
 :mod:`antdt.sync.service`      :class:`~antdt.sync.service.SyncService`, the scheduler plugin
 :mod:`antdt.sync.serving`      :class:`~antdt.sync.serving.SyncWorkerPlugin`, serving peers
