@@ -13,7 +13,7 @@ import asyncio
 import functools
 import logging
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +42,15 @@ EVENT_TOPIC = "antdt"
 @dataclass(frozen=True)
 class JobAgents:
     """What a job's master tells the controller of its agents (:meth:`ControllerService.attach`):
-    ``workers()``, the workers its agents train on now (or are about to), and
+    ``workers()``, the workers its agents train on now (or are about to),
     ``stop(worker, reason)``, which stops its agent on ``worker`` and deals that agent's rows to
-    the others (its leases back to the queue, as for a hung agent), leaving the worker up."""
+    the others (its leases back to the queue, as for a hung agent), leaving the worker up, and
+    ``partitioned()``, the workers its model sync cannot reach, with why (each tick hands them
+    to the job's monitor: :meth:`~antdt.monitor.Monitor.partitions`)."""
 
     workers: Callable[[], Collection[str]]
     stop: Callable[[str, str], None]
+    partitioned: Callable[[], Mapping[str, str]] = dict
 
 
 @dataclass
@@ -207,6 +210,9 @@ class ControllerService(SchedulerPlugin):
             control = self._control(name)
             if control is None:
                 continue
+            agents = self._agents.get(name)
+            if agents is not None:
+                control.monitor.partitions(agents.partitioned())
             if job is None and not self._is_enabled(name):
                 control.controller.update_monitor()
             else:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -375,13 +376,12 @@ class JobRunner(Restarts):
 
     def _enable_controller(self, workers: int) -> None:
         """The async mode's controller runs the configured policies when the plan's sharding is
-        antdt's; the synchronous mode's only sizes the ranks' local batches (with
-        ``adaptive_batch``), their sum fixed at the global batch ``batch_rows``. Before the job's
-        ledger is registered or restored: the policies take effect with it. It acts on this
-        job's agents only (:class:`~antdt.controller.JobAgents`)."""
-        plan = self.plan
-        self.ctx.controller.attach(self.job_id, JobAgents(self.placement.training,
-                                                          self._stop_agent))
+        antdt's; the sync mode's only sizes the ranks' local batches (``adaptive_batch``; their
+        sum is ``batch_rows``). Before the ledger is registered or restored; it acts on this
+        job's agents only, and hears which its model cannot reach (:class:`JobAgents`)."""
+        plan, job, partitioned = self.plan, self.job_id, self.ctx.mode.partitioned
+        self.ctx.controller.attach(self.job_id, JobAgents(self.placement.training, self._stop_agent,
+                                                          functools.partial(partitioned, job)))
         if plan.mode == "sync":
             self.ctx.controller.enable(self.job_id, plan.adaptive_batch,
                                        [BalanceBatch(plan.batch_rows)],

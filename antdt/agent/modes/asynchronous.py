@@ -183,3 +183,6 @@ class AsyncMaster:
 
     def stale_refused(self, job: str) -> int:
         return self.service.stale_refused(job)
+
+    def partitioned(self, job: str) -> dict[str, str]:
+        return self.service.partitioned(job)

@@ -297,6 +297,9 @@ class HybridMaster:
     def stale_refused(self, job: str) -> int:
         return self.service.stale_refused(job)
 
+    def partitioned(self, job: str) -> dict[str, str]:
+        return self.service.partitioned(job)
+
     def tables(self, job: str) -> dict[str, Any] | None:
         return self.tables_service.summary(job)
 

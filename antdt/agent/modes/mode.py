@@ -197,3 +197,7 @@ class MasterMode(Protocol):
     def stale_refused(self, job: str) -> int:
         """The stale calls about the job's model refused so far (of workers the scheduler
         removed, or of a rank of an older forming: :mod:`antdt.fencing`)."""
+
+    def partitioned(self, job: str) -> dict[str, str]:
+        """The job's workers its model cannot reach now (the async mode's members that reach
+        no sync peer), each with why: their monitor's verdict ``partitioned``."""

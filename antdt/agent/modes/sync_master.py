@@ -149,6 +149,9 @@ class SyncMaster:
     def accepts_joiners(self, job: str) -> bool:
         return False
 
+    def partitioned(self, job: str) -> dict[str, str]:
+        return {}  # a rank cut from its peers breaks the step: the job regroups
+
     def stale_refused(self, job: str) -> int:
         """The stale calls of ``job``'s ranks refused so far (:attr:`Rendezvous.refused`)."""
         return self.rendezvous.refused.get(job, 0)
