@@ -423,7 +423,8 @@ class BackgroundSync:
                     logger.warning("sync job %s: round failed, next one in %s: %r", self.job,
                                    self.period, exc)
                 finally:
-                    if ended:
+                    if ended:  # whatever else happened, the scheduler did not say cut
+                        self.staleness.hold(False)
                         self.staleness.round_ended(covered)
         except BaseException as exc:  # handed to the agent (raise_if_failed, stop, finish)
             logger.error("sync thread of job %s failed", self.job, exc_info=True)
@@ -453,11 +454,11 @@ class BackgroundSync:
     def _round(self) -> bool:
         """One background round: ask for a group and exchange with it; False when the
         scheduler answered that this worker reaches no other member (the round does not count
-        for the staleness bound, which holds the training; another ask follows after
-        ``CUT_RETRY_S``). A period in batches
-        counts from the moment the group formed, the same for all its members, so that they
-        are due together again (counted from each one's ask, the first to ask would wait for
-        the others in every round).
+        for the staleness bound, which holds the training until a round that is not cut ends;
+        another ask follows after ``CUT_RETRY_S``). A period in batches counts from the moment
+        the group formed, the same for all its members, so that they are due together again
+        (counted from each one's ask, the first to ask would wait for the others in every
+        round).
 
         A group that forms once the thread is being stopped is not exchanged with: the final
         round follows (or the worker leaves), and it subsumes the group's merge, as its leader
@@ -471,8 +472,8 @@ class BackgroundSync:
                            "reaches no other member: training waits" if cut
                            else "reaches its peers again")
         self.cut_off = cut
-        self.staleness.hold(cut)
         if cut:
+            self.staleness.hold(True)
             if not self._stop.wait(CUT_RETRY_S):
                 self._hurry.set()
             return False
