@@ -459,4 +459,4 @@ def _tables(value: object) -> dict[str, float] | None:
 
 def _health(state: str) -> str:
     """A monitor verdict as ``status`` names it."""
-    return {"ok": "normal", "hung": "hung"}.get(state, "straggler")
+    return {"ok": "normal", "hung": "hung", "partitioned": "partitioned"}.get(state, "straggler")
