@@ -380,8 +380,10 @@ class BalanceBatch(ControllerPolicy):
         for worker, step, size in zip(workers, steps, sizes):
             current = tick.batch_sizes.get(worker, even)
             if abs(size - current) > self.tolerance * current:
-                yield AdjustBatch(worker, size, Evidence.of(tick.monitor.health(worker), (
-                    f"step {step.fixed:.3g}s + {step.per_row * 1e3:.3g}s per 1000 rows")))
+                health = tick.monitor.health(worker)
+                yield AdjustBatch(worker, size, Evidence.of(health, (
+                    f"step {step.fixed:.3g}s + {step.per_row * 1e3:.3g}s per 1000 rows"
+                    f"{'' if health is None or size > current else waiting(health)}")))
 
     def _step_time(self, worker: str, seen: deque[Sample]) -> StepTime:
         """The worker's step time from its samples (the class docstring)."""

@@ -19,7 +19,7 @@ import torch
 from antdt import config
 from antdt.agent.faults import PAUSE_POLL_S
 from antdt.agent.modes.mode import AgentParts
-from antdt.monitor import BATCHES, BUSY
+from antdt.monitor import BATCHES, BUSY, CPU
 from antdt.sharding import Claim, CommitReply, Finished, Lease, Revoked, Stop, Wait
 
 RETRY_S = 0.05
@@ -240,14 +240,16 @@ class StepRows:
             spans.append((self.ahead, self.ahead.start, self.ahead.start + rows - first))
         return spans
 
-    def trained(self, spans: Sequence[Span], busy_s: float, next_rows: int) -> None:
+    def trained(self, spans: Sequence[Span], busy_s: float, next_rows: int,
+                cpu_s: float) -> None:
         """The spans' rows were trained (their step completed); the claim is extended at once
         if it holds fewer than ``next_rows`` (the local batch) past them. The step's
-        measurements ride with its last commit."""
+        measurements (its own seconds, ``cpu_s`` of them on the CPU) ride with its last
+        commit."""
         for i, (_, _, end) in enumerate(spans):
             last = i == len(spans) - 1
             reply = self.agent.shards.commit(
-                end, stats={BUSY: busy_s, BATCHES: 1.0} if last else None,
+                end, stats={BUSY: busy_s, BATCHES: 1.0, CPU: cpu_s} if last else None,
                 claim_ahead=next_rows if last else 0)
             self._committed(end, reply)
             if self.lease is None:  # its last span, or the job stopped under it

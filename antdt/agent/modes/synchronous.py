@@ -393,7 +393,7 @@ class SyncMode(EverySynced, OwnTables):
                 agent.count(0, busy, cpu, math.nan)
                 continue
             agent.count(counts[self.rank], busy, cpu, loss)
-            rows.trained(spans, busy, sizes[self.rank])
+            rows.trained(spans, busy, sizes[self.rank], min(cpu, busy))
             if agent.faults.fire(agent.rows):
                 return "cancelled"
 

@@ -225,12 +225,12 @@ def test_the_next_lease_is_asked_a_step_early_so_the_step_before_reads_its_front
     assert rows.offer(4, idle=False) == 10 and rows.ahead is None  # 10 rows: two steps' more
     spans = rows.take(4)
     assert rows.following(spans, 4) == [(first, 4, 8)]
-    rows.trained(spans, 0.0, 4)
+    rows.trained(spans, 0.0, 4, 0.0)
     assert rows.offer(4, idle=False) == 6 + 10 and rows.ahead == second  # 6 rows left
     spans = rows.take(4)
     guessed = rows.following(spans, 4)
     assert guessed == [(first, 8, 10), (second, 0, 2)]
-    rows.trained(spans, 0.0, 4)
+    rows.trained(spans, 0.0, 4, 0.0)
     assert rows.offer(4, idle=False) == 2 + 10
     assert rows.take(4) == guessed
     assert rows.following([(second, 6, 10)], 4) == []  # no lease known past it
