@@ -37,6 +37,12 @@ Async scenarios (each on a fresh cluster):
                  the job resumes from that checkpoint on a new cluster (as ``--resume`` does),
                  where one more worker process is killed.
 
+Network scenarios (``partition``, ``peer-partition``, ``scheduler-partition``: links cut, not
+processes killed, on a cluster of hosts in network namespaces, which needs root; run by default
+only where namespaces can be made): :mod:`pipeline.bench.chaos_net`. A run reports the stale
+calls the scheduler refused from workers it had removed (``refused``, by kind) and, of a
+partition, when it healed (``heal``).
+
 Hybrid scenarios (the final table gathered from its hosts):
 
 * ``host-kill``  ``kill`` on a job whose workers host the table: a killed worker's buckets are
@@ -94,11 +100,13 @@ from antdt.tables.service import PLUGIN_NAME as TABLES_PLUGIN
 from pipeline.bench.chaos_run import (EPOCHS, NOTHING_CHECKED, STEP_S, WAIT_S, AuditHooks,
                                       CountingModel, CountingTables, IdReaderRecipe, Run, Watch,
                                       audit, ignore, write_data)
+from pipeline.bench.chaos_net import NETWORK_RUNNERS, NETWORK_SCENARIOS
 from pipeline.bench.chaos_sync import SYNC_SCENARIOS, run_sync
 from pipeline.bench.jobs import echo
+from pipeline.bench.network import namespaces_available
 from pipeline.bench.processes import freeze, thaw
 
-SCENARIOS = ("kill", "hang", "lone", "scheduler")
+SCENARIOS = ("kill", "hang", "lone", "scheduler", *NETWORK_SCENARIOS)
 HYBRID_SCENARIOS = ("host-kill", "host-hang")
 MODE_SCENARIOS = {"async": SCENARIOS, "sync": SYNC_SCENARIOS, "hybrid": HYBRID_SCENARIOS}
 MODES = {"async": ("async",), "sync": ("sync",), "hybrid": ("hybrid",),
@@ -144,9 +152,12 @@ class AsyncRun(Run):
     hybrid mode)."""
 
     def __init__(self, scenario: str, seed: int, folder: Path, job_s: float,
-                 sharded: bool = False) -> None:
+                 sharded: bool = False, heal: str | None = None) -> None:
         super().__init__(scenario, seed, folder, CONFIG)
         self.sharded = sharded
+        self.heal = heal
+        """When a network scenario healed its cut (:mod:`~pipeline.bench.chaos_net`; None:
+        drawn from the seed)."""
         # three workers at half the steps' pace (commits, sync rounds and the cluster share two
         # cores), over the epochs
         self.rows = int(job_s * 3 * BATCH_ROWS / STEP_S / 2 / EPOCHS)
@@ -329,16 +340,16 @@ def scheduler(run: AsyncRun) -> dict[str, Any]:
 
 RUNNERS: dict[str, Callable[[AsyncRun], dict[str, Any]]] = {
     "kill": kill, "hang": hang, "lone": lone, "scheduler": scheduler,
-    "host-kill": kill, "host-hang": hang}
+    "host-kill": kill, "host-hang": hang, **NETWORK_RUNNERS}
 
 
 def run_scenario(scenario: str, seed: int, folder: Path, job_s: float,
-                 mode: str = "async") -> dict[str, Any]:
+                 mode: str = "async", heal: str | None = None) -> dict[str, Any]:
     """One run of the async or hybrid ``scenario``: its job on fresh clusters, the harm, and
     :func:`~pipeline.bench.chaos_run.audit` of its final model (``finished`` False, and nothing
-    checked, when the job did not finish)."""
+    checked, when the job did not finish). ``heal``: a network scenario's (else drawn)."""
     started = time.monotonic()
-    run = AsyncRun(scenario, seed, folder, job_s, sharded=mode == "hybrid")
+    run = AsyncRun(scenario, seed, folder, job_s, sharded=mode == "hybrid", heal=heal)
     try:
         record = RUNNERS[scenario](run)
     except TimeoutError as exc:  # a wait of the run's own: reported with the run, unfinished
@@ -348,7 +359,8 @@ def run_scenario(scenario: str, seed: int, folder: Path, job_s: float,
         "state": record["state"], "error": record.get("error"),
         "finished": record["state"] == "finished", "kills": run.kills, "hangs": run.hangs,
         "rows": dict(record["rows"]), "rows_replayed": record.get("rows_replayed", 0),
-        "resumes": record.get("resumes", 0), "seconds": round(time.monotonic() - started, 1)}
+        "resumes": record.get("resumes", 0), "refused": record.get("refused", {}),
+        "heal": run.heal, "seconds": round(time.monotonic() - started, 1)}
     model = folder / f"{run.job_id}.npy"
     if result["finished"] and model.exists():
         result.update(audit(np.load(model), EPOCHS, record["rows"]))
@@ -363,7 +375,9 @@ def chaos(seconds: float, seed: int, folder: Path, scenarios: Sequence[str] | No
     ``seconds`` passed (each at least once), in ``folder``; their totals, per scenario and in
     all, and every run (see the module)."""
     started = time.monotonic()
-    plan = {m: [s for s in scenarios or MODE_SCENARIOS[m] if s in MODE_SCENARIOS[m]]
+    networked = namespaces_available() is None  # else the network scenarios run if named
+    plan = {m: [s for s in scenarios or MODE_SCENARIOS[m] if s in MODE_SCENARIOS[m]
+                and (scenarios or networked or s not in NETWORK_SCENARIOS)]
             for m in MODES[mode]}
     modes = [m for m in MODES[mode] if plan[m]]
     runs: list[dict[str, Any]] = []
@@ -406,6 +420,7 @@ def _totals(runs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
                for key in ("kills", "hangs", "rows_checked", "discrepancies", "missing",
                            "extra")},
             "replay_mismatches": sum(r["replay_mismatches"] for r in runs if r["mode"] == "sync"),
+            "refused": sum(sum(r.get("refused", {}).values()) for r in runs),
             "hybrid_resumes": sum(r["resumes"] for r in runs if r["mode"] == "hybrid")}
 
 

@@ -20,6 +20,7 @@ import torch
 
 from counting_ranks import ROWS, STEP_PARTS, restore_step_and_write
 from pipeline.bench.chaos import SCENARIOS, chaos
+from pipeline.bench.chaos_net import NETWORK_SCENARIOS
 from pipeline.bench.chaos_run import audit, read_parts, write_part
 from pipeline.bench.chaos_sync import SYNC_SCENARIOS, ranges, trained_rows
 from ranks import Ranks
@@ -51,7 +52,7 @@ def test_the_audit_finds_a_row_missing_a_row_twice_and_counters_that_disagree() 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("scenario", [
     pytest.param(scenario, marks=() if scenario == "scheduler" else pytest.mark.slow)
-    for scenario in SCENARIOS])
+    for scenario in SCENARIOS if scenario not in NETWORK_SCENARIOS])
 def test_every_row_done_is_in_the_final_model_once_per_epoch_whatever_died(
         scenario: str, tmp_path: Path) -> None:
     """One seeded run of the scenario: workers SIGKILLed, killed with their nannies, hung and
@@ -165,7 +166,7 @@ def test_the_counting_shards_step_restore_and_write_their_model_at_any_world_siz
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("scenario", SYNC_SCENARIOS)
+@pytest.mark.parametrize("scenario", [s for s in SYNC_SCENARIOS if s not in NETWORK_SCENARIOS])
 def test_every_row_of_a_sync_job_is_in_its_final_model_once_per_epoch_whatever_broke(
         scenario: str, tmp_path: Path) -> None:
     """One seeded run of the sync scenario: a rank killed in a step, after it, in a step of two
