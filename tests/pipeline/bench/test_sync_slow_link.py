@@ -1,0 +1,37 @@
+"""A slow link makes a sync rank a straggler (issue 61): two ranks on the namespaced cluster, the
+data over HTTP from the host, rank 0's link at 8 Mbit/s, its CPU free. The controller sizes the
+ranks' local batches by their own step times, and rank 0's ends smaller: it trains fewer rows.
+Every row is trained once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.bench.jobs import synthetic_job, with_train
+from pipeline.bench.network import namespaces_available
+from pipeline.bench.runs_net import run_on_network
+
+WHY_NOT = namespaces_available()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespaces: {WHY_NOT}")
+def test_a_sync_rank_behind_a_slow_link_gets_a_smaller_local_batch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # MLflow's default store, in the working directory
+    job = synthetic_job(str(tmp_path / "data"), rows=120_000, overrides=[
+        "train.batch_size=2048", "train.shard_rows=4096", "model.embedding_dim=4",
+        "model.dense_arch=[16,4]"])
+    (tmp_path / "net").mkdir()
+    run = run_on_network(with_train(job, mode="sync", adaptive_batch=True), 2, ["8mbit", None],
+                         env={"DASK_ANTDT__MONITOR__WINDOW": "500ms"}, folder=tmp_path / "net")
+    summary = run.outcome.summary
+    assert summary.rows_lost == summary.rows_retrained == 0
+    assert summary.rows_trained == sum(run.rows) == 90_000  # the training days' rows, once
+    assert run.outcome.batch_rows is not None
+    slow, fast = run.outcome.batch_rows
+    assert slow < fast and run.rows[0] < run.rows[1], (run.outcome.batch_rows, run.rows)
+    assert run.actions[0]["adjust_batch"] > 0
