@@ -8,12 +8,12 @@ then healed. The comm timeouts are short (:data:`NETWORK_ENV`): a dead link is f
                            answers it), healed at a moment drawn from the seed (:data:`HEALS`):
                            the group's collectives break at the collective timeout, the master
                            forms the group again without it from the last checkpoint (as on a
-                           death), and the job finishes on the others. A rank of the old
-                           forming that asks after that (its link healed while its process
-                           lives: a zombie) is refused and counted (``stale_refused``); with
-                           Dask's timeouts the same on every process the cut worker closes
-                           itself (its heartbeat fails) before the scheduler drops it, so none
-                           has lived to ask yet;
+                           death), and the job finishes on the others. Healed when dropped,
+                           the worker was stalled from the cut (its process stopped, as by a
+                           paused VM: otherwise it notices the dead link and closes itself
+                           first) and wakes after the heal (:func:`~pipeline.bench.chaos_net.
+                           zombie`): its rank of the old forming asks about its forming and is
+                           refused and counted (``stale_refused``);
 * ``peer-partition``       one worker cut from its peers only until the master formed the group
                            again, then healed: every rank's collective breaks (a rank cannot tell
                            a peer cut from itself cut), the scheduler still reaches them all, so
@@ -39,11 +39,14 @@ group's generation, the scheduler's workers, a process's exit), bounded by
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from antdt.jobs import JobClient
 from antdt.jobs.spec import PLUGIN_NAME as JOBS_PLUGIN
+from pipeline.bench.chaos_net import zombie
 from pipeline.bench.chaos_run import Watch
 from pipeline.bench.network import NetworkCluster
 
@@ -124,16 +127,21 @@ def partition(run: SyncRun) -> list[dict[str, Any]]:
     def cut(net: NetworkCluster, jobs: JobClient, watch: Watch) -> None:
         victim = run.rng.randrange(net.count)
         run.heal = HEALS[run.rng.randrange(len(HEALS))]
+        address = net.workers[victim]
+        pid = jobs.client.run(os.getpid, workers=[address])[address]
         net.cut(victim, from_="scheduler")  # silently: its link stays up, nothing answers
         net.cut(victim, from_="peers")
+        if run.heal == "dropped":  # stalled from the cut: it cannot close itself first
+            os.kill(pid, signal.SIGSTOP)
         run.partitions += 1
-        run.until(jobs, lambda: net.workers[victim] not in members(jobs),
+        run.until(jobs, lambda: address not in members(jobs),
                   "the scheduler dropping the cut worker")
         if run.heal == "exited":
             run.until(jobs, exited(net, victim), "the cut worker's exit")
-        net.heal(victim)
-        if run.heal == "exited":
+            net.heal(victim)
             net.restart(victim)
+        else:
+            zombie(net, victim, pid)  # healed, then woken: its rank asks about its forming
 
     return partitioned(run, cut)
 
