@@ -23,7 +23,7 @@ COMMANDS = {
     "retrain": "pipeline.bench.retrain",
     "scaling": "pipeline.bench.scaling",
     "sharding": "pipeline.bench.sharding",
-    "stragglers": "pipeline.bench.stragglers",
+    "stragglers": "pipeline.bench.stragglers_cli",
     "sync": "pipeline.bench.sync",
     "submit": "pipeline.bench.submit",
     "train": "pipeline.bench.train",

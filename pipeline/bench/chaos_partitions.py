@@ -42,16 +42,13 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from antdt.jobs import JobClient
 from antdt.jobs.spec import PLUGIN_NAME as JOBS_PLUGIN
 from pipeline.bench.chaos_net import zombie
 from pipeline.bench.chaos_run import Watch
 from pipeline.bench.network import NetworkCluster
-
-if TYPE_CHECKING:
-    from pipeline.bench.chaos_sync import SyncRun
 
 PARTITION_SCENARIOS = ("partition", "peer-partition", "scheduler-partition")
 HEALS = ("dropped", "exited")
@@ -91,7 +88,7 @@ def exited(net: NetworkCluster, worker: int) -> Callable[[], bool]:
     return lambda: net.worker_commands[worker].poll() is not None
 
 
-def network(run: SyncRun, workers: int) -> NetworkCluster:
+def network(run: Any, workers: int) -> NetworkCluster:
     """A new cluster of ``workers`` hosts for the run (every process with its Dask config and
     :data:`NETWORK_ENV`)."""
     folder = run.folder / f"cluster-{run.clusters}"
@@ -101,7 +98,7 @@ def network(run: SyncRun, workers: int) -> NetworkCluster:
                           allow_faults=True)
 
 
-def partitioned(run: SyncRun, cut: Callable[[NetworkCluster, JobClient, Watch], None]
+def partitioned(run: Any, cut: Callable[[NetworkCluster, JobClient, Watch], None]
                 ) -> list[dict[str, Any]]:
     """The run's job on a cluster of hosts, its ranks held until it has a complete checkpoint,
     then ``cut(net, jobs, watch)`` (which heals what it cut; ``watch``: the job's agents'
@@ -123,7 +120,7 @@ def partitioned(run: SyncRun, cut: Callable[[NetworkCluster, JobClient, Watch], 
         return [record]
 
 
-def partition(run: SyncRun) -> list[dict[str, Any]]:
+def partition(run: Any) -> list[dict[str, Any]]:
     def cut(net: NetworkCluster, jobs: JobClient, watch: Watch) -> None:
         victim = run.rng.randrange(net.count)
         run.heal = HEALS[run.rng.randrange(len(HEALS))]
@@ -146,7 +143,7 @@ def partition(run: SyncRun) -> list[dict[str, Any]]:
     return partitioned(run, cut)
 
 
-def peer_partition(run: SyncRun) -> list[dict[str, Any]]:
+def peer_partition(run: Any) -> list[dict[str, Any]]:
     def cut(net: NetworkCluster, jobs: JobClient, watch: Watch) -> None:
         victim = run.rng.randrange(net.count)
         net.cut(victim, from_="peers")
@@ -157,7 +154,7 @@ def peer_partition(run: SyncRun) -> list[dict[str, Any]]:
     return partitioned(run, cut)
 
 
-def scheduler_partition(run: SyncRun) -> list[dict[str, Any]]:
+def scheduler_partition(run: Any) -> list[dict[str, Any]]:
     def cut(net: NetworkCluster, jobs: JobClient, watch: Watch) -> None:
         # every rank held first: a held rank reported every row it trained, so the ledger the
         # master restarts from counts every row the lost group's model held
@@ -176,6 +173,6 @@ def scheduler_partition(run: SyncRun) -> list[dict[str, Any]]:
     return partitioned(run, cut)
 
 
-PARTITION_RUNNERS: dict[str, Callable[[SyncRun], list[dict[str, Any]]]] = {
+PARTITION_RUNNERS: dict[str, Callable[[Any], list[dict[str, Any]]]] = {
     "partition": partition, "peer-partition": peer_partition,
     "scheduler-partition": scheduler_partition}
