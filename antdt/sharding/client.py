@@ -45,6 +45,7 @@ holder's.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -140,7 +141,9 @@ class ShardClient:
         """The synced rows the ledger last accepted from this worker."""
         self.rpcs = 0
         """RPCs sent so far."""
-        self._seq = 0  # of this worker's lease requests: a retry sends the same number
+        self._seq = secrets.randbits(48)
+        """This client's last lease request's number (a retry sends it again); the first is
+        drawn, so that a new agent on the same worker never gets an earlier one's reply."""
 
     def lease(self) -> Lease | None:
         """The next lease, sending pending commits with the request; None when the job is over

@@ -312,7 +312,7 @@ class ShardingService(SchedulerPlugin):
         synced_rows = rpc.integer("synced_rows", synced_rows, optional=True)
         max_rows = rpc.integer("max_rows", max_rows, 1, optional=True)
         incarnation = None if incarnation is None else rpc.name("incarnation", incarnation)
-        seq = rpc.integer("seq", seq, optional=True)
+        seq = rpc.integer("seq", seq, high=2**63 - 1, optional=True)
         wait = config.seconds("antdt.sharding.lease-wait") if wait_s is None else \
             rpc.seconds("wait_s", wait_s, 300.0)
         assert self.scheduler is not None
