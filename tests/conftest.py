@@ -12,6 +12,7 @@ import dask
 import pytest
 
 from pipeline.bench.processes import DaskProcesses, wait_for_workers
+from waits import bounded
 
 # The suite injects faults (hangs, crashes, slowdowns, pauses): its clusters allow them, the
 # in-process ones through dask config, the `dask scheduler` processes it starts through the
@@ -38,6 +39,12 @@ def pytest_report_header(config: pytest.Config) -> str:
     if config.getoption("--runslow"):
         return "antdt tier: full (the slow tests too)"
     return "antdt tier: default (tests marked slow are left out: --runslow or make test-full)"
+
+
+@pytest.fixture(autouse=True)
+def _forget_started_calls() -> Iterator[None]:
+    yield
+    bounded.forget()
 
 
 @pytest.fixture(scope="session")

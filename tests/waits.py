@@ -56,6 +56,10 @@ class Call(Generic[T]):
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def failed(self) -> bool:
+        """Whether the call ended with an exception."""
+        return self.done() and self._outcome[0][0] == "error"
+
     def result(self) -> T:
         """The call's value (its exception is raised); fails with every thread's stack when it
         has not returned within the limit."""
@@ -71,7 +75,12 @@ class Call(Generic[T]):
 
 
 class Bounded:
-    """Blocking calls with a time limit."""
+    """Blocking calls with a time limit. A wait (:meth:`until`) ends at once, with the call's
+    exception, when a call started by :meth:`start` (which the awaited event depends on) failed:
+    the test reports why the job failed, not that an event never came."""
+
+    def __init__(self) -> None:
+        self._started: list[Call[Any]] = []
 
     def call(self, fn: Callable[..., T], *args: Any, timeout_s: float = CALL_TIMEOUT_S,
              **kwargs: Any) -> T:
@@ -81,7 +90,14 @@ class Bounded:
     def start(self, fn: Callable[..., T], *args: Any, timeout_s: float = CALL_TIMEOUT_S,
               **kwargs: Any) -> Call[T]:
         """``fn(*args, **kwargs)`` started in a thread; ``.result()`` waits for it, bounded."""
-        return Call(timeout_s, fn, *args, **kwargs)
+        call = Call(timeout_s, fn, *args, **kwargs)
+        self._started = [c for c in self._started if not c.done()] + [call]
+        return call
+
+    def forget(self) -> None:
+        """Drop the started calls (at a test's end: a call a failed test left running does not
+        end the next test's waits)."""
+        self._started = []
 
     def gather(self, client: Client, futures: Sequence[Future],
                timeout_s: float = WAIT_S) -> list[Any]:
@@ -103,6 +119,9 @@ class Bounded:
         ``timeout_s`` naming ``what`` was awaited."""
         deadline = time.monotonic() + timeout_s
         while not (value := condition()):
+            for call in self._started:
+                if call.failed():
+                    call.result()
             if time.monotonic() > deadline:
                 pytest.fail(f"{what}: not reached within {timeout_s:g}s\n{thread_stacks()}",
                             pytrace=False)
