@@ -14,7 +14,8 @@ every antdt handler a worker's agent calls checks the caller against the members
   forgets them, so a commit on one is refused by the ledger too);
 * **sequence**: a lease request carries a number of the caller's own (``seq``); the same number
   again is a retry whose reply was lost, answered with the same reply, never with a second
-  lease. Commits are idempotent by their offsets: one sent twice changes nothing.
+  lease. Commits are idempotent by their offsets, releases by their lease (a lease released
+  is gone): one sent twice changes nothing.
 
 A refused call is counted per job and kind in the scheduler's :class:`Fences` (``fences(scheduler)``,
 one per scheduler, kept in ``scheduler.extensions``); a job's record shows :func:`refused`:

@@ -319,7 +319,8 @@ class ShardClient:
     def _call(self, op: str, **kwargs: Any) -> dict[str, Any]:
         """``op`` on the scheduler, sent again while the link fails (``OSError``) for up to
         :attr:`retry_s` (``antdt.sharding.retry``) and this worker still runs: every call is
-        safe to repeat (commits carry offsets, a lease request its ``seq``; see
+        safe to repeat (commits carry offsets, a lease request its ``seq``, a release repeated
+        finds its lease gone and changes nothing; see
         :mod:`antdt.fencing`). A worker cut off longer is removed by then, and its retry is
         refused."""
         deadline = self._clock() + self.retry_s

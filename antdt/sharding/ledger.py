@@ -47,7 +47,7 @@ in the local and sync modes). A commit returns
 
 ``Revoked`` and ``Finished`` say whether the lease is ``retired``: while ``synced < stop`` the lease
 lives on (it is *draining*) and its holder keeps reporting ``synced_offset`` for it in later
-commits. Commits are idempotent (the same offsets twice change nothing); an offset that goes
+commits. Commits and releases are idempotent (a retry changes nothing); an offset that goes
 backwards or beyond the claim, a synced offset beyond the offset, or a wrong token raises
 :class:`~antdt.errors.LedgerError` and changes nothing.
 
@@ -92,10 +92,9 @@ Counters
 * ``rows_unsynced``: rows of live leases trained but not synced yet (``offset - synced``). A
   :class:`Wait` carries it: while it is above 0 the job may be waiting for any worker's sync
   round (a row is synced once every peer applied it), so an idle worker should keep syncing.
-* ``leases_granted``, ``leases_revoked``, ``leases_split``: leases this ledger handed out, and
-  those whose unclaimed rows the controller took back (a revoke, or a commit of a worker paced
-  to no rows) or cut into parts (a split that moved rows). What an operator watches
-  (:mod:`antdt.watch.metrics`); they start at 0 in a ledger restored from a checkpoint.
+* ``leases_granted``, ``leases_revoked``, ``leases_split``: leases handed out, revoked (their
+  unclaimed rows taken back: a revoke, or a commit of a worker paced to no rows) and split (a split
+  that moved rows); watched in :mod:`antdt.watch.metrics`, 0 in a ledger restored from a checkpoint.
 
 At every moment ``rows_trained == rows_done + rows_retrained + rows_unsynced`` and
 ``rows_todo + rows_leased + rows_done + rows_quarantined + rows_lost == total_rows * epochs``;
@@ -360,9 +359,10 @@ class ShardLedger:
         return Claim(lease_id, lease.claim_stop)
 
     def release(self, lease_id: int, token: str) -> int:
-        """The holder gives the lease up: rows ``[synced, stop)`` go back to the queue front.
-        Returns the number of rows requeued."""
-        if self._stopped is not None:
+        """The holder gives the lease up: rows ``[synced, stop)`` go back to the queue front. The
+        rows requeued; 0 for a lease no longer live (a retry whose reply was lost)."""
+        if self._stopped is not None or lease_id in range(self._next_id) and \
+                lease_id not in self._leases:
             return 0
         return self._requeue_lease(self._live(lease_id, token))
 

@@ -369,6 +369,22 @@ async def test_a_lease_request_sent_again_gets_the_same_lease(
 
 
 @gen_cluster(client=True)
+async def test_a_release_sent_again_requeues_its_rows_once(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    """The agent's release is sent again when its reply was lost: the second changes nothing
+    (a lease never issued is still an error)."""
+    await setup_job(c, s, row_groups=[["f", 0, 8]], shard_rows=4)
+    lease = (await c.scheduler.antdt_lease(job="j", worker=a.address))["lease"]
+    held = {"lease_id": lease["lease_id"], "token": lease["token"]}
+    assert await c.scheduler.antdt_release(job="j", **held) == {"status": "OK", "rows": 4}
+    assert await c.scheduler.antdt_release(job="j", **held) == {"status": "OK", "rows": 0}
+    state = await c.scheduler.antdt_job_state(job="j")
+    assert state["rows_todo"] == 8 and state["rows_leased"] == 0
+    never = await c.scheduler.antdt_release(job="j", lease_id=99, token=lease["token"])
+    assert never["status"] == "error" and "never issued" in never["message"]
+
+
+@gen_cluster(client=True)
 async def test_an_agents_call_that_fails_on_the_link_is_sent_again(
         c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
     """The agent's side: the first sends of its calls fail as a cut link fails (``OSError``),
