@@ -134,7 +134,8 @@ def partition(run: Any) -> list[dict[str, Any]]:
         run.until(jobs, lambda: address not in members(jobs),
                   "the scheduler dropping the cut worker")
         if run.heal == "exited":
-            run.until(jobs, exited(net, victim), "the cut worker's exit")
+            if not run.until(jobs, exited(net, victim), "the cut worker's exit"):
+                return  # the job ended first (it failed): the run reports its end
             net.heal(victim)
             net.restart(victim)
         else:
@@ -167,7 +168,8 @@ def scheduler_partition(run: Any) -> list[dict[str, Any]]:
         for worker in range(net.count):
             net.heal(worker)
         for worker in range(net.count):  # each closed itself, its nanny too: started again
-            run.until(jobs, exited(net, worker), f"worker {worker} closing itself")
+            if not run.until(jobs, exited(net, worker), f"worker {worker} closing itself"):
+                return  # the job ended first (it failed): the run reports its end
             net.restart(worker)
 
     return partitioned(run, cut)
