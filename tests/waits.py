@@ -91,7 +91,7 @@ class Bounded:
               **kwargs: Any) -> Call[T]:
         """``fn(*args, **kwargs)`` started in a thread; ``.result()`` waits for it, bounded."""
         call = Call(timeout_s, fn, *args, **kwargs)
-        self._started = [c for c in self._started if not c.done()] + [call]
+        self._started.append(call)
         return call
 
     def forget(self) -> None:
