@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import dask
 import pytest
 
+from antdt.agent.modes.synchronous import GLOO_INTERFACE
 from pipeline.bench.processes import DaskProcesses, wait_for_workers
 from waits import bounded
 
@@ -45,6 +46,14 @@ def pytest_report_header(config: pytest.Config) -> str:
 def _forget_started_calls() -> Iterator[None]:
     yield
     bounded.forget()
+
+
+@pytest.fixture(autouse=True)
+def _own_gloo_interface(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sync rank run in this process (an in-process worker's) sets gloo's interface for the
+    process, to ``lo``; each test starts without it and ends with it taken away again, so no
+    later test's processes inherit it."""
+    monkeypatch.delenv(GLOO_INTERFACE, raising=False)
 
 
 @pytest.fixture(scope="session")

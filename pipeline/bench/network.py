@@ -61,6 +61,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Literal
 
+from antdt.agent.modes.synchronous import GLOO_INTERFACE
 from pipeline.bench.http_net import FolderServer
 from pipeline.bench.processes import DASK, wait_for_workers, wait_until
 
@@ -76,6 +77,10 @@ NOWHERE = "02:00:00:00:00:01"
 """A locally administered MAC address no interface has: frames sent to it are dropped."""
 
 ALLOW_FAULTS = "DASK_ANTDT__JOBS__ALLOW_FAULTS"
+HOST_ONLY = (ALLOW_FAULTS, GLOO_INTERFACE)
+"""Variables of this process its hosts do not inherit: whether faults are allowed (passed on
+only when asked), and gloo's interface, a name on this host (a rank run in this process set it
+to ``lo``): in a namespace each rank takes the interface of its own address."""
 
 HTTP_READER = "pipeline.bench.http_net"
 """What every worker imports as it starts (``--preload``): the reader of ``http://`` data."""
@@ -215,13 +220,13 @@ class NetworkCluster:
     module's docstring), their logs in ``folder``. ``env``: variables every process gets besides
     this one's (the comm timeouts, a ``DASK_CONFIG``); ``allow_faults``: whether antdt's fault
     injection is allowed in them (``DASK_ANTDT__JOBS__ALLOW_FAULTS``, which is otherwise not
-    passed on). Started on construction; :meth:`close` (or leaving the ``with`` block) removes
+    passed on; nor is anything else of :data:`HOST_ONLY`). Started on construction; :meth:`close` (or leaving the ``with`` block) removes
     everything."""
 
     def __init__(self, folder: Path, workers: int = 2, env: Mapping[str, str] | None = None,
                  allow_faults: bool = False, timeout_s: float = 90.0) -> None:
         self.folder = folder.resolve()
-        base = {k: v for k, v in os.environ.items() if k != ALLOW_FAULTS}
+        base = {k: v for k, v in os.environ.items() if k not in HOST_ONLY}
         self.env = {**base, "PYTHONUNBUFFERED": "1",
                     **({ALLOW_FAULTS: "true"} if allow_faults else {}), **(env or {})}
         self.commands: list[subprocess.Popen[bytes]] = []

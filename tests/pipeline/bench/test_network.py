@@ -6,6 +6,7 @@ and nothing named after the cluster is left once it is closed."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from distributed import Client, get_worker, wait
 
+from antdt.agent.modes.synchronous import GLOO_INTERFACE
 from pipeline.bench.network import NetworkCluster, leftovers, namespaces_available
 from waits import bounded
 
@@ -26,9 +28,12 @@ ENV = {"DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "10s",
 
 @pytest.mark.slow
 def test_workers_have_addresses_of_their_own_and_a_cut_one_runs_nothing_until_healed(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def where() -> str:  # defined here so that it is pickled by value: the test module is not
         return str(get_worker().address)  # importable in the cluster's processes
+
+    def gloo_interface() -> str | None:
+        return os.environ.get(GLOO_INTERFACE)
 
     def reachable(host: str, port: int) -> bool:
         try:
@@ -37,6 +42,7 @@ def test_workers_have_addresses_of_their_own_and_a_cut_one_runs_nothing_until_he
             return False
         return True
 
+    monkeypatch.setenv(GLOO_INTERFACE, "lo")  # as a rank run in this process left it
     with NetworkCluster(tmp_path, workers=2, env=ENV) as net, \
             Client(net.address, timeout="30s") as client:
         prefix = net.prefix
@@ -45,6 +51,8 @@ def test_workers_have_addresses_of_their_own_and_a_cut_one_runs_nothing_until_he
         ran = bounded.gather(client, [client.submit(where, workers=[net.ip(i)], pure=False)
                                       for i in range(2)])
         assert ran == net.workers
+        # each host's ranks take the interface of its own address, not this host's loopback
+        assert set(client.run(gloo_interface).values()) == {None}
 
         net.cut(1)
         cut = client.submit(where, workers=[net.ip(1)], allow_other_workers=False, pure=False)
