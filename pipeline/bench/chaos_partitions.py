@@ -67,12 +67,11 @@ forming is still the job's (a zombie's question is answered once its link heals)
 
 
 def group_state(jobs: JobClient, job_id: str) -> tuple[int, int]:
-    """The generation of ``job_id``'s synchronous group on the scheduler (0: none) and the stale
-    calls of its ranks refused so far."""
+    """The latest generation of ``job_id``'s synchronous group on the scheduler (0: none yet;
+    kept once the job ended) and the stale calls of its ranks refused so far."""
     def read(dask_scheduler: Any, job: str) -> tuple[int, int]:
         rendezvous = dask_scheduler.plugins[JOBS_PLUGIN].rendezvous
-        group = rendezvous.groups.get(job)
-        return (0 if group is None else group.generation, rendezvous.refused.get(job, 0))
+        return rendezvous.generations.get(job, 0), rendezvous.refused.get(job, 0)
 
     generation, refused = jobs.client.run_on_scheduler(read, job=job_id)
     return int(generation), int(refused)
@@ -102,8 +101,8 @@ def partitioned(run: Any, cut: Callable[[NetworkCluster, JobClient, Watch], None
                 ) -> list[dict[str, Any]]:
     """The run's job on a cluster of hosts, its ranks held until it has a complete checkpoint,
     then ``cut(net, jobs, watch)`` (which heals what it cut; ``watch``: the job's agents'
-    events); once the group formed again (its generation, kept in the run), the gate let go,
-    and the job's end."""
+    events); once the group formed again, the gate let go, and the job's end (the group's last
+    generation and the stale calls refused, kept in the run)."""
     job = run.jobs[0]
     with network(run, run.world) as net, JobClient(net.address) as jobs:
         watch = Watch(jobs, job.job_id)
@@ -111,12 +110,11 @@ def partitioned(run: Any, cut: Callable[[NetworkCluster, JobClient, Watch], None
                     job_id=job.job_id)
         if run.until(jobs, job.checkpointed, "a complete checkpoint"):
             cut(net, jobs, watch)
-            if run.until(jobs, lambda: group_state(jobs, job.job_id)[0] > 1,
-                         "the group forming again"):
-                run.generation = group_state(jobs, job.job_id)[0]
+            run.until(jobs, lambda: group_state(jobs, job.job_id)[0] > 1,
+                      "the group forming again")
         run.release(jobs)
         record = run.end(jobs)
-        run.stale_refused = group_state(jobs, job.job_id)[1]
+        run.generation, run.stale_refused = group_state(jobs, job.job_id)
         return [record]
 
 

@@ -60,8 +60,8 @@ cluster of three workers, one job of three ranks unless said):
 * ``partition``, ``peer-partition``, ``scheduler-partition``: links cut, not processes
                      killed, on a cluster of hosts (network namespaces: root only), in
                      :mod:`pipeline.bench.chaos_partitions`; a run says when it healed, the
-                     group's generation once it formed again, and the stale calls of its ranks
-                     the scheduler refused (``stale_refused``).
+                     group's last generation (2 or more: it formed again), and the stale
+                     calls of its ranks the scheduler refused (``stale_refused``).
 
 As in the async runs, no harm depends on the job lasting long enough: every initial rank pauses,
 holding no lease, once it trained its part of a drawn share of the rows (20-40%), until the
@@ -423,8 +423,8 @@ class SyncRun(Run):
         self.heal: str | None = None
         """When ``partition`` healed its cut (:data:`~pipeline.bench.chaos_partitions.HEALS`)."""
         self.generation = 0
-        """The job's group's generation once it formed again after a partition (0: it did
-        not)."""
+        """The last generation of the job's group (a partition's run: 1, it never formed again;
+        0, never formed)."""
         self.stale_refused = 0
         """Stale calls of the job's ranks the scheduler refused (the partitions' runs count)."""
         self.parts = self.rng.random() < 0.5 and scenario != "finishing"

@@ -79,7 +79,10 @@ class Rendezvous:
     """Per job, the stale calls refused: of a rank of a forming older than the job's current one,
     or of a job forgotten since (a zombie may come back after its job ended: the count is kept
     then, one int for each job that had any)."""
-    _generations: dict[str, int] = field(default_factory=dict)
+    generations: dict[str, int] = field(default_factory=dict)
+    """Per job, its group's latest generation, kept once the job is forgotten (one int per job):
+    a job started again under its id (resumed from a checkpoint) goes on from it, so a zombie
+    rank of its earlier run can never ask with a generation the new run uses."""
 
     def store(self, job: str, comm: Comm) -> dist.TCPStore:
         """``job``'s store, made on the host of the scheduler's end of ``comm``."""
@@ -93,14 +96,13 @@ class Rendezvous:
         return self.stores[job]
 
     def form(self, job: str, workers: Collection[str]) -> Group:
-        generation = self._generations.get(job, 0) + 1
-        self._generations[job] = generation
+        generation = self.generations.get(job, 0) + 1
+        self.generations[job] = generation
         group = self.groups[job] = Group(sorted(workers), generation)
         return group
 
     def forget(self, job: str) -> None:
         self.groups.pop(job, None)
-        self._generations.pop(job, None)
         self.stores.pop(job, None)  # its server stops, its port closes
 
     @rpc.handler

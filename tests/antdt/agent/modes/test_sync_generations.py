@@ -54,6 +54,11 @@ async def test_a_rank_of_a_replaced_forming_is_refused_and_counted(
     assert over["status"] == "error" and "is over" in over["message"]
     assert master.stale_refused("j") == 2
 
+    master.start("j", [a.address, b.address])  # started again under its id (resumed)
+    again = await b.scheduler.antdt_sync_rank(job="j", worker=b.address, generation=2)
+    assert again["status"] == "error" and "generation 3" in again["message"]  # never reused
+    assert master.stale_refused("j") == 3
+
 
 @gen_cluster(nthreads=[("127.0.0.1", 1)], timeout=120)
 async def test_a_rank_whose_group_broke_after_it_formed_again_says_it_is_stale(
