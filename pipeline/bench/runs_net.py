@@ -19,7 +19,7 @@ cluster (worker ``i`` is at :meth:`NetworkCluster.ip` ``i``):
 - ``data_bytes``: the training data's bytes the HTTP server sent it;
 - ``link_bytes``: every byte that crossed its link during the job, both ways (the veth's
   counters: data, the scheduler's messages and the sync rounds);
-- ``actions``: the controller's actions on it, as the job's record showed them while it ran.
+- ``actions``: the controller's actions on it, counted by kind (every one the scheduler logged).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from typing import Any
 from distributed import Client
 
 from antdt.agent import event_topic
+from antdt.controller import EVENT_TOPIC as CONTROLLER_TOPIC
 from antdt.jobs import JobClient, JobSpec
 from pipeline.bench.http_net import FolderServer, served_files
 from pipeline.bench.jobs import Outcome
@@ -89,22 +90,18 @@ class SyncWatch:
             return dict(self._last)
 
 
-class ActionWatch:
-    """Every controller action a job's record showed while the job ran (a record shows the
-    last few: one is taken from each new version)."""
-
-    def __init__(self) -> None:
-        self.seen: dict[tuple[Any, ...], dict[str, Any]] = {}
-
-    def __call__(self, record: Mapping[str, Any]) -> None:
-        for action in record.get("actions") or []:
-            key = (action.get("time"), action.get("worker"), action.get("action"),
-                   action.get("lease_id"), action.get("rows"))
-            self.seen.setdefault(key, action)
-
-    def on(self, worker: str) -> Counter[str]:
-        """The actions on ``worker``, counted by kind."""
-        return Counter(str(a["action"]) for a in self.seen.values() if a.get("worker") == worker)
+def actions_of(client: Client, record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every controller action applied to the job of ``record`` (its final record), from the
+    scheduler's log of them (the Dask events of :data:`~antdt.controller.EVENT_TOPIC`: a record
+    shows only the last few, and a follower that lags misses those between two of its reads).
+    Raises where the log no longer holds them all (it keeps the last
+    ``distributed.admin.low-level-log-length``)."""
+    found = [dict(msg) for _, msg in client.get_events(CONTROLLER_TOPIC)
+             if isinstance(msg, Mapping) and msg.get("job") == record["job_id"]]
+    if len(found) < record["actions_total"]:
+        raise RuntimeError(f"job {record['job_id']}: the scheduler's log holds {len(found)} of "
+                           f"its {record['actions_total']} controller actions")
+    return found
 
 
 @dataclass(frozen=True)
@@ -147,18 +144,19 @@ def record_outcome(record: Mapping[str, Any]) -> Outcome:
                    tuple(w["batch_rows"] for w in record["workers"]))
 
 
-def _train(client: Client, spec: JobSpec) -> tuple[dict[str, Any], SyncWatch, ActionWatch]:
-    """Submit ``spec`` and follow it to its end, watching its agents' progress and its
-    record's actions: the final record and both watches."""
+def _train(client: Client, spec: JobSpec
+           ) -> tuple[dict[str, Any], SyncWatch, list[dict[str, Any]]]:
+    """Submit ``spec`` and follow it to its end, watching its agents' progress: the final
+    record, the watch and the controller's actions on the job."""
     job_id = f"net-{uuid.uuid4().hex[:12]}"
-    actions = ActionWatch()
     with JobClient(client) as jobs:
         watch = SyncWatch(client, job_id)
         jobs.submit(spec, job_id=job_id)
-        return jobs.follow(job_id, on_change=actions), watch, actions
+        record = jobs.follow(job_id)
+    return record, watch, actions_of(client, record)
 
 
-def _net_run(record: Mapping[str, Any], watch: SyncWatch, actions: ActionWatch,
+def _net_run(record: Mapping[str, Any], watch: SyncWatch, actions: Sequence[Mapping[str, Any]],
              workers: Sequence[str], rates: Sequence[str | None], data_bytes: Sequence[int],
              link_bytes: Sequence[int]) -> NetRun:
     last = watch.last()
@@ -171,7 +169,8 @@ def _net_run(record: Mapping[str, Any], watch: SyncWatch, actions: ActionWatch,
                   tuple(last.get(w, (0, 0))[1] for w in workers),
                   tuple(agents.get(w, {}).get("sync_wait_s") for w in workers),
                   tuple(data_bytes), tuple(link_bytes),
-                  tuple(dict(actions.on(w)) for w in workers))
+                  tuple(dict(Counter(str(a["action"]) for a in actions if a["worker"] == w))
+                        for w in workers))
 
 
 def run_on_network(job: JobConfig, workers: int, rates: Sequence[str | None], *,
