@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +22,27 @@ BAR = re.compile(r"^training \((async|local)\) .*\d+/\d+ +\d+:\d\d:\d\d +(\d+:\d
 """The progress bar's final line as rich prints it when stderr is not a terminal."""
 
 
+RUN_S = 240.0
+"""How long one command may run (less than the test's own timeout: a command that hangs fails
+its test with the stacks of its threads)."""
+
+
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``antdt ARGS`` as a person's shell runs it: none of our quiet settings inherited."""
+    """``antdt ARGS`` as a person's shell runs it: none of our quiet settings inherited. One
+    that runs past :data:`RUN_S` is stopped with SIGABRT, its threads' stacks (Python's fault
+    handler) in the test's failure."""
     env = {k: v for k, v in os.environ.items()
            if k not in QUIET_ENVIRONMENT and not k.startswith("DASK_LOGGING__")}
-    return subprocess.run([ANTDT, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+    with subprocess.Popen([ANTDT, *args], cwd=cwd, env={**env, "PYTHONFAULTHANDLER": "1"},
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=RUN_S)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)
+            stdout, stderr = process.communicate(timeout=60)
+            pytest.fail(f"antdt {' '.join(args)} ran past {RUN_S:g}s; its stderr, with its "
+                        f"threads' stacks:\n{stderr[-20_000:]}")
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def summary_lines(stdout: str) -> list[str]:
