@@ -260,6 +260,7 @@ class JobService(SchedulerPlugin):
         return self._client
 
     def _trim_history(self) -> None:
+        assert self.scheduler is not None
         keep = int(config.number("antdt.jobs.history", low=1, integer=True))
         ended = [job for job, runner in self.runners.items() if runner.state.final]
         for job in ended[:max(0, len(self.runners) - keep)]:
