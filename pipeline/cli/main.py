@@ -254,9 +254,9 @@ for command in (bench, *JOB_COMMANDS, *EXPERIMENT_COMMANDS):
 
 def main() -> None:
     """Console-script entry point. The command's work done, the process leaves without
-    tearing the interpreter down: after the threads it started and its exit handlers (MLflow's,
-    Dask's, logging's), freeing every module of torch, TorchRec and MLflow takes about two
-    seconds of a core that nobody needs."""
+    tearing the interpreter down: after the threads it started (idle thread pools' too) and
+    its exit handlers (MLflow's, Dask's, logging's), freeing every module of torch, TorchRec
+    and MLflow takes about two seconds of a core that nobody needs."""
     try:
         cli()
         code: object = 0
@@ -266,9 +266,10 @@ def main() -> None:
         if code is not None:
             print(code, file=sys.stderr)
         code = 0 if code is None else 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # as the interpreter's own exit does: the threading module's exit calls first (they tell
+    # idle thread pools' workers to end: a library's pool kept by a global would otherwise be
+    # waited for for ever), then every other non-daemon thread joined, then the exit handlers
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

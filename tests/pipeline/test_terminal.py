@@ -76,6 +76,25 @@ def test_train_shows_the_bar_and_the_summary_and_nothing_else(cluster_job: Path,
     assert (tmp_path / timeline).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+EXIT_WITH_A_POOL = """
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pipeline.cli.main import main
+POOL = ThreadPoolExecutor(1)  # a library's pool, kept by a global: its worker waits idle
+POOL.submit(int).result()
+sys.argv = ["antdt", "--help"]
+main()
+"""
+
+
+def test_the_command_leaves_though_a_librarys_thread_pool_waits_idle() -> None:
+    """MLflow keeps thread pools in globals; a pool's idle worker ends only when the
+    interpreter's exit tells it to (``antdt -v train`` once waited for one for ever)."""
+    done = subprocess.run([sys.executable, "-c", EXIT_WITH_A_POOL], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0 and "Usage: antdt" in done.stdout, done.stderr
+
+
 @pytest.mark.slow
 def test_verbose_shows_the_libraries_logs(job_file: Path, tmp_path: Path) -> None:
     loud = run(["-v", "train", str(job_file), "--local"], cwd=tmp_path)
