@@ -7,11 +7,12 @@ Scenarios (three workers, each gated at 30% of the rows as the kill scenario's a
 
 * ``partition``            one worker is cut from everyone at a random share of the job and
                            healed at one of three moments, drawn from the seed: ``early``, once
-                           the others trained a few batches more (before the monitor or TCP
-                           notices: it rejoins its work, no restart); ``zombie``, the moment the
-                           scheduler removed it (the controller retires it as hung, or TCP gives
-                           up first) while its process still lives, so that what it sends then is
-                           refused (counted in the job record's ``refused``); ``exited``, once
+                           the others trained on (the master heard of their next rows: before
+                           the monitor or TCP notices; it rejoins its work, no restart);
+                           ``zombie``, the moment the scheduler removed it (the controller
+                           retires it as hung, or TCP gives up first) while its process
+                           still lives, so that what it sends then is refused (counted in the
+                           job record's ``refused``); ``exited``, once
                            its process has exited (it noticed the dead link itself), when a new
                            worker starts in its place.
 * ``peer-partition``       one worker is cut from its peers only, the scheduler still reaches
@@ -39,7 +40,7 @@ from typing import Any
 
 from antdt.jobs import JobClient
 from antdt.jobs.client import FINAL
-from pipeline.bench.chaos_run import WAIT_S, Watch
+from pipeline.bench.chaos_run import EPOCHS, WAIT_S, Watch
 from pipeline.bench.network import NetworkCluster, namespaces_available
 from pipeline.bench.processes import wait_until
 
@@ -86,8 +87,10 @@ def partition(run: Any) -> dict[str, Any]:
         pid = jobs.client.run(os.getpid, workers=[address])[address]
         net.cut(victim)
         run.kills += 1
-        if heal == "early":  # a few batches of the others' later
-            run.at_share(jobs, share + 0.01)
+        if heal == "early":  # once the others trained on (their next rows the master heard
+            # of), well before the monitor's hang floor or TCP could notice the cut
+            trained = jobs.status(run.job_id)["rows"].get("trained", 0)
+            run.at_share(jobs, (trained + 1) / (run.rows * EPOCHS))
             net.heal(victim)
         else:
             run.until(jobs, lambda: not _member(jobs, address), "the cut worker's removal")
