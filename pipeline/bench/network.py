@@ -220,8 +220,8 @@ class NetworkCluster:
     module's docstring), their logs in ``folder``. ``env``: variables every process gets besides
     this one's (the comm timeouts, a ``DASK_CONFIG``); ``allow_faults``: whether antdt's fault
     injection is allowed in them (``DASK_ANTDT__JOBS__ALLOW_FAULTS``, which is otherwise not
-    passed on; nor is anything else of :data:`HOST_ONLY`). Started on construction; :meth:`close` (or leaving the ``with`` block) removes
-    everything."""
+    passed on; nor is anything else of :data:`HOST_ONLY`). Started on construction;
+    :meth:`close` (or leaving the ``with`` block) removes everything."""
 
     def __init__(self, folder: Path, workers: int = 2, env: Mapping[str, str] | None = None,
                  allow_faults: bool = False, timeout_s: float = 90.0) -> None:

@@ -90,14 +90,19 @@ class SyncWatch:
             return dict(self._last)
 
 
+def controller_actions(client: Client, job_id: str) -> list[dict[str, Any]]:
+    """The controller actions applied to ``job_id`` so far, from the scheduler's log of them
+    (the Dask events of :data:`~antdt.controller.EVENT_TOPIC`: a job's record shows only the
+    last few, and a follower that lags misses those between two of its reads). The log keeps
+    the last ``distributed.admin.low-level-log-length`` of every job's."""
+    return [dict(msg) for _, msg in client.get_events(CONTROLLER_TOPIC)
+            if isinstance(msg, Mapping) and msg.get("job") == job_id]
+
+
 def actions_of(client: Client, record: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Every controller action applied to the job of ``record`` (its final record), from the
-    scheduler's log of them (the Dask events of :data:`~antdt.controller.EVENT_TOPIC`: a record
-    shows only the last few, and a follower that lags misses those between two of its reads).
-    Raises where the log no longer holds them all (it keeps the last
-    ``distributed.admin.low-level-log-length``)."""
-    found = [dict(msg) for _, msg in client.get_events(CONTROLLER_TOPIC)
-             if isinstance(msg, Mapping) and msg.get("job") == record["job_id"]]
+    """Every controller action applied to the job of ``record`` (its final record); raises
+    where the scheduler's log no longer holds them all."""
+    found = controller_actions(client, record["job_id"])
     if len(found) < record["actions_total"]:
         raise RuntimeError(f"job {record['job_id']}: the scheduler's log holds {len(found)} of "
                            f"its {record['actions_total']} controller actions")
