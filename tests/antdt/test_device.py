@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import weakref
-from pathlib import Path
 
 import dask.config
 import distributed  # importing it puts its defaults (distributed.nanny.*) in dask.config
@@ -80,7 +79,8 @@ def test_huge_pages_back_a_table_where_the_kernel_has_them() -> None:
     values = table.clone()
     asked = huge_pages(table)
     assert asked >= 2 * HUGE_PAGE and asked % HUGE_PAGE == 0
-    if "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+    if kernel_collapses():  # huge pages on, and free ones now (memory fragmented by a long
+        # run of tests may have none: the kernel then refuses, and the table stays as it was)
         assert huge_bytes_at(table.data_ptr() + table.nbytes // 2) >= asked
     assert huge_pages(torch.zeros(1000)) == 0  # under one huge page: nothing to ask
     assert torch.equal(table, values)  # the values survive the move to huge pages
