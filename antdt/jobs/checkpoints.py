@@ -260,9 +260,9 @@ def resolve(ref: str, root: str | None, warn: Callable[[str], None]) -> Manifest
     return found
 
 
-def prune(folder: str, keep: int) -> list[str]:
+def prune(folder: str, keep: int, spare: str | None = None) -> list[str]:
     """Delete all but the newest ``keep`` good versions (and torn or corrupt ones older than
-    the newest good one); the deleted paths."""
+    the newest good one), never the version folder ``spare``; the deleted paths."""
     fs, _ = fsspec.core.url_to_fs(folder)
     good: list[int] = []
     doomed: list[int] = []
@@ -274,7 +274,9 @@ def prune(folder: str, keep: int) -> list[str]:
                 doomed.append(version)
             continue
         (good if len(good) < keep else doomed).append(version)
-    paths = [version_path(folder, v) for v in doomed]
+    kept = None if spare is None else fsspec.core.url_to_fs(spare)[1].rstrip("/")
+    paths = [path for path in (version_path(folder, v) for v in doomed)
+             if fsspec.core.url_to_fs(path)[1].rstrip("/") != kept]
     for path in paths:
         fs.rm(fsspec.core.url_to_fs(path)[1], recursive=True)
     return paths

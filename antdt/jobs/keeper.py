@@ -62,6 +62,10 @@ class Checkpointer:
         self.keep = plan.checkpoint_keep
         self.fingerprint = dict(plan.fingerprint)
         self.last: Manifest | None = None
+        self.base: str | None = None
+        """The version the job's current model started from (a restart's or a resume's point):
+        never pruned while that model lives, for an agent of it may still be loading it (one
+        started late, on a worker that joined after the others trained past newer checkpoints)."""
         self.written = 0
         self.bytes = 0
         self.seconds: list[float] = []
@@ -98,9 +102,10 @@ class Checkpointer:
         return {"written": self.written, "bytes": self.bytes, "seconds": list(self.seconds),
                 "last": self.last_path}
 
-    async def open(self, rows_trained: int) -> None:
+    async def open(self, rows_trained: int, base: str | None = None) -> None:
         """Learn the versions already in the job's folder (a resumed job numbers on) and start
-        the first interval."""
+        the first interval; ``base``: the checkpoint a resumed job's model starts from."""
+        self.base = base
         if self.folder is not None:
             found = await asyncio.to_thread(checkpoints.versions, self.folder)
             self._version = max(found, default=0)
@@ -176,7 +181,8 @@ class Checkpointer:
             self._log("info", f"checkpoint {path}: {rows['done']:,} rows done, "
                               f"{self.bytes / 1e6:.1f} MB in {manifest.write_s:.2f}s")
             assert self.folder is not None
-            for gone in await asyncio.to_thread(checkpoints.prune, self.folder, self.keep):
+            for gone in await asyncio.to_thread(checkpoints.prune, self.folder, self.keep,
+                                                self.base):
                 self._log("info", f"checkpoint {gone} deleted (keeping the newest {self.keep})")
         except (AntdtError, OSError) as exc:
             self._failed(f"checkpoint {path} failed: {exc}")

@@ -202,6 +202,7 @@ class Restarts:
     def _restart_on(self: Job, workers: list[str], manifest: Manifest | None, replayed: int) -> None:
         """The mode and the controller begin again on ``workers`` from ``manifest`` (None: from
         the start)."""
+        self.checkpoints.base = None if manifest is None else manifest.path
         self._regroup = None
         self._enable_controller(len(workers))
         self.ctx.mode.restart(self.job_id, workers)

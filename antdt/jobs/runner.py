@@ -292,7 +292,7 @@ class JobRunner(Restarts):
         if resume is not None:
             self.metrics.step = int(resume["step"])
         self._check_cancel()
-        await self.checkpoints.open(self.journal.rows["trained"])
+        await self.checkpoints.open(self.journal.rows["trained"], base=plan.resume)
         self._trained_before = self.journal.rows["trained"]
         self.recovery.began(self._trained_before)
         self.started_at = time()

@@ -86,6 +86,18 @@ def test_prune_keeps_the_newest_good_versions(tmp_path: Path) -> None:
     assert checkpoints.versions(str(tmp_path)) == [3, 4, 5]  # a torn newest one may be in flight
 
 
+def test_prune_spares_the_version_the_model_started_from(tmp_path: Path) -> None:
+    """An agent of a model restarted from version 1 may still be loading it (one started late)
+    when newer checkpoints of that model complete."""
+    base = write_version(tmp_path, 1, done=10).path
+    for version in (2, 3, 4):
+        write_version(tmp_path, version, done=10 * version)
+    deleted = checkpoints.prune(str(tmp_path), keep=1, spare=base + "/")
+    assert sorted(Path(p).name for p in deleted) == ["v000002", "v000003"]
+    assert checkpoints.versions(str(tmp_path)) == [1, 4]
+    checkpoints.verify(base)
+
+
 def test_resolve_a_job_id_a_job_folder_or_a_version(tmp_path: Path) -> None:
     folder = tmp_path / "job"
     write_version(folder, 1, done=40)
