@@ -51,7 +51,12 @@ def test_a_worker_cut_off_and_healed_early_or_after_its_exit(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("heal", ["short", "dropped"])
-def test_the_scheduler_cut_off_from_every_worker(heal: str, tmp_path: Path) -> None:
+def test_the_scheduler_cut_off_from_every_worker(
+        heal: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if heal == "short":  # a worker is hung after 10 s without a commit here, not 2 s: its
+        # silence counts the blip, and on a busy machine one may commit again seconds after
+        # the others (docs/partitions.md)
+        monkeypatch.setenv("DASK_ANTDT__MONITOR__HANG_FLOOR", "10s")
     run = run_scenario("scheduler-partition", 0, tmp_path, 8.0, heal=heal)
     audited(run)
     assert run["resumes"] == (1 if heal == "dropped" else 0), run
