@@ -31,8 +31,9 @@ the rows either of them changed, and its dense parameters, in place: the replica
 bit-identical, and what crosses the network is the rows trained during the job, not the tables.
 
 Partitions: a regular round's pull of a peer unanswered for ``antdt.sync.pull-timeout`` fails the
-exchange with that peer, and the worker reports the peer unreachable with its next group ask; the
-scheduler then groups neither of the pair for a while (:mod:`antdt.sync.reach`). A worker that
+exchange with that peer, and the worker reports the peer unreachable with its next group ask
+(unless the scheduler did not answer it either: :class:`CutOff`); the scheduler then groups
+neither of the pair for a while (:mod:`antdt.sync.reach`). A worker that
 reaches no other member is answered ``cut``: its rounds do not count for the staleness bound,
 whose wait then holds its training past ``antdt.sync.max-wait`` (nothing it trains could be
 synced) until a round ends again, the scheduler answers anything else, or the sync stops; the
@@ -69,6 +70,13 @@ logger = logging.getLogger(__name__)
 
 MEMBER_CHECK_S = 1.0
 """A pull unanswered this long makes the puller check that the peer is still a member."""
+
+class CutOff(TimeoutError):
+    """A peer's pull went unanswered and so did the scheduler's: this worker's own link is cut
+    (from everyone, not from that peer), so the peer is not reported unreachable. The scheduler
+    judges the worker by its hang rule; its peers' reports of it are confirmed only by its own
+    (:mod:`antdt.sync.reach`), so a link that heals costs it no partition verdict."""
+
 
 CUT_RETRY_S = 0.5
 """A worker the scheduler finds cut from every other member asks again after this long (its
@@ -526,7 +534,8 @@ class BackgroundSync:
         since = {peer: self.replica.log.applied_seq(peer) for peer in peers}
         results = self._call(self._fetch_all, round, since, self.pull_timeout_s)
         self._unreachable.update(peer for peer, r in results.items()
-                                 if isinstance(r, (OSError, TimeoutError)))
+                                 if isinstance(r, (OSError, TimeoutError))
+                                 and not isinstance(r, CutOff))
         payloads = [r for r in results.values() if isinstance(r, PeerPayload)]
         failed = [peer for peer, r in results.items() if not isinstance(r, PeerPayload)]
         report = self.replica.merge(round, own, payloads)
@@ -538,28 +547,20 @@ class BackgroundSync:
         """Pull every peer at once; a peer's failure is its result, not the exchange's. A pull
         unanswered for ``timeout_s`` fails (a ``TimeoutError``), and one that is slow to answer
         is given up sooner once the peer is no longer a member (its worker left the cluster,
-        e.g. retired while hung)."""
+        e.g. retired while hung). A pull that failed on the link is checked against the
+        scheduler: when it does not answer either, this worker's own link is cut, and the
+        failure is a :class:`CutOff` (the peer is not reported)."""
         async def fetch(peer: str) -> PeerPayload:
-            pull = asyncio.ensure_future(self.worker.rpc(peer).antdt_sync_pull(
-                job=self.job, requester=self.worker.address, round=round,
-                since_seq=since[peer]))
-            deadline = time() + timeout_s
             try:
-                while True:
-                    left = deadline - time()
-                    if left <= 0:
-                        raise TimeoutError(f"{peer} did not answer in {timeout_s:g}s")
-                    done, _ = await asyncio.wait([pull], timeout=min(left, MEMBER_CHECK_S))
-                    if done:
-                        return msg_to_payload(cast(PullMsg, rpc.ok(pull.result(),
-                                                                   error=SyncError)))
-                    members = cast(MembersMsg, rpc.ok(
-                        await self.worker.scheduler.antdt_sync_members(job=self.job),
-                        error=SyncError))
-                    if peer not in members["members"]:
-                        raise SyncError(f"{peer} left the job's members while we pulled")
-            finally:
-                pull.cancel()
+                return await self._pull(peer, round, since[peer], timeout_s)
+            except (OSError, TimeoutError) as exc:
+                members = await self._members_within(self.pull_timeout_s)
+                if members is None:
+                    raise CutOff(f"{peer}: {exc!r}, and the scheduler did not answer in "
+                                 f"{self.pull_timeout_s:g}s either") from exc
+                if peer not in members:
+                    raise SyncError(f"{peer} left the job's members while we pulled") from exc
+                raise
 
         results = await asyncio.gather(*(fetch(peer) for peer in since), return_exceptions=True)
         out: dict[str, PeerPayload | BaseException] = {}
@@ -571,6 +572,35 @@ class BackgroundSync:
                                peer, result)
             out[peer] = result
         return out
+
+    async def _pull(self, peer: str, round: int, since_seq: int, timeout_s: float
+                    ) -> PeerPayload:
+        """``peer``'s entries past ``since_seq`` for ``round``, within ``timeout_s`` (else a
+        ``TimeoutError``), checking every ``MEMBER_CHECK_S`` that it is still a member."""
+        pull = asyncio.ensure_future(self.worker.rpc(peer).antdt_sync_pull(
+            job=self.job, requester=self.worker.address, round=round, since_seq=since_seq))
+        deadline = time() + timeout_s
+        try:
+            while (left := deadline - time()) > 0:
+                done, _ = await asyncio.wait([pull], timeout=min(left, MEMBER_CHECK_S))
+                if done:
+                    return msg_to_payload(cast(PullMsg, rpc.ok(pull.result(), error=SyncError)))
+                members = await self._members_within(deadline - time())
+                if members is not None and peer not in members:
+                    raise SyncError(f"{peer} left the job's members while we pulled")
+            raise TimeoutError(f"{peer} did not answer in {timeout_s:g}s")
+        finally:
+            pull.cancel()
+
+    async def _members_within(self, timeout_s: float) -> list[str] | None:
+        """The job's members, or None when the scheduler did not answer within ``timeout_s``
+        (this worker's own link is cut, or the scheduler is busy)."""
+        ask = self.worker.scheduler.antdt_sync_members(job=self.job)
+        try:
+            msg = await asyncio.wait_for(ask, timeout=max(timeout_s, 0.0))
+        except (OSError, TimeoutError):
+            return None
+        return list(cast(MembersMsg, rpc.ok(msg, error=SyncError))["members"])
 
     def _set_members(self, msg: MembersMsg | JoinMsg) -> None:
         """Apply a member list (and a period in peer batches to its size) and the departures

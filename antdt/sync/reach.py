@@ -1,15 +1,26 @@
 """Which sync members cannot reach each other (:class:`Reach`): a worker whose pull of a peer went
 unanswered (``antdt.sync.pull-timeout``) reports the peer with its next group ask, and the
-:class:`~antdt.sync.SyncScheduler` groups neither pair for ``antdt.sync.unreachable-for``; then
-they are grouped again, and a pull that still fails reports them again. A link cut between two
-hosts is cut both ways, so a pair reported by either side is not grouped.
+:class:`~antdt.sync.SyncScheduler` does not group the pair for a while.
+
+A pair both sides reported is *confirmed*: a link cut between two hosts is cut both ways, and
+each side pulls the other in the round that fails. It is kept apart for
+``antdt.sync.unreachable-for``; then grouped again, and a pull that still fails reports it
+again. A pair only one side reported is kept apart only for ``antdt.sync.pull-timeout`` (time
+for the other side's report of the same round), then grouped again, so that both sides test the
+link: the other side did not pull in that round (it was cut from the scheduler too and never
+heard of the round, or the round straddled the moment of a cut or a heal), or its pull was
+answered (the reporter was slow). Kept apart longer, a worker whose link healed would find no
+partner and wait at its staleness bound until the monitor called it hung, and a peer partition
+could not be confirmed while every member waited at its bound for the rows it cannot sync.
 
 A worker that reaches no other member (its link to its peers is cut, its link to the scheduler is
 not) is *isolated*: nothing it trains can ever be synced (a row is synced once every peer applied
 it), so the scheduler answers its group asks with ``cut`` (its training waits at its staleness
 bound), and the monitor calls it partitioned (the controller retires it; its unsynced rows are
-trained again elsewhere). That takes a pair reported by both sides (each pulls the other in the
-round that fails): one pull slow to answer on a busy machine only keeps the pair apart a while.
+trained again elsewhere). That takes every pair confirmed: one pull slow to answer on a busy
+machine only keeps a pair apart a moment. A worker cut from the scheduler as well reports no
+peer (:class:`~antdt.sync.background.BackgroundSync` checks the scheduler when a pull fails):
+that is the monitor's hung worker, not a partition of its peers.
 """
 
 from __future__ import annotations
@@ -21,47 +32,58 @@ from antdt.errors import SyncError
 
 class Reach:
     """The pairs of workers reported unreachable, each report until its time runs out
-    (``for_s`` seconds after it). Time comes in as ``now``.
+    (``for_s`` seconds after it); a pair one side reported is kept apart (:meth:`cut`) only
+    ``unconfirmed_s`` seconds after the report. Time comes in as ``now``.
 
-    >>> reach = Reach(for_s=30.0)
+    >>> reach = Reach(for_s=30.0, unconfirmed_s=5.0)
     >>> reach.report("a", ["x"], now=0.0)
     ['x']
-    >>> reach.cut("x", "a", now=10.0), reach.confirmed("a", now=10.0)
-    (True, [])
+    >>> reach.cut("x", "a", now=4.0), reach.cut("x", "a", now=5.0), reach.confirmed("a", now=5.0)
+    (True, False, [])
     >>> reach.report("x", ["a"], now=10.0), reach.confirmed("a", now=10.0)
-    ([], ['x'])
-    >>> reach.cut("a", "x", now=31.0), reach.confirmed("a", now=31.0), reach.peers("a", 41.0)
-    (True, [], [])
+    (['a'], ['x'])
+    >>> reach.cut("a", "x", now=29.0), reach.peers("a", now=29.0)
+    (True, ['x'])
+    >>> reach.cut("a", "x", now=31.0), reach.confirmed("a", now=31.0)  # a's report ran out
+    (False, [])
     """
 
-    def __init__(self, for_s: float) -> None:
-        if for_s <= 0:
-            raise SyncError(f"unreachable_for_s must be > 0, found {for_s}")
+    def __init__(self, for_s: float, unconfirmed_s: float) -> None:
+        if for_s <= 0 or not 0 < unconfirmed_s <= for_s:
+            raise SyncError(f"unreachable_for_s must be > 0 and unconfirmed_s in (0, "
+                            f"unreachable_for_s], found {for_s} and {unconfirmed_s}")
         self.for_s = for_s
-        self._said: dict[str, dict[str, float]] = {}  # reporter -> peer -> its report's end
+        self.unconfirmed_s = unconfirmed_s
+        self._said: dict[str, dict[str, float]] = {}  # reporter -> peer -> when it reported
         self._heard: dict[str, set[str]] = {}  # peer -> the workers that reported it
 
     def report(self, worker: str, peers: Iterable[str], now: float) -> list[str]:
-        """``worker`` could not reach ``peers`` at ``now``: the pairs are not grouped for
-        :attr:`for_s`; return the peers that were not cut already, sorted."""
+        """``worker`` could not reach ``peers`` at ``now``: the pairs are kept apart (see
+        :meth:`cut`); return the peers that were not kept apart already, sorted."""
         fresh = []
         said = self._said.setdefault(worker, {})
         for peer in set(peers) - {worker}:
             if not self.cut(worker, peer, now):
                 fresh.append(peer)
-            said[peer] = now + self.for_s
+            said[peer] = now
             self._heard.setdefault(peer, set()).add(worker)
         return sorted(fresh)
 
     def cut(self, a: str, b: str, now: float) -> bool:
-        """Whether either of ``a`` and ``b`` reported the other at ``now`` (O(1))."""
-        return self._said.get(a, {}).get(b, now) > now or self._said.get(b, {}).get(a, now) > now
+        """Whether ``a`` and ``b`` are kept apart at ``now``: both reported the other within
+        :attr:`for_s`, or one did within :attr:`unconfirmed_s` (O(1))."""
+        by_a, by_b = self._live(a, b, now), self._live(b, a, now)
+        if by_a is not None and by_b is not None:
+            return True
+        said = by_a if by_a is not None else by_b
+        return said is not None and now < said + self.unconfirmed_s
 
     def peers(self, worker: str, now: float) -> list[str]:
-        """The workers ``worker`` is cut from at ``now`` (either side reported), sorted;
+        """The workers ``worker`` is kept apart from at ``now`` (see :meth:`cut`), sorted;
         reports whose time ran out are dropped (O(the reports naming it or by it))."""
         self._expire(worker, now)
-        return sorted(set(self._said.get(worker, ())) | self._heard.get(worker, set()))
+        named = set(self._said.get(worker, ())) | self._heard.get(worker, set())
+        return sorted(peer for peer in named if self.cut(worker, peer, now))
 
     def confirmed(self, worker: str, now: float) -> list[str]:
         """The workers ``worker`` is cut from at ``now`` by both sides' reports, sorted."""
@@ -79,13 +101,18 @@ class Reach:
         for reporter in self._heard.pop(worker, set()):
             self._said.get(reporter, {}).pop(worker, None)
 
+    def _live(self, reporter: str, peer: str, now: float) -> float | None:
+        """When ``reporter`` reported ``peer``, if that report still lives at ``now``."""
+        at = self._said.get(reporter, {}).get(peer)
+        return at if at is not None and now < at + self.for_s else None
+
     def _expire(self, worker: str, now: float) -> None:
         """Drop the reports by or of ``worker`` whose time ran out."""
         said = self._said.get(worker, {})
-        for peer in [p for p, end in said.items() if end <= now]:
+        for peer in [p for p, at in said.items() if at + self.for_s <= now]:
             del said[peer]
             self._heard.get(peer, set()).discard(worker)
         for reporter in list(self._heard.get(worker, ())):
-            if self._said.get(reporter, {}).get(worker, now) <= now:
+            if self._live(reporter, worker, now) is None:
                 self._said.get(reporter, {}).pop(worker, None)
                 self._heard[worker].discard(reporter)

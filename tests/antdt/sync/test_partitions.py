@@ -5,7 +5,9 @@ and counted, on the replica, on the worker's handlers and on the scheduler's."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +15,12 @@ from distributed import Client, Scheduler, Worker
 from distributed.utils_test import gen_cluster
 
 from antdt.sync import ReplicaSync, Staleness, SyncError, SyncScheduler
+from antdt.sync.background import BackgroundSync, CutOff
 from antdt.sync.replica import PeerPayload
 from antdt.sync.serving import SyncWorkerPlugin
 from antdt.sync.service import SyncService
 from antdt.sync.wire import PLUGIN_NAME
+from pipeline.bench.processes import DaskProcesses, freeze, thaw
 from sync_cluster import initial_dense, initial_tables, ok, refused, service
 from sync_replicas import make_dense, make_tables
 
@@ -170,3 +174,53 @@ async def test_stale_sync_messages_are_refused_and_counted_per_job(
                                          unreachable="b"), "unreachable must be a list")
     ok(await sched.antdt_sync_stop(job="j"))
     assert service(s).stale_refused("j") == 6 and service(s).partitioned("j") == {}
+
+
+def test_a_pair_one_side_reported_is_grouped_again_after_a_pull_s_timeout() -> None:
+    s = SyncScheduler(2, 10.0, None, 0, unreachable_for_s=30.0, unconfirmed_s=1.0)
+    for name in ("a", "b", "x"):
+        s.join(name)
+    s.unreachable("a", ["x"], now=0.0)  # x did not pull a in that round: cut off, or healed
+    s.unreachable("b", ["x"], now=0.0)
+    assert s.ready("x", 0, now=0.5).kind == "alone"  # kept apart from both for now
+    assert s.ready("a", 0, now=0.6).kind == "wait"
+    answer = s.ready("x", 0, now=1.1)  # x's link healed: it syncs again, no 30 s apart
+    assert answer.group is not None and answer.group.members == ("a", "x")
+    assert s.ready("a", 0, now=1.2) == answer
+    s.unreachable("a", ["x"], now=3.0)  # it did not heal: the round failed on both sides...
+    s.unreachable("x", ["a"], now=3.1)
+    assert s.isolated(now=3.1) == {}  # ...b was not tried yet
+    s.unreachable("b", ["x"], now=4.0)
+    s.unreachable("x", ["b"], now=4.0)
+    assert s.isolated(now=4.0) == {"x": ["a", "b"]}
+    assert s.ready("x", 0, now=30.0).kind == "cut"  # confirmed pairs stay apart for 30 s
+
+
+def test_a_pull_that_fails_while_the_scheduler_is_unreachable_too_reports_no_peer(
+        tmp_path: Path) -> None:
+    """A worker cut from everyone reports none of its peers (it is the monitor's hung worker):
+    otherwise, once its link heals, its reports would confirm its peers' and retire it as
+    partitioned. The scheduler is a process of its own here, stopped as a cut link is silent."""
+    async def main(cluster: DaskProcesses) -> None:
+        async with Client(cluster.address, asynchronous=True) as c, \
+                Worker(cluster.address, nthreads=1) as a, Worker(cluster.address, nthreads=1) as b:
+            await c.register_plugin(SyncService(poll_s=0.2))
+            ok(await c.scheduler.antdt_sync_start(job="j", workers=[a.address, b.address]))
+            replica = ReplicaSync(a.address, initial_dense(), initial_tables(), peers=[b.address])
+            sync = BackgroundSync(replica, "j", worker=a, pull_timeout_s=0.5)
+            loop = asyncio.get_running_loop()
+            await b.close()  # the peer is gone, and the scheduler says so: no report either
+            report = await loop.run_in_executor(None, sync._exchange, 1, [a.address, b.address])
+            assert report.failed == [b.address] and sync._unreachable == set()
+            freeze(cluster.scheduler.pid)  # now the scheduler does not answer
+            try:
+                results = await sync._fetch_all(2, {b.address: 0}, 0.5)
+                report = await loop.run_in_executor(None, sync._exchange, 3,
+                                                    [a.address, b.address])
+            finally:
+                thaw(cluster.scheduler.pid)
+            assert isinstance(results[b.address], CutOff), results
+            assert report.failed == [b.address] and sync._unreachable == set()
+
+    with DaskProcesses(tmp_path) as cluster:
+        asyncio.run(main(cluster))

@@ -46,7 +46,7 @@ def test_a_worker_cut_off_and_healed_early_or_after_its_exit(
     run = run_scenario("partition", 0, tmp_path, 8.0, heal=heal)
     audited(run)
     if heal == "early":  # it went on where it was: nothing of it was trained again or refused
-        assert run["rows"]["retrained"] == 0 and run["refused"] == {} and run["resumes"] == 0
+        assert run["rows"]["retrained"] == 0 and run["refused"] == {} and run["resumes"] == 0, run
 
 
 @pytest.mark.slow
