@@ -63,17 +63,23 @@ class RangeReader:
     it (outside the replica lock, so the worker keeps serving its peers meanwhile). With
     ``merged_after``, the read after that many waits until the trainer on its worker holds rows
     another replica trained (its background sync merged them): the next step surely trains on
-    a peer's progress, however fast or slow the machine."""
+    a peer's progress, however fast or slow the machine. With ``hold``, the read after
+    ``hold_after`` reads waits for that gate too: the job cannot end before the test opens it."""
 
-    def __init__(self, gate: str | None, merged_after: int | None) -> None:
+    def __init__(self, gate: str | None, merged_after: int | None, hold: str | None = None,
+                 hold_after: int = 0) -> None:
         self.gate = GATES[gate] if gate is not None else None
         self.merged_after = merged_after
+        self.hold = GATES[hold] if hold is not None else None
+        self.hold_after = hold_after
         self.reads = 0
         self.worker = get_worker().address
 
     def read(self, path: str, row_group: int, start: int, stop: int) -> Range:
         if self.gate is not None:
             assert self.gate.wait(timeout=GATE_WAIT_S), "the test never opened the gate"
+        if self.hold is not None and self.reads == self.hold_after:
+            assert self.hold.wait(timeout=GATE_WAIT_S), "the test never let the job go on"
         if self.reads == self.merged_after:
             trainer = TRAINERS[self.worker]
             deadline = time.monotonic() + GATE_WAIT_S
@@ -89,9 +95,11 @@ class RangeReader:
 class MakeReader:
     gate: str | None = None
     merged_after: int | None = None
+    hold: str | None = None
+    hold_after: int = 0
 
     def __call__(self) -> RangeReader:
-        return RangeReader(self.gate, self.merged_after)
+        return RangeReader(self.gate, self.merged_after, self.hold, self.hold_after)
 
 
 class CountingTrainer:

@@ -41,6 +41,9 @@ CALL_TIMEOUT_S = 30.0
 """A call that takes longer is a hang (every wait a call can ask for is drawn below 0.1 s)."""
 EPOCHS = 4
 STEP_S = 0.02
+HOLD_AFTER = 10
+"""Each worker's reads before it waits for the fuzz's end: 20 of the job's 80 batches at most,
+so the job runs through the whole fuzz, however slow the fuzz or fast the job."""
 DECOY = "fuzz-decoy"
 OPERATOR = ("antdt_job_cancel", "antdt_stop_job", "antdt_forget_job", "antdt_sync_stop")
 """Handlers that end a job by design: called only with names of other jobs."""
@@ -192,11 +195,13 @@ def test_every_handler_answers_thousands_of_malformed_calls_and_the_job_beside_f
         tmp_path: Any) -> None:
     rng = random.Random(SEED)
     gate = f"gate-{uuid.uuid4().hex[:6]}"
-    GATES[gate] = threading.Event()
+    hold = f"{gate}-hold"  # each worker's read after HOLD_AFTER waits until the fuzz ended
+    GATES[gate], GATES[hold] = threading.Event(), threading.Event()
     with job_service() as jobs, \
             dask.config.set({"antdt.sharding.checkpoint-root": str(tmp_path)}):
         plan = spec(epochs=EPOCHS).plan  # steps of STEP_S: the job trains through the fuzz
-        job = JobSpec(plan, JobCode.of(MakeTrainer(STEP_S), MakeReader(gate), RecordingHooks()))
+        reader = MakeReader(gate, hold=hold, hold_after=HOLD_AFTER)
+        job = JobSpec(plan, JobCode.of(MakeTrainer(STEP_S), reader, RecordingHooks()))
         job_id = jobs.submit(job)["job"]["job_id"]
         bounded.until(lambda: len(jobs.status(job_id)["workers"]) == 2, "both agents started")
         workers = [w["worker"] for w in jobs.status(job_id)["workers"]]
@@ -224,13 +229,15 @@ def test_every_handler_answers_thousands_of_malformed_calls_and_the_job_beside_f
             else:
                 failures.append(f"{handler}({short(kwargs)}): {outcome}")
         fuzz_s = time.monotonic() - started
-        during = jobs.status(job_id)  # the job was training while the fuzz ran
-        GATES[gate].set()
+        trained = bounded.until(  # the job trained beside the fuzz, and is held, not ended
+            lambda: (r := jobs.status(job_id))["rows"].get("trained", 0) > 0 and r,
+            "rows trained beside the fuzz")
+        GATES[hold].set()
         record = bounded.call(jobs.follow, job_id)
         broken = jobs.client.run_on_scheduler(decoy_invariants)
 
     assert not failures, f"{len(failures)} calls failed:\n" + "\n".join(failures[:30])
-    assert not during["state"] in ("finished", "failed") and during["rows"]["done"] > 0, during
+    assert trained["state"] not in ("finished", "failed"), trained
     assert not broken, broken
     assert record["state"] == "finished", record["error"]
     rows = record["rows"]

@@ -76,12 +76,16 @@ def test_every_row_done_is_in_the_final_model_once_per_epoch_whatever_died(
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_killed_table_host_is_served_by_its_backups_and_every_row_counts_once(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The hybrid ``host-kill`` run: two of the three workers, each a trainer and a host of
     buckets of the table, killed in turn; the job goes on without a restart and the table
     gathered from its hosts holds every row once per epoch. (Seed 0 draws a run whose pushes
     reached a killed host: before calls to a host gone from the map failed fast, they waited
     out the 30 s connect timeout and the job failed.)"""
+    # a worker is hung only after 10 s without a commit (the chaos runs': 2 s): nothing hangs
+    # here, and in the full tier a worker stalled 3.2 s on 2 busy cores was retired as hung, a
+    # third host lost beside the two kills
+    monkeypatch.setenv("DASK_ANTDT__MONITOR__HANG_FLOOR", "10s")
     result = chaos(0, seed=0, folder=tmp_path, scenarios=("host-kill",), job_s=6.0,
                    mode="hybrid")
     (run,) = result["runs"]
