@@ -146,11 +146,12 @@ class SyncScheduler:
     (``antdt bench hybrid --big``, one of 4 workers 4x slower: the fast ones waited 45% of
     their training for it and trained 1.5x its batches; judged by batches, 5% and 4.6x).
 
-    A pair of members that cannot reach each other (:meth:`unreachable`) is never put in one
-    group until ``unreachable_for_s`` passed (default ``antdt.sync.unreachable-for``) when both
-    reported the other, ``unconfirmed_s`` (default ``antdt.sync.pull-timeout``) when one did
-    (:mod:`antdt.sync.reach`): a group waits for none of the caller's unreachable peers, and a
-    caller that reaches no other member is answered ``cut`` (:meth:`isolated`).
+    A pair of members reported unreachable (:meth:`unreachable`) is not put in one group for
+    ``apart_s`` after the newest report (default ``antdt.sync.pull-timeout``; then both test
+    the link again), and a group waits for none of the caller's unreachable peers; a caller
+    whose every pair both sides reported within ``unreachable_for_s`` (default
+    ``antdt.sync.unreachable-for``) reaches no other member and is answered ``cut``
+    (:meth:`isolated`; :mod:`antdt.sync.reach`).
 
     A worker that joins a running job calls :meth:`join_running`; it may take a snapshot once
     :meth:`settled`, i.e. once every other member reported (:meth:`acknowledge`) that it applied
@@ -177,7 +178,7 @@ class SyncScheduler:
     def __init__(self, group_size: int | None = None, max_wait_s: float | None = None,
                  max_progress_gap: int | None = None, away_spans: float | None = None,
                  unreachable_for_s: float | None = None,
-                 unconfirmed_s: float | None = None) -> None:
+                 apart_s: float | None = None) -> None:
         if group_size is None:
             group_size = int(config.number("antdt.sync.group-size", integer=True))
         if max_wait_s is None:
@@ -186,8 +187,8 @@ class SyncScheduler:
             away_spans = config.number("antdt.sync.away-spans", low=0.0)
         if unreachable_for_s is None:
             unreachable_for_s = config.seconds("antdt.sync.unreachable-for")
-        if unconfirmed_s is None:
-            unconfirmed_s = min(config.seconds("antdt.sync.pull-timeout"), unreachable_for_s)
+        if apart_s is None:
+            apart_s = min(config.seconds("antdt.sync.pull-timeout"), unreachable_for_s)
         if away_spans < 0:
             raise SyncError(f"away_spans must be >= 0 (0: nobody is away), found {away_spans}")
         if group_size < 2:
@@ -200,7 +201,7 @@ class SyncScheduler:
         self.max_wait_s = max_wait_s
         self.max_progress_gap = max_progress_gap
         self.away_spans = away_spans
-        self.reach = Reach(unreachable_for_s, unconfirmed_s)
+        self.reach = Reach(unreachable_for_s, apart_s)
         self._members: dict[str, _Member] = {}
         self._pool: list[tuple[int, int, str]] = []  # sorted (progress, ticket, worker)
         self._waiting: collections.deque[tuple[int, str]] = collections.deque()  # FIFO, lazy

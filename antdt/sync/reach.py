@@ -1,26 +1,22 @@
 """Which sync members cannot reach each other (:class:`Reach`): a worker whose pull of a peer went
 unanswered (``antdt.sync.pull-timeout``) reports the peer with its next group ask, and the
-:class:`~antdt.sync.SyncScheduler` does not group the pair for a while.
+:class:`~antdt.sync.SyncScheduler` does not group the pair for a pull timeout; then the pair is
+grouped again, so that both sides test the link again, and a pull that still fails reports it
+again. Kept apart longer, a pair whose link healed (a cut healed, a round that straddled the
+moment of a cut or a heal, a pull slow to answer on a busy machine) could not sync: where it
+had no other partner, both members waited at their staleness bound until the monitor called
+them hung, and a one-sided report could never be confirmed.
 
-A pair both sides reported is *confirmed*: a link cut between two hosts is cut both ways, and
-each side pulls the other in the round that fails. It is kept apart for
-``antdt.sync.unreachable-for``; then grouped again, and a pull that still fails reports it
-again. A pair only one side reported is kept apart only for ``antdt.sync.pull-timeout`` (time
-for the other side's report of the same round), then grouped again, so that both sides test the
-link: the other side did not pull in that round (it was cut from the scheduler too and never
-heard of the round, or the round straddled the moment of a cut or a heal), or its pull was
-answered (the reporter was slow). Kept apart longer, a worker whose link healed would find no
-partner and wait at its staleness bound until the monitor called it hung, and a peer partition
-could not be confirmed while every member waited at its bound for the rows it cannot sync.
-
-A worker that reaches no other member (its link to its peers is cut, its link to the scheduler is
-not) is *isolated*: nothing it trains can ever be synced (a row is synced once every peer applied
-it), so the scheduler answers its group asks with ``cut`` (its training waits at its staleness
-bound), and the monitor calls it partitioned (the controller retires it; its unsynced rows are
-trained again elsewhere). That takes every pair confirmed: one pull slow to answer on a busy
-machine only keeps a pair apart a moment. A worker cut from the scheduler as well reports no
-peer (:class:`~antdt.sync.background.BackgroundSync` checks the scheduler when a pull fails):
-that is the monitor's hung worker, not a partition of its peers.
+A pair both sides reported within ``antdt.sync.unreachable-for`` is *confirmed* (a link cut
+between two hosts is cut both ways, and each side pulls the other in the round that fails). A
+worker every other member's pair with it is confirmed for reaches no other member (its link to
+its peers is cut, its link to the scheduler is not): it is *isolated*, nothing it trains can
+ever be synced (a row is synced once every peer applied it), so the scheduler answers its group
+asks with ``cut`` (its training waits at its staleness bound), and the monitor calls it
+partitioned (the controller retires it; its unsynced rows are trained again elsewhere). One
+pull slow to answer only keeps a pair apart a moment. A worker cut from the scheduler as well
+reports no peer (:class:`~antdt.sync.background.BackgroundSync` checks the scheduler when a
+pull fails): that is the monitor's hung worker, not a partition of its peers.
 """
 
 from __future__ import annotations
@@ -31,29 +27,29 @@ from antdt.errors import SyncError
 
 
 class Reach:
-    """The pairs of workers reported unreachable, each report until its time runs out
-    (``for_s`` seconds after it); a pair one side reported is kept apart (:meth:`cut`) only
-    ``unconfirmed_s`` seconds after the report. Time comes in as ``now``.
+    """The pairs of workers reported unreachable, each report counted for ``for_s`` seconds
+    after it; a reported pair is kept apart (:meth:`cut`) for ``apart_s`` seconds after its
+    newest report. Time comes in as ``now``.
 
-    >>> reach = Reach(for_s=30.0, unconfirmed_s=5.0)
+    >>> reach = Reach(for_s=30.0, apart_s=5.0)
     >>> reach.report("a", ["x"], now=0.0)
     ['x']
     >>> reach.cut("x", "a", now=4.0), reach.cut("x", "a", now=5.0), reach.confirmed("a", now=5.0)
     (True, False, [])
     >>> reach.report("x", ["a"], now=10.0), reach.confirmed("a", now=10.0)
     (['a'], ['x'])
-    >>> reach.cut("a", "x", now=29.0), reach.peers("a", now=29.0)
-    (True, ['x'])
-    >>> reach.cut("a", "x", now=31.0), reach.confirmed("a", now=31.0)  # a's report ran out
-    (False, [])
+    >>> reach.cut("a", "x", now=14.0), reach.peers("a", now=14.0), reach.cut("a", "x", now=15.0)
+    (True, ['x'], False)
+    >>> reach.confirmed("a", now=29.0), reach.confirmed("a", now=31.0)  # a's report ran out
+    (['x'], [])
     """
 
-    def __init__(self, for_s: float, unconfirmed_s: float) -> None:
-        if for_s <= 0 or not 0 < unconfirmed_s <= for_s:
-            raise SyncError(f"unreachable_for_s must be > 0 and unconfirmed_s in (0, "
-                            f"unreachable_for_s], found {for_s} and {unconfirmed_s}")
+    def __init__(self, for_s: float, apart_s: float) -> None:
+        if for_s <= 0 or not 0 < apart_s <= for_s:
+            raise SyncError(f"unreachable_for_s must be > 0 and apart_s in (0, "
+                            f"unreachable_for_s], found {for_s} and {apart_s}")
         self.for_s = for_s
-        self.unconfirmed_s = unconfirmed_s
+        self.apart_s = apart_s
         self._said: dict[str, dict[str, float]] = {}  # reporter -> peer -> when it reported
         self._heard: dict[str, set[str]] = {}  # peer -> the workers that reported it
 
@@ -70,13 +66,10 @@ class Reach:
         return sorted(fresh)
 
     def cut(self, a: str, b: str, now: float) -> bool:
-        """Whether ``a`` and ``b`` are kept apart at ``now``: both reported the other within
-        :attr:`for_s`, or one did within :attr:`unconfirmed_s` (O(1))."""
-        by_a, by_b = self._live(a, b, now), self._live(b, a, now)
-        if by_a is not None and by_b is not None:
-            return True
-        said = by_a if by_a is not None else by_b
-        return said is not None and now < said + self.unconfirmed_s
+        """Whether ``a`` and ``b`` are kept apart at ``now``: either reported the other within
+        :attr:`apart_s` (O(1))."""
+        said = [at for at in (self._live(a, b, now), self._live(b, a, now)) if at is not None]
+        return bool(said) and now < max(said) + self.apart_s
 
     def peers(self, worker: str, now: float) -> list[str]:
         """The workers ``worker`` is kept apart from at ``now`` (see :meth:`cut`), sorted;
