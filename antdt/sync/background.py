@@ -71,6 +71,7 @@ logger = logging.getLogger(__name__)
 MEMBER_CHECK_S = 1.0
 """A pull unanswered this long makes the puller check that the peer is still a member."""
 
+
 class CutOff(TimeoutError):
     """A peer's pull went unanswered and so did the scheduler's: this worker's own link is cut
     (from everyone, not from that peer), so the peer is not reported unreachable. The scheduler

@@ -9,7 +9,7 @@ them hung, and a one-sided report could never be confirmed.
 
 A pair both sides reported within ``antdt.sync.unreachable-for`` is *confirmed* (a link cut
 between two hosts is cut both ways, and each side pulls the other in the round that fails). A
-worker every other member's pair with it is confirmed for reaches no other member (its link to
+worker whose pair with every other member is confirmed reaches no other member (its link to
 its peers is cut, its link to the scheduler is not): it is *isolated*, nothing it trains can
 ever be synced (a row is synced once every peer applied it), so the scheduler answers its group
 asks with ``cut`` (its training waits at its staleness bound), and the monitor calls it
