@@ -5,6 +5,7 @@ collector."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import gc
 import logging
@@ -29,6 +30,9 @@ pooled embeddings and activations, several MB each) sit under it."""
 # madvise(2) advice values (linux/mman.h).
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25  # Linux 6.1+: huge pages now, not when khugepaged gets to the range
+_COLLAPSE_TRIES = 3
+"""Asks of one collapse step the kernel refuses for a moment (``EAGAIN``: "the caller may
+retry", says madvise(2))."""
 
 HUGE_PAGE = 2 * 1024 * 1024
 """The transparent huge page size of x86-64 and of most arm64 kernels."""
@@ -97,34 +101,30 @@ def tune_allocator() -> bool:
     return ok
 
 
-def huge_pages(tensor: torch.Tensor, *, collapse: bool = True) -> int:
-    """Back the host memory of ``tensor``'s storage with transparent huge pages (2 MB) where
-    the kernel allows; return the bytes asked for (0: not on Linux, not in host memory, under
-    one huge page, or refused).
+def huge_pages(tensor: torch.Tensor) -> int:
+    """Mark the host memory of ``tensor``'s storage for transparent huge pages (2 MB) where the
+    kernel allows (``MADV_HUGEPAGE``: the kernel keeps the range huge once it is); return the
+    bytes marked (0: not on Linux, not in host memory, under one huge page, or refused).
 
     Embedding tables are tens of MB read and written a row at a time: with 4 KB pages nearly
     every row of a sync round's gathers and scatters (tens of thousands per round) misses the
-    TLB. With huge pages a 2-worker job's round publishes and merges about 15% faster. Asks
-    ``MADV_HUGEPAGE`` (so the kernel keeps the range huge), then, with ``collapse``,
-    ``MADV_COLLAPSE`` (Linux 6.1 and later: at once, not when its background scan gets there);
-    where the second is refused the first still applies. Without ``collapse`` the range is
-    only marked: :func:`collapse_steps` moves it later, a piece at a time.
+    TLB. With huge pages a 2-worker job's round publishes and merges about 15% faster. Marking
+    moves nothing: :func:`collapse_steps` does, a piece at a time.
     """
     span = _huge_span(tensor)
     if span is None:
         return 0
     start, end = span
-    if not _madvise(start, end - start, _MADV_HUGEPAGE):
-        return 0
-    if collapse:
-        _madvise(start, end - start, _MADV_COLLAPSE)
-    return end - start
+    return end - start if _madvise(start, end - start, _MADV_HUGEPAGE) == 0 else 0
 
 
 def collapse_steps(tensors: Iterable[torch.Tensor], step: int = 2 * HUGE_PAGE) -> Iterator[int]:
     """Move the host memory of ``tensors`` (each storage once) onto huge pages ``step`` bytes
-    at a time (``MADV_COLLAPSE``), yielding each step's bytes, so that a thread can do it
-    between other work; stops where the kernel refuses (before Linux 6.1, or huge pages off).
+    at a time (``MADV_COLLAPSE``), yielding the bytes of each step the kernel took, so that a
+    thread can do it between other work. A step refused for a moment (``EAGAIN``: a page
+    locked or in flight) is asked again up to ``_COLLAPSE_TRIES`` times; one refused for want
+    of a free huge page (``ENOMEM``: memory fragmented) is passed over and stays on 4 KB pages;
+    where the kernel cannot collapse at all (before Linux 6.1, or huge pages off) it stops.
 
     Moving pages is copying them into fresh memory: on a VM, where fresh memory is costly to
     touch, it took 0.1–0.25 s for one worker's tables and sync base, time that every start of
@@ -136,9 +136,14 @@ def collapse_steps(tensors: Iterable[torch.Tensor], step: int = 2 * HUGE_PAGE) -
             continue
         for start in range(span[0], span[1], step):
             length = min(step, span[1] - start)
-            if not _madvise(start, length, _MADV_COLLAPSE):
+            for _ in range(_COLLAPSE_TRIES):
+                error = _madvise(start, length, _MADV_COLLAPSE)
+                if error != errno.EAGAIN:
+                    break
+            if error == 0:
+                yield length
+            elif error not in (errno.EAGAIN, errno.ENOMEM):
                 return
-            yield length
 
 
 def _huge_span(tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -152,14 +157,16 @@ def _huge_span(tensor: torch.Tensor) -> tuple[int, int] | None:
     return (start, end) if end > start else None
 
 
-def _madvise(start: int, length: int, advice: int) -> bool:
+def _madvise(start: int, length: int, advice: int) -> int:
+    """``madvise(2)`` over [start, start + length): 0, or the errno of its refusal."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     if libc.madvise(start, length, advice) == 0:
-        return True
+        return 0
+    error = ctypes.get_errno()
     name = "MADV_HUGEPAGE" if advice == _MADV_HUGEPAGE else "MADV_COLLAPSE"
-    logger.debug("madvise(%s) refused: %s", name, os.strerror(ctypes.get_errno()))
-    return False
+    logger.debug("madvise(%s) refused: %s", name, os.strerror(error))
+    return error
 
 
 class FrozenHeap:

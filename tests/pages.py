@@ -11,17 +11,31 @@ import torch
 from antdt.device import HUGE_PAGE, collapse_steps, huge_pages
 
 
-def huge_bytes_at(address: int) -> int:
-    """Bytes of huge pages in this process's mapping that holds ``address``."""
+def _mapping_at(address: int) -> dict[str, list[str]]:
+    """The fields of this process's mapping that holds ``address`` (``/proc/self/smaps``)."""
+    fields: dict[str, list[str]] = {}
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
-        first = line.split()[0]
+        first, *rest = line.split()
         if "-" in first and ":" not in first:
+            if inside:
+                break
             low, high = (int(part, 16) for part in first.split("-"))
             inside = low <= address < high
-        elif inside and first == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    return 0
+        elif inside:
+            fields[first.rstrip(":")] = rest
+    return fields
+
+
+def huge_bytes_at(address: int) -> int:
+    """Bytes of huge pages in this process's mapping that holds ``address``."""
+    return int(_mapping_at(address).get("AnonHugePages", ["0"])[0]) * 1024
+
+
+def marked_huge_at(address: int) -> bool:
+    """Whether this process's mapping that holds ``address`` is marked for huge pages
+    (``MADV_HUGEPAGE``: the flag ``hg``)."""
+    return "hg" in _mapping_at(address).get("VmFlags", [])
 
 
 def on_huge_pages(tensor: torch.Tensor) -> bool:
@@ -38,5 +52,5 @@ def kernel_collapses() -> bool:
     if "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
         return False
     probe = torch.ones(3 * HUGE_PAGE // 4)
-    huge_pages(probe, collapse=False)
+    huge_pages(probe)
     return sum(collapse_steps([probe])) > 0 and on_huge_pages(probe)

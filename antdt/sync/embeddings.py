@@ -148,7 +148,7 @@ class EmbeddingDeltaLog:
         if self.delta_dtype != self.space.dtype:
             self._owed = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
         self._base = self.space.concat()
-        huge_pages(self._base, collapse=False)  # a round gathers and scatters rows at random
+        huge_pages(self._base)  # a round gathers and scatters rows at random
         self._touched = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)
         self._touched_tables = self.space.split(self._touched)
         self._changed = torch.zeros(self.space.rows, dtype=torch.bool, device=self.space.device)

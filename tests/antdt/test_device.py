@@ -16,7 +16,7 @@ import torch
 
 from antdt.device import (GIL_SWITCH_S, HUGE_PAGE, FrozenHeap, collapse_steps, huge_pages,
                           pick_device)
-from pages import huge_bytes_at, kernel_collapses, on_huge_pages
+from pages import huge_bytes_at, kernel_collapses, marked_huge_at
 
 # Run in a fresh interpreter: whether an 8 MB malloc is served by a fresh mmap (glibc counts
 # those in mallinfo2().hblks) before and after tune_allocator().
@@ -74,30 +74,28 @@ def test_tune_allocator_undoes_the_dask_nannys_malloc_trim_threshold() -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise(2) only")
-def test_huge_pages_back_a_table_where_the_kernel_has_them() -> None:
+def test_huge_pages_marks_the_whole_huge_pages_inside_a_table() -> None:
     table = torch.randn((6 << 20) // 4)  # 6 MB: at least two whole huge pages inside
-    values = table.clone()
     asked = huge_pages(table)
     assert asked >= 2 * HUGE_PAGE and asked % HUGE_PAGE == 0
-    if kernel_collapses():  # huge pages on, and free ones now (memory fragmented by a long
-        # run of tests may have none: the kernel then refuses, and the table stays as it was)
-        assert huge_bytes_at(table.data_ptr() + table.nbytes // 2) >= asked
-    assert huge_pages(torch.zeros(1000)) == 0  # under one huge page: nothing to ask
-    assert torch.equal(table, values)  # the values survive the move to huge pages
+    assert marked_huge_at(table.data_ptr() + table.nbytes // 2)
+    small = torch.zeros(1000)
+    assert huge_pages(small) == 0  # under one huge page: nothing to ask
+    assert not marked_huge_at(small.data_ptr())
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise(2) only")
 def test_marked_memory_moves_onto_huge_pages_a_step_at_a_time() -> None:
     table = torch.randn((9 << 20) // 4)  # 9 MB: at least four whole huge pages inside
     values = table.clone()
-    asked = huge_pages(table, collapse=False)
-    steps = collapse_steps([table, table[100:], torch.zeros(1000)], step=HUGE_PAGE)
-    if not kernel_collapses():
-        assert asked == 0 or all(step == HUGE_PAGE for step in steps)
-        return
-    moved = list(steps)
-    assert moved == [HUGE_PAGE] * (asked // HUGE_PAGE)  # one storage once, step by step
-    assert on_huge_pages(table)
-    assert torch.equal(table, values)
+    asked = huge_pages(table)
+    moved = list(collapse_steps([table, table[100:], torch.zeros(1000)], step=HUGE_PAGE))
+    assert all(step == HUGE_PAGE for step in moved)
+    assert sum(moved) <= asked  # one storage once, whole huge pages only
+    assert torch.equal(table, values)  # the values survive the move to huge pages
+    if not moved and kernel_collapses():  # a long run of tests may leave no free huge page
+        pytest.skip("the kernel had no free huge page for the table")
+    assert huge_bytes_at(table.data_ptr() + table.nbytes // 2) >= sum(moved)
 
 
 class _Node:

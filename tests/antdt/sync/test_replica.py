@@ -109,7 +109,7 @@ def test_a_replica_s_page_steps_move_its_tables_and_its_base() -> None:
     replica = ReplicaSync("w", make_dense(), tables)
     moved = sum(replica.page_steps())
     # the tables' storage once (what it holds of whole huge pages), then the base (9 MB: 3+)
-    assert moved >= huge_pages(storage, collapse=False) + 3 * HUGE_PAGE
+    assert moved >= huge_pages(storage) + 3 * HUGE_PAGE
     assert all(on_huge_pages(table) for table in replica.tables.values())
 
 
