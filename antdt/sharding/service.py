@@ -121,9 +121,10 @@ class ShardingService(SchedulerPlugin):
     ``antdt_lease`` first applies the commits it carries (so an agent finishing a lease and taking
     the next one sends one RPC), then leases; when nothing is leasable yet but the job is not over
     it waits up to ``wait_s`` (default ``antdt.sharding.lease-wait``) for rows to be requeued,
-    or, when no rows awaited sync as it began to wait, until some do (the reply says so, and the
-    worker asks again every ``antdt.sharding.drain-wait``, syncing each time: the job may be
-    waiting only for its look at them).
+    or, when its worker's last reply said no rows awaited sync, until some do (the reply says
+    so, and the worker asks again every ``antdt.sharding.drain-wait``, syncing each time: the job
+    may be waiting only for its look at them; rows that came to await sync between its two
+    requests end the second at once).
     Subscribe with :meth:`subscribe` to get every job's :class:`~antdt.sharding.CommitEvent`.
     """
 
@@ -139,6 +140,9 @@ class ShardingService(SchedulerPlugin):
         self._last_lease: dict[tuple[str, str], tuple[int, asyncio.Future[Reply]]] = {}
         """Per job and worker, its last lease request's ``seq`` and reply, done or to come (a
         retry's answer)."""
+        self._told: dict[tuple[str, str], int] = {}
+        """Per job and worker, the rows awaiting sync its last lease reply told it of (it chose
+        its next request's wait by them)."""
         self.folders: dict[str, str] = {}
         """Per job, its checkpoint folder (set by AntDT's master; see :meth:`folder`)."""
 
@@ -293,6 +297,7 @@ class ShardingService(SchedulerPlugin):
             self.waiting.pop(job, None)
         self._last_lease = {key: last for key, last in self._last_lease.items()
                             if key[0] != job}
+        self._told = {key: told for key, told in self._told.items() if key[0] != job}
 
     # ---- agents -------------------------------------------------------------------------------
 
@@ -333,7 +338,7 @@ class ShardingService(SchedulerPlugin):
         replies = self._commits(ledger, commits)
         self._report_synced(ledger, worker, synced_rows)
         deadline = time() + wait
-        awaited: int | None = None  # rows awaiting sync when the request began to wait
+        told = self._told.get((job, worker), 0)
         while True:
             # checked again after every wait: a worker removed meanwhile (retired, dead) must
             # not be handed rows, no one would ever give them back
@@ -344,9 +349,7 @@ class ShardingService(SchedulerPlugin):
             left = deadline - time()
             if not isinstance(reply, Wait) or left <= 0:
                 break
-            if awaited is None:
-                awaited = reply.unsynced
-            elif reply.unsynced and not awaited:
+            if reply.unsynced and not told:
                 break  # rows await sync now, perhaps this worker's look: it must ask sooner
             event = self._changed[job]
             waiting = self.waiting.setdefault(job, set())
@@ -357,6 +360,7 @@ class ShardingService(SchedulerPlugin):
             finally:
                 waiting.discard(worker)
             ledger = self._ledger(job)
+        self._told[(job, worker)] = reply.unsynced if isinstance(reply, Wait) else 0
         return {"status": "OK", "replies": replies, "lease": lease_msg(reply)}
 
     @rpc.handler
@@ -425,6 +429,7 @@ class ShardingService(SchedulerPlugin):
                       **kwargs: Any) -> None:
         for job, ledger in self.jobs.items():
             self._last_lease.pop((job, worker), None)
+            self._told.pop((job, worker), None)
             if ledger.remove_worker(worker):
                 self.notify(job)
 

@@ -326,6 +326,26 @@ async def test_a_long_lease_wait_ends_once_rows_await_sync(c: Client, s: Schedul
     assert b.address not in plugin.waiting["j"]
 
 
+
+@gen_cluster(client=True, timeout=60)
+async def test_a_long_lease_wait_asked_after_rows_came_to_await_sync_ends_at_once(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    # b heard that nothing awaits sync, so it asks the long way; rows came to await sync
+    # between its two requests (perhaps only b's look at them): the second must end now.
+    plugin = await setup_job(c, s, row_groups=[["f", 0, 300]], shard_rows=300, batch_rows=10)
+    lease = (await c.scheduler.antdt_lease(job="j", worker=a.address, wait_s=0))["lease"]
+    assert lease["kind"] == "lease"
+    told = await c.scheduler.antdt_lease(job="j", worker=b.address, wait_s=0)
+    assert told["lease"] == {"kind": "wait", "unsynced": 0}
+    trained = lease["claim_stop"] - lease["start"]
+    await c.scheduler.antdt_commit(job="j", commits=[{
+        "lease_id": lease["lease_id"], "token": lease["token"], "offset": lease["claim_stop"],
+        "synced_offset": lease["start"]}])
+    assert plugin.jobs["j"].rows_unsynced == trained > 0
+    reply = await c.scheduler.antdt_lease(job="j", worker=b.address, wait_s=300)
+    assert reply["lease"] == {"kind": "wait", "unsynced": trained}
+
+
 # ---- fencing (antdt.fencing): a removed worker's calls refused and counted; retries safe -----
 
 
