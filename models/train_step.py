@@ -202,7 +202,7 @@ class TrainStep:
                       for t in embedding_tables(self.model).values()}.values():
             # Rows are looked up, updated and synced at random. Marked only: moving them now
             # would hold up the start; the async mode's sync thread moves them between rounds.
-            huge_pages(table, collapse=False)
+            huge_pages(table)
         self.dense_optimizer = _dense_optimizer(
             [p for _, p in dense_parameters(self.model)], optim_cfg, self.device)
         self.rows_trained = 0
