@@ -78,7 +78,7 @@ bench: setup $(DEMO_DATA)/oracle.json
 	$(BIN)/antdt bench stragglers --scenario none,persistent,transient,hang,crash --json
 
 typecheck: setup
-	$(BIN)/python -m mypy antdt
+	$(BIN)/python -m mypy antdt models pipeline
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -121,6 +121,7 @@ def source_shapes(layout: Layout, folder: str, files: Mapping[str, Any],
     """The shapes of the model in ``folder`` (tables named by their ``state_dict`` keys; which
     key is a table the job's own shapes say). ``optimizers``: its sparse and dense optimisers'
     kinds where the caller knows them."""
+    weights: dict[str, tuple[tuple[int, ...], str | None]]
     if layout == "parts":
         parts = ShardFiles(folder, files)
         dense = parts.dense()

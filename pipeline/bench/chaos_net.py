@@ -156,7 +156,8 @@ def scheduler_partition(run: Any) -> dict[str, Any]:
             net.heal(index)
         for index in range(3):
             if run.heal == "dropped":
-                wait_until(lambda i=index: net.worker_commands[i].poll() is not None,
+                exited = net.worker_commands[index]
+                wait_until(lambda: exited.poll() is not None,
                            f"worker {index} to close itself", WAIT_S)
                 net.restart(index)
         run.release(jobs)

@@ -111,6 +111,9 @@ def _registered(ref: str, client: MlflowClient) -> Located:
             raise ConfigError(f"train.init_from {ref}: expected models:/NAME@ALIAS or "
                               "models:/NAME/VERSION")
         version = client.get_model_version(name, number)
+    if not version.run_id:
+        raise ConfigError(f"train.init_from {ref}: version {version.version} of {name} names "
+                          "no run that logged it; give the model's run (runs:/RUN_ID)")
     found = _run_model(client, version.run_id, version.model_id, ref)
     found.tags.update({f"{TAG}.model": name, f"{TAG}.version": str(version.version)})
     return found
@@ -131,9 +134,9 @@ def _run_model(client: MlflowClient, run_id: str, model_id: str | None, ref: str
     optimizers = (params.get("train.sparse_optimizer"), params.get("train.dense_optimizer"))
     tags = {TAG: ref, f"{TAG}.run_id": run_id}
     if model_id is None and "antdt.model_dir" in run.data.tags:
-        folder = _cache(f"parts-{run_id}")
-        client.download_artifacts(run_id, "model_parts.yaml", str(folder))
-        listed = yaml.safe_load((folder / "model_parts.yaml").read_text())
+        cache = _cache(f"parts-{run_id}")
+        client.download_artifacts(run_id, "model_parts.yaml", str(cache))
+        listed = yaml.safe_load((cache / "model_parts.yaml").read_text())
         return Located("parts", str(listed["folder"]), dict(listed["files"]), optimizers, tags)
     if model_id is None:
         models = client.search_logged_models([run.info.experiment_id],

@@ -17,7 +17,7 @@ from distributed import LocalCluster
 from antdt.errors import ConfigError
 from data.synth import SynthResult
 from pipeline.job.config import load_job
-from pipeline.tracking.init_from import TAG
+from pipeline.tracking.init_from import TAG, locate
 from pipeline.training.cluster import job_spec, train_async
 from pipeline.training.local import train_local
 from waits import bounded
@@ -92,3 +92,14 @@ def test_a_model_of_other_shapes_is_refused_before_anything_starts(
     assert len(said) == 1 and said[0].startswith(f"train.init_from {ref}: left at their initial "
                                                  "values: table C1, table C2")
     assert said[0].endswith("optimisers' state (a dense layer did not fit)")
+
+
+def test_a_registered_version_that_names_no_run_is_refused_naming_it(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = mlflow.MlflowClient(uri)
+    client.create_registered_model("orphan")
+    client.create_model_version("orphan", source=str(tmp_path / "model"))
+    with pytest.raises(ConfigError) as refused:
+        locate("models:/orphan/1", uri)
+    assert str(refused.value) == ("train.init_from models:/orphan/1: version 1 of orphan names no "
+                                  "run that logged it; give the model's run (runs:/RUN_ID)")
