@@ -51,12 +51,19 @@ FAST = {"antdt.sharding.lease-wait": "200ms", "antdt.agent.report-interval": "20
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
+def shared_cluster() -> Iterator[LocalCluster]:
     """Two single-thread Nanny workers, shared by the tests that pass ``--scheduler``."""
     with dask.config.set(FAST), LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                              dashboard_address=":0") as local:
-        local.wait_for_workers(2)  # the cluster's view must hold every worker a test may kill
         yield local
+
+
+@pytest.fixture
+def cluster(shared_cluster: LocalCluster) -> LocalCluster:
+    """The shared cluster once it holds its two workers again: a worker an earlier test killed
+    comes back when its nanny restarted it, and a job's faults name workers by index."""
+    bounded.until(lambda: len(shared_cluster.scheduler.workers) >= 2, "the cluster's 2 workers")
+    return shared_cluster
 
 
 def scheduler_workers(client: Client) -> list[str]:
